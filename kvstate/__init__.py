@@ -1,0 +1,35 @@
+"""kvstate: immutable KV-cache records and pure functions for MLX.
+
+Records (``CacheState``, ``RotatingState``, ``QuantizedState``) are frozen;
+every function returns a new record and leaves its input unchanged.
+"""
+
+from .errors import KVStateError as KVStateError, LeaseError as LeaseError
+from .records import (
+    CacheState as CacheState,
+    Checkpoint as Checkpoint,
+    QuantizedState as QuantizedState,
+)
+from .ops import (
+    append as append,
+    attend as attend,
+    checkpoint as checkpoint,
+    extend as extend,
+    extract_row as extract_row,
+    fetch as fetch,
+    filter_rows as filter_rows,
+    merge_rows as merge_rows,
+    positions as positions,
+    rollback as rollback,
+    trim as trim,
+)
+from .masks import (
+    MaskKey as MaskKey,
+    MaskLease as MaskLease,
+    MaskMemo as MaskMemo,
+    encoder_window_mask as encoder_window_mask,
+)
+from .dense import empty as empty, from_arrays as from_arrays
+from .quantized import quantized as quantized
+
+__version__ = "0.1.0"

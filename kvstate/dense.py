@@ -1,0 +1,356 @@
+"""Dense rows: ``CacheState`` and the layout it shares with ``QuantizedState``.
+
+The row layout is drawn once, in ``kvstate.records``. Every function here
+works plane by plane (a ``CacheState`` has two planes, keys and values; a
+``QuantizedState`` six), so moving rows and columns never looks inside a
+plane: quantized bytes are moved, never requantized. What differs per record
+kind (turning new tokens into planes, the geometry, rebuilding a record) is
+a small ``singledispatch`` hook below, overridden in ``kvstate.quantized``.
+"""
+
+from __future__ import annotations
+
+from functools import singledispatch
+
+import attrs
+import mlx.core as mx
+
+from . import ops
+from .errors import as_int, bad, check, per_row
+from .masks import lease, rows_key, rows_mask
+from .records import CacheState, Checkpoint, _Rows
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+# --- per-kind hooks ---------------------------------------------------------
+
+
+@singledispatch
+def geometry(state):
+    """``(H, Dk, Dv, dtype)`` of the stored rows, or ``None`` before the first append."""
+    raise NotImplementedError(type(state).__name__)
+
+
+@geometry.register
+def _(state: CacheState):
+    if state.keys is None:
+        return None
+    return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
+
+
+@singledispatch
+def to_planes(state, k, v) -> tuple:
+    """New tokens ``k``, ``v`` as planes in this record's storage format."""
+    raise NotImplementedError(type(state).__name__)
+
+
+@to_planes.register
+def _(state: CacheState, k, v):
+    return (k, v)
+
+
+@singledispatch
+def with_planes(state, planes, **changes):
+    """A copy of ``state`` holding ``planes`` (and any field ``changes``)."""
+    raise NotImplementedError(type(state).__name__)
+
+
+@with_planes.register
+def _(state: CacheState, planes, **changes):
+    keys, values = planes if planes else (None, None)
+    return attrs.evolve(state, keys=keys, values=values, **changes)
+
+
+# --- construction -----------------------------------------------------------
+
+
+def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
+    """An empty ``CacheState``: ``batch_size`` rows, no geometry until the first append."""
+    batch_size = as_int(batch_size, "batch_size")
+    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    step = as_int(step, "step")
+    check(step >= 1, "step", ">= 1", step)
+    return CacheState((0,) * batch_size, (0,) * batch_size, step)
+
+
+def _check_kv(arg_k, k, arg_v, v):
+    for arg, x in ((arg_k, k), (arg_v, v)):
+        if not isinstance(x, mx.array):
+            raise bad(arg, "an mx.array [B, H, N, D]", type(x).__name__)
+        check(x.ndim == 4, f"{arg} rank", "4 ([B, H, N, D])", f"{x.ndim} {list(x.shape)}")
+    check(v.shape[:3] == k.shape[:3], f"{arg_v} shape[:3]", f"{list(k.shape[:3])} as {arg_k}",
+          list(v.shape[:3]))
+    check(v.dtype == k.dtype, f"{arg_v} dtype", f"{k.dtype} as {arg_k}", v.dtype)
+
+
+def from_arrays(keys, values, *, lengths=None, left_pad=None, step: int = 256) -> CacheState:
+    """Wrap existing ``[B, H, S, D]`` arrays; row ``b`` holds
+    ``[left_pad[b], left_pad[b] + lengths[b])`` (defaults: no padding, full rows)."""
+    _check_kv("keys", keys, "values", values)
+    B, _, S, _ = keys.shape
+    check(B >= 1, "keys batch size", ">= 1", B)
+    step = as_int(step, "step")
+    check(step >= 1, "step", ">= 1", step)
+    lp = per_row(0 if left_pad is None else left_pad, B, "left_pad")
+    n = per_row([S - p for p in lp] if lengths is None else lengths, B, "lengths")
+    for b in range(B):
+        check(lp[b] + n[b] <= S, f"left_pad[{b}] + lengths[{b}]", f"<= {S} (stored columns)",
+              lp[b] + n[b])
+    return CacheState(n, lp, step, keys=keys, values=values)
+
+
+# --- append / fetch ------------------------------------------------------------
+
+
+def validate_tokens(state, k, v):
+    """Host checks of new tokens against the record's batch and geometry."""
+    _check_kv("k", k, "v", v)
+    check(k.shape[0] == state.batch_size, "k batch size", state.batch_size, k.shape[0])
+    check(k.shape[2] >= 1, "k tokens (shape[2])", ">= 1", k.shape[2])
+    geo = geometry(state)
+    if geo is not None:
+        H, Dk, Dv, dtype = geo
+        check(k.shape[1] == H, "k heads (shape[1])", H, k.shape[1])
+        check(k.shape[3] == Dk, "k head dim (shape[3])", Dk, k.shape[3])
+        check(v.shape[3] == Dv, "v head dim (shape[3])", Dv, v.shape[3])
+        check(k.dtype == dtype, "k dtype", dtype, k.dtype)
+
+
+def _grow(planes, need: int, step: int, B: int):
+    """Planes with capacity ``round_up(need, step)`` (zero-filled past the old capacity)."""
+    C = planes[0].shape[2]
+    if need <= C:
+        return planes
+    extra = _round_up(need, step) - C
+    return tuple(
+        mx.concatenate([p, mx.zeros((B, p.shape[1], extra, p.shape[3]), p.dtype)], axis=2)
+        for p in planes
+    )
+
+
+def write_columns(plane, new, ends):
+    """Write ``new`` ``[B, H, N, D]`` into ``plane`` at each row's end.
+
+    One shared end is a single ``slice_update``; differing ends a per-row
+    scatter. Both write in place when nothing else holds ``plane``.
+    """
+    N = new.shape[2]
+    if all(e == ends[0] for e in ends):
+        return mx.slice_update(plane, new, mx.array([ends[0]], dtype=mx.int32), (2,))
+    idx = mx.array(ends, dtype=mx.int32)[:, None, None, None] + mx.arange(N, dtype=mx.int32)[
+        None, None, :, None]
+    return mx.put_along_axis(plane, mx.broadcast_to(idx, new.shape), new, axis=2)
+
+
+@ops.append.register
+def _(state: _Rows, k, v):
+    validate_tokens(state, k, v)
+    new = to_planes(state, k, v)
+    B, N, ends = state.batch_size, k.shape[2], state.ends
+    need = max(ends) + N
+    if state.planes:
+        planes = _grow(state.planes, need, state.step, B)
+    else:
+        C = _round_up(need, state.step)
+        planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
+    planes = tuple(write_columns(p, x, ends) for p, x in zip(planes, new))
+    return with_planes(state, planes, lengths=tuple(n + N for n in state.lengths))
+
+
+def columns(planes, width: int) -> tuple:
+    """Each plane over columns ``[0, width)``."""
+    if not planes or planes[0].shape[2] == width:
+        return tuple(planes)
+    return tuple(p[:, :, :width, :] for p in planes)
+
+
+@ops.fetch.register
+def _(state: CacheState):
+    check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    return columns(state.planes, state.width)
+
+
+@ops.positions.register
+def _(state: _Rows):
+    return None if state.aligned else mx.array(state.lengths, dtype=mx.int32)
+
+
+# --- masks and attention -------------------------------------------------------
+
+
+def read_mask(state: _Rows, n: int, memo=None, window=None):
+    """The mask for ``n`` queries at the rows' ends, leased through ``memo``.
+
+    Aligned rows with no window need no array: ``None`` for one query,
+    ``"causal"`` (the fused kernel's bottom-right mode) for several. Returns
+    ``(mask, lease_or_None)``; release the lease once the read is built.
+    """
+    if state.aligned and window is None:
+        return (None if n == 1 else "causal"), None
+    key = rows_key(n, state.left_pad, state.ends, window)
+    held = lease(memo, key, lambda: rows_mask(n, state.left_pad, state.ends, state.width, window))
+    return held.mask, held
+
+
+def validate_queries(state: _Rows, q, window, dk: int, H: int):
+    if not isinstance(q, mx.array):
+        raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
+    check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
+    check(q.shape[0] == state.batch_size, "q batch size", state.batch_size, q.shape[0])
+    check(q.shape[3] == dk, "q head dim (shape[3])", dk, q.shape[3])
+    check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
+          q.shape[1])
+    n = q.shape[2]
+    check(n >= 1, "q tokens (shape[2])", ">= 1", n)
+    short = min(state.lengths)
+    check(n <= short, "q tokens (shape[2])",
+          f"<= {short}, the shortest row (queries are each row's last N positions)", n)
+    if window is not None:
+        w = as_int(window, "window")
+        check(w >= 1, "window", ">= 1", w)
+    return n
+
+
+@ops.attend.register
+def _(state: CacheState, q, *, scale: float, memo=None, window=None):
+    geo = geometry(state)
+    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+    H, Dk, _, dtype = geo
+    n = validate_queries(state, q, window, Dk, H)
+    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    keys, values = ops.fetch(state)
+    mask, held = read_mask(state, n, memo, window)
+    try:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    finally:
+        if held is not None:
+            held.release()
+
+
+# --- lengths: trim, checkpoint, rollback ------------------------------------------
+
+
+@ops.trim.register
+def _(state: _Rows, n):
+    n = per_row(n, state.batch_size, "n")
+    for b, (m, have) in enumerate(zip(n, state.lengths)):
+        check(m <= have, f"n for row {b}", f"<= {have} (tokens the row holds)", m)
+    return attrs.evolve(state, lengths=tuple(h - m for h, m in zip(state.lengths, n)))
+
+
+@ops.checkpoint.register
+def _(state: _Rows):
+    return Checkpoint(state.lengths, state.left_pad)
+
+
+def check_checkpoint(state, cp, keep):
+    """Validated target lengths for ``rollback`` (shared by every record kind)."""
+    if not isinstance(cp, Checkpoint):
+        raise bad("checkpoint", "a Checkpoint", type(cp).__name__)
+    check(cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
+          cp.batch_size)
+    check(cp.left_pad == state.left_pad, "checkpoint left_pad",
+          f"{state.left_pad} (the state's row layout)", cp.left_pad)
+    keep = per_row(keep, state.batch_size, "keep")
+    target = tuple(c + k for c, k in zip(cp.lengths, keep))
+    for b, (t, have) in enumerate(zip(target, state.lengths)):
+        check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
+    return target
+
+
+@ops.rollback.register
+def _(state: _Rows, checkpoint, keep=0):
+    return attrs.evolve(state, lengths=check_checkpoint(state, checkpoint, keep))
+
+
+# --- rows: merge, filter, extract ------------------------------------------------
+
+
+def _row_index(row, B: int, arg: str) -> int:
+    row = as_int(row, arg)
+    check(0 <= row < B, arg, f"a row index in [0, {B})", row)
+    return row
+
+
+@ops.filter_rows.register
+def _(state: _Rows, rows):
+    if isinstance(rows, mx.array):
+        rows = rows.tolist()
+    if not isinstance(rows, (list, tuple)):
+        raise bad("rows", "a list of row indices", type(rows).__name__)
+    check(len(rows) >= 1, "rows", "at least one row index", "none")
+    rows = [_row_index(r, state.batch_size, f"rows[{i}]") for i, r in enumerate(rows)]
+    lp = [state.left_pad[r] for r in rows]
+    shared = min(lp)
+    lengths = tuple(state.lengths[r] for r in rows)
+    planes = state.planes
+    if planes:
+        if rows != list(range(state.batch_size)):
+            idx = mx.array(rows, dtype=mx.int32)
+            planes = tuple(p[idx] for p in planes)
+        if shared:
+            # Padding that every survivor shares is dead weight: slice it off.
+            planes = tuple(p[:, :, shared:, :] for p in planes)
+    return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp))
+
+
+@ops.extract_row.register
+def _(state: _Rows, row):
+    row = _row_index(row, state.batch_size, "row")
+    start, n = state.left_pad[row], state.lengths[row]
+    planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
+    return with_planes(state, planes, lengths=(n,), left_pad=(0,))
+
+
+def check_same_geometry(states, fields=()):
+    """Merging needs one geometry (heads, head dims, dtype, and ``fields``)."""
+    ref = None
+    for i, s in enumerate(states):
+        for f in fields:
+            check(getattr(s, f) == getattr(states[0], f), f"states[{i}].{f}",
+                  getattr(states[0], f), getattr(s, f))
+        geo = geometry(s)
+        if geo is None:
+            continue
+        if ref is None:
+            ref = (i, geo)
+        elif geo != ref[1]:
+            raise bad(f"states[{i}] geometry (H, Dk, Dv, dtype)",
+                      f"{ref[1]} as states[{ref[0]}]", geo)
+    return ref
+
+
+def merge_planes(states, width: int, step: int):
+    """Stack the inputs' rows, each input shifted right to end at ``width``."""
+    full = [s for s in states if s.planes]
+    if not full:
+        return ()
+    B = sum(s.batch_size for s in states)
+    C = _round_up(width, step)
+    template = full[0].planes
+    planes = [mx.zeros((B, p.shape[1], C, p.shape[3]), p.dtype) for p in template]
+    row = 0
+    for s in states:
+        if s.planes:
+            shift = width - s.width
+            for i, p in enumerate(columns(s.planes, s.width)):
+                planes[i] = mx.slice_update(planes[i], p, mx.array([row, shift], mx.int32), (0, 2))
+        row += s.batch_size
+    return tuple(planes)
+
+
+@ops._merge.register
+def _(first: _Rows, states):
+    extra = ("group_size", "bits") if hasattr(first, "bits") else ()
+    check_same_geometry(states, extra)
+    width = max(s.width for s in states)
+    lengths, left_pad = [], []
+    for s in states:
+        shift = width - s.width
+        lengths += s.lengths
+        left_pad += [p + shift for p in s.left_pad]
+    planes = merge_planes(states, width, first.step)
+    return with_planes(first, planes, lengths=tuple(lengths), left_pad=tuple(left_pad))

@@ -1,0 +1,54 @@
+"""The one error type kvstate raises for bad input, and its message format."""
+
+from __future__ import annotations
+
+
+class KVStateError(ValueError):
+    """Bad input to a kvstate function.
+
+    The message names the argument, the expected and the actual value. A call
+    that raises has changed nothing: records are immutable and every check
+    runs on the host before any MLX call.
+    """
+
+
+class LeaseError(KVStateError):
+    """A mask lease was used after it was released."""
+
+
+def bad(arg: str, expected, actual, cls=KVStateError) -> KVStateError:
+    """Build the standard error: ``arg: expected X, got Y``."""
+    return cls(f"{arg}: expected {expected}, got {actual}")
+
+
+def check(ok: bool, arg: str, expected, actual) -> None:
+    if not ok:
+        raise bad(arg, expected, actual)
+
+
+def as_int(value, arg: str) -> int:
+    """A Python int (bools refused), else KVStateError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np
+
+            if isinstance(value, np.integer):
+                return int(value)
+        except ImportError:  # pragma: no cover
+            pass
+        raise bad(arg, "an int", f"{type(value).__name__} {value!r}")
+    return value
+
+
+def per_row(value, batch_size: int, arg: str, *, low: int = 0) -> tuple:
+    """Normalise an int-or-sequence argument to one int per row, each >= low."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != batch_size:
+            raise bad(arg, f"{batch_size} values (one per row)", f"{len(value)} values")
+        out = tuple(as_int(v, f"{arg}[{i}]") for i, v in enumerate(value))
+    else:
+        out = (as_int(value, arg),) * batch_size
+    for i, v in enumerate(out):
+        if v < low:
+            raise bad(f"{arg}[{i}]" if isinstance(value, (list, tuple)) else arg, f">= {low}", v)
+    return out

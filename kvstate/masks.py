@@ -1,0 +1,184 @@
+"""Attention masks: keys, a memo that builds each mask once, and leases.
+
+A forward pass creates one ``MaskMemo`` and hands it to every layer; the
+first layer that needs a mask builds it, the others lease the same array.
+Each mask *family* (full rows, windowed rows, encoder window, ring block)
+keeps one slot, so a sliding layer and a full layer never evict each
+other's mask, and a new key in a family replaces the old one.
+
+Masks are bool (True = may attend), or the string ``"causal"`` (the fused
+kernel's bottom-right causal mode), or ``None`` (no mask at all).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import attrs
+import mlx.core as mx
+
+from .errors import LeaseError, bad
+
+
+@attrs.frozen(eq=False)
+class MaskKey:
+    """What a mask depends on.
+
+    Attributes:
+        family: the memo slot this mask lives in.
+        params: hashable host values (ints, tuples of ints, strings).
+        source: an optional caller array the mask is derived from, compared
+            by identity (the key holds it, so its ``id`` cannot be reused).
+    """
+
+    family: str
+    params: tuple = ()
+    source: object = None
+
+    def _ident(self):
+        return (self.family, self.params, id(self.source))
+
+    def __eq__(self, other):
+        if not isinstance(other, MaskKey):
+            return NotImplemented
+        return (self.family == other.family and self.params == other.params
+                and self.source is other.source)
+
+    def __hash__(self):
+        return hash(self._ident())
+
+
+class _Entry:
+    __slots__ = ("key", "mask", "holds")
+
+    def __init__(self, key, mask):
+        self.key, self.mask, self.holds = key, mask, 0
+
+
+class MaskLease:
+    """A hold on one memoized mask; release it exactly once (or use ``with``)."""
+
+    __slots__ = ("_memo", "_entry", "_released")
+
+    def __init__(self, memo: "MaskMemo", entry: _Entry):
+        self._memo, self._entry, self._released = memo, entry, False
+        entry.holds += 1
+        memo._live += 1
+
+    @property
+    def key(self) -> MaskKey:
+        return self._entry.key
+
+    @property
+    def mask(self):
+        """``None``, ``"causal"`` or a bool ``mx.array``."""
+        if self._released:
+            raise bad("lease", "an unreleased lease", "a released lease", LeaseError)
+        return self._entry.mask
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            raise bad("lease", "an unreleased lease", "a lease released already", LeaseError)
+        self._released = True
+        self._entry.holds -= 1
+        self._memo._live -= 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self._released:
+            self.release()
+        return False
+
+
+class MaskMemo:
+    """Builds each mask once and shares it through leases.
+
+    Create one per forward pass (or per compiled step) and pass it to every
+    layer; never share one through a module global.
+    """
+
+    def __init__(self):
+        self._slots: dict = {}
+        self._live = 0
+        self.builds = 0
+
+    @property
+    def live(self) -> int:
+        """Leases handed out and not yet released."""
+        return self._live
+
+    def mask_for(self, key: MaskKey, build: Callable[[], object]) -> MaskLease:
+        """Lease the mask for ``key``; ``build()`` runs only if the slot holds another key."""
+        if not isinstance(key, MaskKey):
+            raise bad("key", "a MaskKey", type(key).__name__)
+        entry = self._slots.get(key.family)
+        if entry is None or entry.key != key:
+            entry = _Entry(key, build())
+            self.builds += 1
+            self._slots[key.family] = entry
+        return MaskLease(self, entry)
+
+    def clear(self) -> None:
+        """Drop the memo's own holds; masks already leased stay valid until released."""
+        self._slots.clear()
+
+
+def lease(memo: Optional[MaskMemo], key: MaskKey, build: Callable[[], object]) -> MaskLease:
+    """Lease from ``memo``, or from a throwaway memo when none is given."""
+    return (memo if memo is not None else MaskMemo()).mask_for(key, build)
+
+
+# --- builders -------------------------------------------------------------
+
+
+def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
+    """The per-row batched mask ``[B, 1, n, width]``.
+
+    Query ``i`` of row ``b`` stands at column ``ends[b] - n + i`` and may
+    attend column ``j`` iff ``left_pad[b] <= j <= ends[b] - n + i`` (and,
+    with a window ``w``, ``ends[b] - n + i - j < w``). ``left_pad`` and
+    ``ends`` may be host sequences or int32 arrays ``[B]`` (inside compiled
+    code); ``window`` likewise an int or a scalar array.
+    """
+    lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
+    en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends
+    cols = mx.arange(width, dtype=mx.int32)[None, None, None, :]
+    qpos = (en - n)[:, None, None, None] + mx.arange(n, dtype=mx.int32)[None, None, :, None]
+    mask = (cols >= lp[:, None, None, None]) & (cols <= qpos)
+    if window is not None:
+        mask = mask & (qpos - cols < window)
+    return mask
+
+
+def rows_key(n: int, left_pad: tuple, ends: tuple, window=None) -> MaskKey:
+    family = "rows" if window is None else "rows-window"
+    return MaskKey(family, (n, tuple(left_pad), tuple(ends), window))
+
+
+def encoder_window_mask(memo: MaskMemo, L: int, bidirectional: mx.array) -> MaskLease:
+    """Lease of a ``[1, 1, L, L]`` bool mask: causal, OR'd with the overlay
+    ``bidirectional[i] & bidirectional[j]`` (``bidirectional``: bool ``[L]``).
+
+    The caller's ``bidirectional`` array is part of the key by identity.
+    """
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise bad("L", "a positive int", repr(L))
+    if not isinstance(bidirectional, mx.array):
+        raise bad("bidirectional", "a bool mx.array [L]", type(bidirectional).__name__)
+    if bidirectional.shape != (L,) or bidirectional.dtype != mx.bool_:
+        raise bad("bidirectional", f"bool [{L}]",
+                  f"{bidirectional.dtype} {list(bidirectional.shape)}")
+
+    def build():
+        i = mx.arange(L)
+        causal = i[:, None] >= i[None, :]
+        both = bidirectional[:, None] & bidirectional[None, :]
+        return (causal | both)[None, None]
+
+    return memo.mask_for(MaskKey("encoder-window", (L,), bidirectional), build)

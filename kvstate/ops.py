@@ -1,0 +1,122 @@
+"""The generic functions: one per operation, dispatching on the record type.
+
+Each function here is pure: the new record is returned and the input record
+(and every array it holds) is left unchanged. Implementations live beside
+their record kind: ``dense`` (``CacheState``, and the layout shared with
+``QuantizedState``), ``quantized`` and ``rotating``.
+"""
+
+from __future__ import annotations
+
+from functools import singledispatch
+from typing import Sequence
+
+from .errors import KVStateError, bad
+
+
+def _unsupported(name):
+    def impl(state, *args, **kwargs):
+        raise bad("state", "a kvstate record (CacheState, RotatingState, QuantizedState)",
+                  type(state).__name__)
+
+    impl.__name__ = name
+    return impl
+
+
+@singledispatch
+def append(state, k, v):
+    """Write ``k`` ``[B, H, N, Dk]`` and ``v`` ``[B, H, N, Dv]`` at each row's end.
+
+    Returns the new state; capacity grows to a multiple of ``step``. Drop the
+    old record so the write can happen in place (O(N), not O(capacity)).
+    """
+    return _unsupported("append")(state)
+
+
+@singledispatch
+def fetch(state):
+    """``(keys, values)`` over columns ``[0, width)``, as mlx-lm's ``update_and_fetch``."""
+    return _unsupported("fetch")(state)
+
+
+@singledispatch
+def attend(state, q, *, scale: float, memo=None, window=None):
+    """Attention output ``[B, Hq, N, Dv]`` of ``q`` ``[B, Hq, N, Dk]`` over the rows.
+
+    The ``N`` queries of row ``b`` are its last ``N`` positions (append them
+    first). ``Hq`` may be a multiple of ``H`` (grouped-query attention). When
+    ``memo`` is given the mask is leased from it, so layers share one build.
+    """
+    return _unsupported("attend")(state)
+
+
+@singledispatch
+def positions(state):
+    """``None`` when aligned, else ``mx.array`` int32 ``[B]``: each row's next RoPE offset."""
+    return _unsupported("positions")(state)
+
+
+@singledispatch
+def trim(state, n):
+    """Drop the last ``n`` tokens of every row (``n``: int or one per row)."""
+    return _unsupported("trim")(state)
+
+
+@singledispatch
+def checkpoint(state):
+    """A ``Checkpoint`` of the row lengths; it holds no arrays."""
+    return _unsupported("checkpoint")(state)
+
+
+@singledispatch
+def rollback(state, checkpoint, keep=0):
+    """Rows return to ``checkpoint`` plus ``keep`` accepted tokens (int or per row)."""
+    return _unsupported("rollback")(state)
+
+
+@singledispatch
+def filter_rows(state, rows: Sequence[int]):
+    """Keep ``rows`` in that order, then drop the padding columns every survivor shares."""
+    return _unsupported("filter_rows")(state)
+
+
+@singledispatch
+def extract_row(state, row: int):
+    """A one-row state with no padding owning a compact copy (it does not pin the batch)."""
+    return _unsupported("extract_row")(state)
+
+
+@singledispatch
+def _merge(first, states):
+    return _unsupported("merge_rows")(first)
+
+
+def merge_rows(states):
+    """One state whose rows are the inputs' rows, in order.
+
+    Narrower inputs are left-padded so that every row ends at the common width.
+    All inputs must be records of one kind and one geometry.
+    """
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad("states", "a list of records", type(states).__name__)
+    states = list(states)
+    if not states:
+        raise bad("states", "at least one record", "an empty list")
+    kind = type(states[0])
+    for i, s in enumerate(states):
+        if type(s) is not kind:
+            raise bad(f"states[{i}]", f"a {kind.__name__} like states[0]", type(s).__name__)
+    if len(states) == 1:
+        return states[0]
+    return _merge(states[0], states)
+
+
+def extend(state, other):
+    """``merge_rows([state, other])``."""
+    return merge_rows([state, other])
+
+
+__all__ = [
+    "KVStateError", "append", "fetch", "attend", "positions", "trim", "checkpoint",
+    "rollback", "filter_rows", "extract_row", "merge_rows", "extend",
+]

@@ -1,0 +1,105 @@
+"""Quantized rows: ``QuantizedState``, the dense layout with packed planes.
+
+Appends quantize only the new tokens (``mx.quantize`` along the head dim, so
+every token's groups are its own); everything that moves rows or columns is
+the dense code in ``kvstate.dense`` working on the six planes, so merge,
+filter, extract, trim and rollback move packed bytes and never requantize.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+
+from . import dense, ops
+from .errors import as_int, bad, check
+from .records import QuantizedState
+
+GROUP_SIZES = (32, 64, 128)
+BITS = (2, 3, 4, 5, 6, 8)
+
+
+def quantized(batch_size: int = 1, *, group_size: int = 64, bits: int = 8,
+              step: int = 256) -> QuantizedState:
+    """An empty ``QuantizedState`` of ``batch_size`` rows."""
+    group_size, bits = as_int(group_size, "group_size"), as_int(bits, "bits")
+    check(group_size in GROUP_SIZES, "group_size", f"one of {GROUP_SIZES}", group_size)
+    check(bits in BITS, "bits", f"one of {BITS}", bits)
+    base = dense.empty(batch_size, step=step)
+    return QuantizedState(base.lengths, base.left_pad, base.step, group_size=group_size,
+                          bits=bits)
+
+
+@dense.geometry.register
+def _(state: QuantizedState):
+    if state.keys is None:
+        return None
+    kp, ks, _ = state.keys
+    vp, vs, _ = state.values
+    # The head dim is recoverable from the scales: one scale per group.
+    return (kp.shape[1], ks.shape[3] * state.group_size, vs.shape[3] * state.group_size,
+            ks.dtype)
+
+
+@dense.to_planes.register
+def _(state: QuantizedState, k, v):
+    for arg, x in (("k", k), ("v", v)):
+        check(x.shape[3] % state.group_size == 0, f"{arg} head dim (shape[3])",
+              f"a multiple of group_size={state.group_size}", x.shape[3])
+    qk = mx.quantize(k, group_size=state.group_size, bits=state.bits)
+    qv = mx.quantize(v, group_size=state.group_size, bits=state.bits)
+    return (*qk, *qv)
+
+
+@dense.with_planes.register
+def _(state: QuantizedState, planes, **changes):
+    keys, values = (tuple(planes[:3]), tuple(planes[3:])) if planes else (None, None)
+    return attrs.evolve(state, keys=keys, values=values, **changes)
+
+
+@ops.fetch.register
+def _(state: QuantizedState):
+    """The two ``(packed, scales, biases)`` triples over columns ``[0, width)``."""
+    check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    planes = dense.columns(state.planes, state.width)
+    return tuple(planes[:3]), tuple(planes[3:])
+
+
+def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
+    """Attention on quantized planes, computed as mlx-lm's quantized SDPA does."""
+    B, Hq, N, D = q.shape
+    H = keys[0].shape[1]
+    rep = Hq // H
+    q = q * scale
+    if rep > 1:
+        q = q.reshape(B, H, rep, N, D)
+        keys = tuple(mx.expand_dims(x, -3) for x in keys)
+        values = tuple(mx.expand_dims(x, -3) for x in values)
+    scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
+    if mask is not None:
+        if isinstance(mask, str):
+            qL, kL = scores.shape[-2:]
+            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+        if rep > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, Hq, N, -1) if rep > 1 else out
+
+
+@ops.attend.register
+def _(state: QuantizedState, q, *, scale: float, memo=None, window=None):
+    geo = dense.geometry(state)
+    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+    H, Dk, _, dtype = geo
+    n = dense.validate_queries(state, q, window, Dk, H)
+    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    keys, values = ops.fetch(state)
+    mask, held = dense.read_mask(state, n, memo, window)
+    try:
+        return quantized_sdpa(q, keys, values, scale=scale, mask=mask,
+                              group_size=state.group_size, bits=state.bits)
+    finally:
+        if held is not None:
+            held.release()

@@ -1,0 +1,143 @@
+"""The records: immutable data, no behaviour beyond derived properties.
+
+Every record is an ``attrs`` frozen class. Functions in ``kvstate.ops`` (and
+the per-record modules ``dense``, ``quantized``, ``rotating``) take a record
+and return a new one; nothing here is ever mutated.
+
+Row layout of a dense record (``CacheState`` and ``QuantizedState``), one
+picture for the whole package::
+
+    column:    0        left_pad[b]          ends[b]       width      C
+               |            |                   |            |        |
+    row 0:     . . . . . .  k k k k k k k k k k  s s           . . . . .
+    row 1:     k k k k k k  k k k k k k k k k k  k k k k k k k . . . . .
+    row 2:     . . . . . .  . . . . k k k k k k  k k k k  s s  . . . . .
+               \\_ padding _/\\______ tokens ______/\\_ stale _/\\ spare __/
+
+    ends[b]  = left_pad[b] + lengths[b]    (the next append writes here)
+    width    = max(ends)                   (what ``fetch`` returns)
+    C        = capacity, a multiple of ``step`` after any growth
+
+Padding columns come from merging rows of different widths (rows are
+left-padded so they end together, as in mlx-lm's ``BatchKVCache``). Stale
+columns are tokens a row no longer holds (a rejected draft, a right-padded
+prefill): masks never expose them and the next append overwrites them. Rows
+advance independently: each append writes row ``b`` at its own ``ends[b]``.
+
+Host bookkeeping (``lengths``, ``left_pad``) is plain tuples of ints, so
+validation, mask keys and checkpoints never wait on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import mlx.core as mx
+
+
+def _tuple_of_ints(value) -> tuple:
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class _Rows:
+    """Fields and properties shared by the dense layouts (see module picture)."""
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    left_pad: tuple = attrs.field(converter=_tuple_of_ints)
+    step: int = 256
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def ends(self) -> tuple:
+        return tuple(p + n for p, n in zip(self.left_pad, self.lengths))
+
+    @property
+    def width(self) -> int:
+        return max(self.ends, default=0)
+
+    @property
+    def aligned(self) -> bool:
+        ends = self.ends
+        return all(p == 0 for p in self.left_pad) and all(e == ends[0] for e in ends)
+
+    @property
+    def planes(self) -> tuple:
+        """Every stored array, each ``[B, H, C, *]``; empty before the first append."""
+        raise NotImplementedError
+
+    @property
+    def capacity(self) -> int:
+        planes = self.planes
+        return planes[0].shape[2] if planes else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes)
+
+
+@attrs.frozen
+class CacheState(_Rows):
+    """Dense full-attention KV rows.
+
+    Attributes:
+        keys: ``[B, H, C, Dk]`` or ``None`` before the first append.
+        values: ``[B, H, C, Dv]`` or ``None``.
+        lengths: per row, the tokens it holds.
+        left_pad: per row, the padding columns before its tokens.
+        step: capacity grows in multiples of this.
+    """
+
+    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True)
+    values: Optional[mx.array] = attrs.field(default=None, kw_only=True)
+
+    @property
+    def planes(self) -> tuple:
+        return () if self.keys is None else (self.keys, self.values)
+
+
+@attrs.frozen
+class QuantizedState(_Rows):
+    """Affine-quantized KV rows, laid out exactly like ``CacheState``.
+
+    ``keys`` and ``values`` are ``(packed, scales, biases)`` triples as
+    ``mx.quantize`` returns them, each plane ``[B, H, C, *]``.
+
+    Attributes:
+        keys: ``(packed [B,H,C,Dk*bits/32] uint32, scales [B,H,C,Dk/group_size],
+            biases [B,H,C,Dk/group_size])`` or ``None``.
+        values: the same for values.
+        group_size: elements sharing one scale and bias.
+        bits: bits per element.
+    """
+
+    keys: Optional[tuple] = attrs.field(default=None, kw_only=True)
+    values: Optional[tuple] = attrs.field(default=None, kw_only=True)
+    group_size: int = attrs.field(default=64, kw_only=True)
+    bits: int = attrs.field(default=8, kw_only=True)
+
+    @property
+    def planes(self) -> tuple:
+        return () if self.keys is None else (*self.keys, *self.values)
+
+
+@attrs.frozen
+class Checkpoint:
+    """Row lengths at one moment; holds no arrays, so it pins no buffers.
+
+    Attributes:
+        lengths: per row, the tokens held when the checkpoint was taken.
+        left_pad: per row, the padding then (a rollback onto a different row
+            layout, after a merge or filter, is refused).
+    """
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    left_pad: tuple = attrs.field(converter=_tuple_of_ints)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
