@@ -195,6 +195,14 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
     return held.mask, held
 
 
+@ops.next_mask.register
+def _(state: _Rows, n, *, memo=None, window=None):
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    after = attrs.evolve(state, lengths=tuple(m + n for m in state.lengths))
+    return read_mask(after, n, memo, window)
+
+
 def validate_queries(state: _Rows, q, window, dk: int, H: int):
     if not isinstance(q, mx.array):
         raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)

@@ -51,6 +51,18 @@ def attend(state, q, *, scale: float, memo=None, window=None):
 
 
 @singledispatch
+def next_mask(state, n: int, *, memo=None, window=None):
+    """The mask ``attend`` will use after ``n`` more tokens are appended.
+
+    Returns ``(mask, lease)``: ``mask`` is ``None``, ``"causal"`` or a bool
+    array laid out over the columns ``fetch`` will return; ``lease`` is the
+    ``MaskLease`` it came from (``None`` when no array was needed). This is
+    what an mlx-lm cache's ``make_mask`` answers before ``update_and_fetch``.
+    """
+    return _unsupported("next_mask")(state)
+
+
+@singledispatch
 def positions(state):
     """``None`` when aligned, else ``mx.array`` int32 ``[B]``: each row's next RoPE offset."""
     return _unsupported("positions")(state)
@@ -117,6 +129,6 @@ def extend(state, other):
 
 
 __all__ = [
-    "KVStateError", "append", "fetch", "attend", "positions", "trim", "checkpoint",
+    "KVStateError", "append", "fetch", "attend", "next_mask", "positions", "trim", "checkpoint",
     "rollback", "filter_rows", "extract_row", "merge_rows", "extend",
 ]
