@@ -40,6 +40,15 @@ def _tuple_of_ints(value) -> tuple:
     return tuple(int(v) for v in value)
 
 
+def _array_repr(value) -> str:
+    """Arrays print as ``dtype[shape]``: a record's repr never dumps its data."""
+    if value is None:
+        return "None"
+    if isinstance(value, mx.array):
+        return f"{value.dtype}{list(value.shape)}".replace("mlx.core.", "")
+    return "(" + ", ".join(_array_repr(v) for v in value) + ")"
+
+
 @attrs.frozen
 class _Rows:
     """Fields and properties shared by the dense layouts (see module picture)."""
@@ -92,8 +101,8 @@ class CacheState(_Rows):
         step: capacity grows in multiples of this.
     """
 
-    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True)
-    values: Optional[mx.array] = attrs.field(default=None, kw_only=True)
+    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
 
     @property
     def planes(self) -> tuple:
@@ -115,8 +124,8 @@ class QuantizedState(_Rows):
         bits: bits per element.
     """
 
-    keys: Optional[tuple] = attrs.field(default=None, kw_only=True)
-    values: Optional[tuple] = attrs.field(default=None, kw_only=True)
+    keys: Optional[tuple] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    values: Optional[tuple] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     group_size: int = attrs.field(default=64, kw_only=True)
     bits: int = attrs.field(default=8, kw_only=True)
 
