@@ -1,0 +1,379 @@
+"""The mlx-lm bridge: run unmodified mlx-lm models on kvstate records.
+
+An mlx-lm model reads its cache through a small protocol: ``offset`` (the
+RoPE position of the next token), ``update_and_fetch(k, v)``, ``make_mask``
+and, for quantized caches, ``bits``/``group_size``. ``forward`` hands the
+model one thin *shell* per layer that answers that protocol from a record;
+the shell swaps in the appended record as the model writes, and ``forward``
+returns the new records. The input records are never changed::
+
+    states = make_states(model, batch_size=B)          # one record per layer
+    logits, states = forward(model, tokens, states)    # tokens [B, N]
+
+One ``MaskMemo`` serves a whole forward: the model asks one layer per mask
+family for its mask, every other layer of that family reads the same array,
+and the leases are released when the model returns. Decisions are in
+``notes/bridge.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import cache as lm_cache
+
+import kvstate as kv
+from . import ops
+from .errors import as_int, bad, check
+from .masks import MaskMemo, lease, rows_key, rows_mask
+from .records import CacheState, QuantizedState
+
+_rotating = getattr(kv, "rotating", None)
+RotatingState = getattr(kv, "RotatingState", None)
+
+__all__ = [
+    "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
+    "merge_rows", "filter_rows", "extend", "extract_row",
+]
+
+
+# --- the shells the model sees --------------------------------------------------
+
+
+class _Forward:
+    """What the shells of one forward share: the memo, its leases, the offsets."""
+
+    def __init__(self, memo: MaskMemo):
+        self.memo = memo
+        self.leases = []
+        self._positions = {}
+
+    def offset(self, state):
+        """An int when the rows are aligned, else the per-row int32 ``[B]`` array."""
+        pos = ops.positions(state)
+        if pos is None:
+            return int(state.lengths[0]) if state.lengths else 0
+        key = (type(state), state.lengths, state.left_pad)
+        return self._positions.setdefault(key, pos)  # one array per layout, not per layer
+
+    def release(self):
+        for held in self.leases:
+            if not held.released:
+                held.release()
+        self.leases.clear()
+
+
+class _Shell:
+    """One layer's cache as an mlx-lm model sees it, backed by a record.
+
+    ``record`` is replaced (never mutated) by each ``update_and_fetch``.
+    """
+
+    def __init__(self, record, fwd: _Forward):
+        self.record = record
+        self._fwd = fwd
+
+    @property
+    def offset(self):
+        return self._fwd.offset(self.record)
+
+    def update_and_fetch(self, keys, values):
+        self.record = ops.append(self.record, keys, values)
+        return ops.fetch(self.record)
+
+    def keys_and_values(self):
+        return ops.fetch(self.record)
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        mask, held = ops.next_mask(self.record, N, memo=self._fwd.memo, window=window_size)
+        if held is not None:
+            self._fwd.leases.append(held)
+        if return_array and (mask is None or isinstance(mask, str)):
+            mask = self._array_mask(N, window_size)
+        return mask
+
+    def _array_mask(self, N, window):
+        # Models that ask return_array=True (a few hybrids) want a real array
+        # even for aligned rows; same builder and memo as the ragged case.
+        s = self.record
+        ends = tuple(e + N for e in s.ends)
+        held = lease(self._fwd.memo, rows_key(N, s.left_pad, ends, window),
+                     lambda: rows_mask(N, s.left_pad, ends, max(ends), window))
+        self._fwd.leases.append(held)
+        return held.mask
+
+    @property
+    def state(self):
+        """The arrays the record holds (for ``mx.eval(c.state)``)."""
+        return self.record.planes
+
+    @property
+    def keys(self):
+        return self.record.keys
+
+    @property
+    def values(self):
+        return self.record.values
+
+    @property
+    def nbytes(self) -> int:
+        return self.record.nbytes
+
+    def empty(self) -> bool:
+        return self.record.keys is None
+
+    def size(self) -> int:
+        return self.record.width
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop up to ``n`` tokens from every row (as mlx-lm, clipped at what a row holds)."""
+        n = as_int(n, "n")
+        cut = tuple(min(n, m) for m in self.record.lengths)
+        self.record = ops.trim(self.record, cut)
+        return max(cut, default=0)
+
+
+class _QuantizedShell(_Shell):
+    """Has ``bits``/``group_size``: mlx-lm's attention then takes its quantized path."""
+
+    @property
+    def bits(self) -> int:
+        return self.record.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.record.group_size
+
+
+def _shell(record, fwd):
+    return (_QuantizedShell if isinstance(record, QuantizedState) else _Shell)(record, fwd)
+
+
+# --- states and forward -----------------------------------------------------------
+
+
+def _rotating_state(batch_size, max_size, keep):
+    if _rotating is None:
+        raise bad("model cache", "full-attention layers (kv.rotating is not available yet)",
+                  f"RotatingKVCache(max_size={max_size}, keep={keep})")
+    return _rotating(batch_size, max_size=max_size, keep=keep)
+
+
+def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
+                kv_bits: Optional[int] = None, kv_group_size: int = 64) -> list:
+    """One empty record per layer, as ``make_prompt_cache(model, max_kv_size)`` lays out.
+
+    A model's own ``make_cache()`` wins (mlx-lm ignores ``max_kv_size`` then):
+    ``KVCache`` becomes ``kv.empty``, ``RotatingKVCache(max_size, keep)``
+    ``kv.rotating``, ``QuantizedKVCache`` ``kv.quantized``. Without one, every
+    layer is ``kv.empty``, or ``kv.rotating(max_size=max_kv_size, keep=4)``.
+    ``kv_bits`` turns the full-attention (non-ring) layers into
+    ``kv.quantized(group_size=kv_group_size, bits=kv_bits)``.
+    """
+    batch_size = as_int(batch_size, "batch_size")
+    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    if max_kv_size is not None:
+        max_kv_size = as_int(max_kv_size, "max_kv_size")
+        check(max_kv_size >= 1, "max_kv_size", ">= 1", max_kv_size)
+
+    def dense():
+        if kv_bits is None:
+            return kv.empty(batch_size)
+        return kv.quantized(batch_size, group_size=kv_group_size, bits=kv_bits)
+
+    if not hasattr(model, "make_cache"):
+        n = len(model.layers)
+        if max_kv_size is not None:
+            return [_rotating_state(batch_size, max_kv_size, 4) for _ in range(n)]
+        return [dense() for _ in range(n)]
+    states = []
+    for i, c in enumerate(model.make_cache()):
+        if isinstance(c, lm_cache.KVCache):
+            states.append(dense())
+        elif isinstance(c, lm_cache.RotatingKVCache):
+            states.append(_rotating_state(batch_size, c.max_size, c.keep))
+        elif isinstance(c, lm_cache.QuantizedKVCache):
+            states.append(kv.quantized(batch_size, group_size=c.group_size, bits=c.bits))
+        else:
+            raise bad(f"model.make_cache()[{i}]", "KVCache, RotatingKVCache or QuantizedKVCache",
+                      type(c).__name__)
+    return states
+
+
+def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None):
+    """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
+
+    Returns ``(logits [B, N, V], new_states)``; the input records are left
+    unchanged. Masks are leased from ``memo`` (a fresh one when ``None``) and
+    released before returning. Drop the old records before evaluating the
+    result so the appends write in place.
+    """
+    if not isinstance(tokens, mx.array):
+        raise bad("tokens", "an mx.array [B, N] of token ids", type(tokens).__name__)
+    check(tokens.ndim == 2, "tokens rank", "2 ([B, N])", f"{tokens.ndim} {list(tokens.shape)}")
+    check(tokens.shape[1] >= 1, "tokens length (shape[1])", ">= 1", tokens.shape[1])
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad("states", "a list of records (one per layer)", type(states).__name__)
+    check(len(states) >= 1, "states", "one record per layer", "an empty list")
+    for i, s in enumerate(states):
+        if not hasattr(s, "batch_size"):
+            raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
+        check(s.batch_size == tokens.shape[0], f"states[{i}] batch size",
+              f"{tokens.shape[0]} (tokens rows)", s.batch_size)
+    fwd = _Forward(MaskMemo() if memo is None else memo)
+    shells = [_shell(s, fwd) for s in states]
+    try:
+        logits = model(tokens, cache=shells)
+    finally:
+        fwd.release()
+    return logits, [sh.record for sh in shells]
+
+
+# --- generation helpers -------------------------------------------------------------
+
+
+def merge_rows(rows: Sequence[Sequence]) -> list:
+    """Per layer, ``kv.merge_rows`` of the given layer lists (one list per group of rows)."""
+    check(len(rows) >= 1, "rows", "at least one list of states", "none")
+    n = len(rows[0])
+    for i, r in enumerate(rows):
+        check(len(r) == n, f"rows[{i}] layers", n, len(r))
+    return [kv.merge_rows([r[layer] for r in rows]) for layer in range(n)]
+
+
+def filter_rows(states: Sequence, rows) -> list:
+    """``kv.filter_rows`` on every layer."""
+    return [kv.filter_rows(s, rows) for s in states]
+
+
+def extend(states: Sequence, other: Sequence) -> list:
+    """``kv.extend`` on every layer: ``other``'s rows join after ``states``' rows."""
+    check(len(other) == len(states), "other layers", len(states), len(other))
+    return [kv.extend(s, o) for s, o in zip(states, other)]
+
+
+def extract_row(states: Sequence, row: int) -> list:
+    """``kv.extract_row`` on every layer."""
+    return [kv.extract_row(s, row) for s in states]
+
+
+def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None,
+            **make) -> tuple:
+    """Prefill each prompt alone, then merge the rows.
+
+    Args:
+        prompts: lists of token ids, one per row (lengths may differ).
+        make: ``max_kv_size``, ``kv_bits``, ``kv_group_size`` for ``make_states``.
+
+    Returns:
+        ``(logits [B, V], states)``: each row's logits after its last prompt
+        token, and the merged states (rows left-padded to a common end).
+    """
+    check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    last, rows = [], []
+    for i, p in enumerate(prompts):
+        check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
+        logits, states = forward(model, mx.array([list(p)]), make_states(model, 1, **make),
+                                 memo=memo)
+        last.append(logits[:, -1, :])
+        rows.append(states)
+    return mx.concatenate(last, axis=0), merge_rows(rows)
+
+
+def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None) -> tuple:
+    """One decode step: ``tokens`` ``[B]`` (one per row) -> ``(logits [B, V], states)``."""
+    tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+    check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
+    logits, states = forward(model, tokens[:, None], states, memo=memo)
+    return logits[:, -1, :], states
+
+
+# --- conversion to and from mlx-lm caches ----------------------------------------------
+
+
+def _own(x):
+    """A compact, evaluated copy: the record never shares a buffer mlx-lm writes in place."""
+    x = mx.contiguous(x)
+    mx.eval(x)
+    return x
+
+
+def _from_cache(i, c):
+    name = f"caches[{i}]"
+    if isinstance(c, lm_cache.QuantizedKVCache):
+        if c.keys is None:
+            return kv.quantized(1, group_size=c.group_size, bits=c.bits)
+        n, B = c.offset, c.keys[0].shape[0]
+        keys = tuple(_own(x[:, :, :n]) for x in c.keys)
+        values = tuple(_own(x[:, :, :n]) for x in c.values)
+        return QuantizedState((n,) * B, (0,) * B, keys=keys, values=values,
+                              group_size=c.group_size, bits=c.bits)
+    if isinstance(c, lm_cache.KVCache):
+        if c.keys is None:
+            return kv.empty(1)
+        n = c.offset
+        return kv.from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
+    if isinstance(c, lm_cache.BatchKVCache):
+        check(c._right_padding is None, f"{name}", "a finalized BatchKVCache (call finalize())",
+              "one with pending right padding")
+        lp = [int(p) for p in c.left_padding.tolist()]
+        if c.keys is None:
+            check(all(p == 0 for p in lp), f"{name}.left_padding", "zeros for an empty cache", lp)
+            return kv.empty(len(lp))
+        w = c._idx
+        return kv.from_arrays(_own(c.keys[:, :, :w]), _own(c.values[:, :, :w]),
+                              lengths=[w - p for p in lp], left_pad=lp)
+    raise bad(name, "KVCache, QuantizedKVCache or BatchKVCache", type(c).__name__)
+
+
+def from_prompt_cache(caches: Sequence) -> list:
+    """Records holding what the mlx-lm cache objects ``caches`` hold (copied)."""
+    return [_from_cache(i, c) for i, c in enumerate(caches)]
+
+
+def _to_cache(i, s):
+    name = f"states[{i}]"
+    if isinstance(s, QuantizedState):
+        check(s.batch_size == 1, f"{name} batch size",
+              "1 (mlx-lm has no batched quantized cache)", s.batch_size)
+        c = lm_cache.QuantizedKVCache(group_size=s.group_size, bits=s.bits)
+        if s.keys is not None:
+            a, n = s.left_pad[0], s.lengths[0]
+            c.keys = tuple(x[:, :, a:a + n] for x in s.keys)
+            c.values = tuple(x[:, :, a:a + n] for x in s.values)
+            c.offset = n
+        return c
+    if isinstance(s, CacheState):
+        if s.batch_size == 1:
+            c = lm_cache.KVCache()
+            if s.keys is not None:
+                a, n = s.left_pad[0], s.lengths[0]
+                c.keys, c.values, c.offset = s.keys[:, :, a:a + n], s.values[:, :, a:a + n], n
+            return c
+        if s.keys is None:
+            return lm_cache.BatchKVCache([0] * s.batch_size)
+        if any(e != s.width for e in s.ends):
+            # BatchKVCache has one shared end: right-align the rows first.
+            s = kv.merge_rows([kv.extract_row(s, b) for b in range(s.batch_size)])
+        c = lm_cache.BatchKVCache(list(s.left_pad))
+        w = s.width
+        c.keys, c.values = s.keys[:, :, :w], s.values[:, :, :w]
+        c.offset = mx.array(s.lengths)
+        c._idx = w
+        return c
+    raise bad(name, "a CacheState or QuantizedState", type(s).__name__)
+
+
+def to_prompt_cache(states: Sequence) -> list:
+    """mlx-lm cache objects holding what ``states`` hold.
+
+    One-row records become ``KVCache``/``QuantizedKVCache``; batched dense
+    records a ``BatchKVCache`` (rows whose ends differ are right-aligned).
+    The caches get their own array objects, so mlx-lm's in-place writes
+    never reach the records.
+    """
+    return [_to_cache(i, s) for i, s in enumerate(states)]
