@@ -318,7 +318,8 @@ def _from_cache(i, c):
         n = c.offset
         return kv.from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
     if isinstance(c, lm_cache.BatchKVCache):
-        check(c._right_padding is None, f"{name}", "a finalized BatchKVCache (call finalize())",
+        pending = getattr(c, "_right_padding", None)  # absent after load_prompt_cache
+        check(pending is None, f"{name}", "a finalized BatchKVCache (call finalize())",
               "one with pending right padding")
         lp = [int(p) for p in c.left_padding.tolist()]
         if c.keys is None:
