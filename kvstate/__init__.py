@@ -31,5 +31,6 @@ from .masks import (
 )
 from .dense import empty as empty, from_arrays as from_arrays
 from .quantized import quantized as quantized
+from .persist import load as load, save as save
 
 __version__ = "0.1.0"

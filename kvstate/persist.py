@@ -1,0 +1,339 @@
+"""Persistence: a list of records in one ``.safetensors`` file.
+
+File layout (format 1)::
+
+    tensors                         metadata (str -> str)
+    -------                         ---------------------
+    "3.keys"      [B, H, C, Dk]     "kvstate.format"   "1"
+    "3.values"    [B, H, C, Dv]     "kvstate.records"  JSON: one entry per record,
+    "5.keys.0"    packed  (tuple     {"kind": "QuantizedState",
+    "5.keys.1"    scales   fields     "host": {"lengths": [..], "bits": 8, ..},
+    "5.keys.2"    biases   of arrays) "arrays": {"keys": 3, "values": 3}}
+                                    "kvstate.model.digest"  (with model_path)
+                                    any user key           (user metadata)
+
+A record is written field by field from its ``attrs`` fields: an array
+field becomes one tensor, a tuple of arrays one tensor per item, anything
+else (ints, tuples of ints, ``None``) goes to the JSON as host data. So a
+new record kind needs one entry in ``RECORDS`` and nothing else. Arrays
+are written as they are (whole capacity, stale columns included), so a
+round trip is byte-exact.
+
+Files written by mlx-lm's ``save_prompt_cache`` load too: their cache
+objects are rebuilt with mlx-lm's own ``load_prompt_cache`` and converted
+with ``kvstate.mlx_lm.from_prompt_cache``.
+
+A model's identity is a digest of its weight files (``*.safetensors``),
+memoized per file on ``(size, mtime_ns, ctime_ns, inode, device)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import attrs
+import mlx.core as mx
+
+from . import dense, records
+from .errors import KVStateError, bad, check
+
+FORMAT = "1"
+PREFIX = "kvstate."
+DIGEST_KEY = "kvstate.model.digest"
+
+# Record kinds a file may hold, by name. Adding a kind is one entry here.
+RECORDS = {cls.__name__: cls for cls in (
+    records.CacheState,
+    records.QuantizedState,
+    *((records.RotatingState,) if hasattr(records, "RotatingState") else ()),
+)}
+
+
+# --- encoding a record ---------------------------------------------------------
+
+
+def _is_arrays(value) -> bool:
+    return isinstance(value, tuple) and len(value) > 0 and all(
+        isinstance(x, mx.array) for x in value)
+
+
+def _host(value, arg):
+    """A JSON-safe copy of a host field (ints, floats, strings, tuples, None)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return [_host(v, arg) for v in value]
+    raise bad(arg, "arrays, tuples of arrays, or host values (ints, tuples, None)",
+              type(value).__name__)
+
+
+def _untuple(value):
+    """JSON lists back to tuples (records hold tuples, never lists)."""
+    return tuple(_untuple(v) for v in value) if isinstance(value, list) else value
+
+
+def _encode(i: int, state, tensors: dict) -> dict:
+    name = type(state).__name__
+    if RECORDS.get(name) is not type(state):
+        raise bad(f"states[{i}]", f"a kvstate record ({', '.join(RECORDS)})", name)
+    host, arrays = {}, {}
+    for field in attrs.fields(type(state)):
+        value = getattr(state, field.name)
+        if isinstance(value, mx.array):
+            tensors[f"{i}.{field.name}"] = value
+            arrays[field.name] = 0
+        elif _is_arrays(value):
+            for j, x in enumerate(value):
+                tensors[f"{i}.{field.name}.{j}"] = x
+            arrays[field.name] = len(value)
+        else:
+            host[field.name] = _host(value, f"states[{i}].{field.name}")
+    return {"kind": name, "host": host, "arrays": arrays}
+
+
+def _decode(i: int, entry: dict, tensors: dict):
+    try:
+        cls = RECORDS[entry["kind"]]
+        fields = {k: _untuple(v) for k, v in entry["host"].items()}
+        for name, n in entry["arrays"].items():
+            fields[name] = (tensors[f"{i}.{name}"] if n == 0 else
+                            tuple(tensors[f"{i}.{name}.{j}"] for j in range(n)))
+        known = {f.name for f in attrs.fields(cls)}
+        check(set(fields) <= known, f"record {i} fields", sorted(known), sorted(fields))
+        return cls(**fields)
+    except KeyError as e:
+        raise bad(f"record {i}", f"a complete {entry.get('kind')} entry", f"missing {e}") from None
+    except TypeError as e:
+        raise bad(f"record {i}", f"fields of {entry.get('kind')}", str(e)) from None
+
+
+# --- save / load -----------------------------------------------------------------
+
+
+def _check_metadata(metadata) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise bad("metadata", "a dict of str -> str", type(metadata).__name__)
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise bad(f"metadata[{k!r}]", "str keys and str values",
+                      f"{type(k).__name__} -> {type(v).__name__}")
+        if k.startswith(PREFIX):
+            raise bad(f"metadata[{k!r}]", f"a key not starting with {PREFIX!r} (reserved)", k)
+    return dict(metadata)
+
+
+def _check_path(path, arg="path") -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise bad(arg, "a file path", type(path).__name__)
+    path = os.fspath(path)
+    check(path.endswith(".safetensors"), arg, "a name ending in .safetensors", path)
+    return path
+
+
+def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> None:
+    """Write ``states`` (a list of records, one per layer) to a ``.safetensors`` file.
+
+    Args:
+        path: the file name; must end in ``.safetensors``.
+        states: the records; arrays are written as they are (byte-exact).
+        metadata: optional ``str -> str`` pairs stored with the file (keys
+            starting with ``"kvstate."`` are reserved).
+        model_path: optional model directory; its identity (the digest of
+            its ``*.safetensors`` files) is recorded so ``load`` can refuse
+            the file for another model.
+    """
+    path = _check_path(path)
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad("states", "a list of records", type(states).__name__)
+    meta = _check_metadata(metadata)
+    tensors, entries = {}, []
+    for i, s in enumerate(states):
+        entries.append(_encode(i, s, tensors))
+    if model_path is not None:
+        meta[DIGEST_KEY] = model_digest(model_path)
+    meta["kvstate.format"] = FORMAT
+    meta["kvstate.records"] = json.dumps(entries, separators=(",", ":"))
+    mx.save_safetensors(path, tensors, meta)
+
+
+def load(path, *, model=None, model_path=None):
+    """Read a file written by ``save`` or by mlx-lm's ``save_prompt_cache``.
+
+    Args:
+        path: the ``.safetensors`` file.
+        model: optional mlx-lm model; the file is refused (``KVStateError``)
+            unless it holds one record per layer with the model's geometry
+            (KV heads, head dims, dtype; a sliding layer needs a ring of the
+            model's window). See ``check_model``.
+        model_path: optional model directory; the file is refused unless it
+            recorded the same model identity (``model_digest``).
+
+    Returns:
+        ``(states, metadata)``: the records, and the user metadata (plus
+        ``"kvstate.model.digest"`` when one was recorded). For an mlx-lm
+        file, the metadata mlx-lm's ``load_prompt_cache`` returns.
+    """
+    path = _check_path(path)
+    check(os.path.isfile(path), "path", "an existing file", path)
+    tensors, meta = mx.load(path, return_metadata=True)
+    if meta.get("kvstate.format") is not None:
+        check(meta["kvstate.format"] == FORMAT, "file format", FORMAT, meta["kvstate.format"])
+        entries = json.loads(meta["kvstate.records"])
+        states = [_decode(i, e, tensors) for i, e in enumerate(entries)]
+        user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
+        if DIGEST_KEY in meta:
+            user[DIGEST_KEY] = meta[DIGEST_KEY]
+    elif "1.0" in meta and "2.0" in meta:
+        states, user = _load_mlx_lm(path)
+    else:
+        raise bad("path", "a kvstate or mlx-lm prompt-cache file", f"{path} (unknown metadata)")
+    # mx.load is lazy: read now, so a later change to the file cannot leak in.
+    mx.eval([p for s in states for p in _arrays(s)])
+    if model_path is not None:
+        want = model_digest(model_path)
+        have = user.get(DIGEST_KEY)
+        check(have is not None, "path", f"a cache recording a model identity (for {model_path})",
+              "a file with no model identity (saved without model_path)")
+        check(have == want, "path", f"a cache for the model at {model_path} (digest {want[:16]}…)",
+              f"a cache for another model (digest {have[:16]}…)")
+    if model is not None:
+        check_model(states, model)
+    return states, user
+
+
+def _arrays(state) -> tuple:
+    """Every array a record holds (its ``attrs`` fields), for evaluation."""
+    out = []
+    for field in attrs.fields(type(state)):
+        value = getattr(state, field.name)
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif _is_arrays(value):
+            out.extend(value)
+    return tuple(out)
+
+
+def _load_mlx_lm(path):
+    try:
+        from mlx_lm.models.cache import load_prompt_cache
+    except ImportError:  # pragma: no cover - mlx-lm is an optional dependency
+        raise bad("path", "mlx-lm installed to read an mlx-lm prompt-cache file",
+                  "no module mlx_lm") from None
+    from .mlx_lm import from_prompt_cache
+
+    try:
+        caches, meta = load_prompt_cache(path, return_metadata=True)
+    except (KeyError, ValueError, TypeError) as e:
+        raise bad("path", "a readable mlx-lm prompt-cache file", f"{path}: {e}") from None
+    return list(from_prompt_cache(caches)), meta
+
+
+# --- model checks -------------------------------------------------------------------
+
+
+def _record_geometry(state):
+    try:
+        return dense.geometry(state)
+    except NotImplementedError:
+        return None
+
+
+def model_geometry(model) -> list:
+    """Per layer ``(H, Dk, Dv, dtype, window)`` of an mlx-lm model's caches.
+
+    Found by building (never evaluating) a one-token forward pass on mlx-lm's
+    own caches: MLX knows every shape before it computes anything, so this
+    costs a graph build, not a forward pass. ``window`` is the ring size of a
+    sliding layer, else ``None``.
+    """
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+    out = []
+    for c in caches:
+        keys, values = c.keys, c.values
+        if isinstance(keys, (tuple, list)):  # quantized: (packed, scales, biases)
+            raise bad("model", "a model whose default caches are not quantized", type(c).__name__)
+        window = c.max_size if isinstance(c, RotatingKVCache) else None
+        out.append((keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, window))
+    return out
+
+
+def check_model(states, model) -> None:
+    """Refuse (``KVStateError``) ``states`` that do not fit ``model``.
+
+    One record per layer, each with the model's KV heads, head dims and
+    dtype; a sliding-window layer needs a ring of the same ``max_size``.
+    Empty records (no geometry yet) fit any layer of the right kind.
+    """
+    want = model_geometry(model)
+    check(len(states) == len(want), "states", f"{len(want)} records (one per model layer)",
+          len(states))
+    for i, (s, (H, Dk, Dv, dtype, window)) in enumerate(zip(states, want)):
+        geo = _record_geometry(s)
+        if geo is not None:
+            check(tuple(geo) == (H, Dk, Dv, dtype), f"states[{i}] geometry (H, Dk, Dv, dtype)",
+                  f"{(H, Dk, Dv, dtype)} (the model's layer {i})", tuple(geo))
+        if window is not None:
+            size = getattr(s, "max_size", None)
+            check(size == window, f"states[{i}]",
+                  f"a ring of max_size={window} (layer {i} is a sliding-window layer)",
+                  type(s).__name__ if size is None else f"max_size={size}")
+
+
+# --- model identity ---------------------------------------------------------------
+
+_DIGESTS: dict = {}  # realpath -> (stat key, hex digest)
+
+
+def _stat_key(st) -> tuple:
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def hash_file(path: str) -> str:
+    """SHA-256 of one file, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 23), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """``hash_file(path)``, memoized while the file's size, times and inode are unchanged."""
+    real = os.path.realpath(path)
+    key = _stat_key(os.stat(real))
+    hit = _DIGESTS.get(real)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    digest = hash_file(real)
+    # Stat again: a file written while it was read is not memoized as clean.
+    if _stat_key(os.stat(real)) == key:
+        _DIGESTS[real] = (key, digest)
+    return digest
+
+
+def model_digest(model_path) -> str:
+    """The identity of a model directory: one SHA-256 over its ``*.safetensors``
+    files (name and content digest of each, sorted by name)."""
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise bad("model_path", "a model directory", type(model_path).__name__)
+    root = Path(model_path)
+    check(root.is_dir(), "model_path", "an existing directory", os.fspath(model_path))
+    files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
+    check(bool(files), "model_path", "a directory holding *.safetensors weight files",
+          f"none in {os.fspath(model_path)}")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{file_digest(os.fspath(p))}\n".encode())
+    return h.hexdigest()
+
+
+__all__ = ["save", "load", "check_model", "model_digest", "model_geometry", "KVStateError"]
