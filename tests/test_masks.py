@@ -1,0 +1,216 @@
+"""MaskKey, MaskMemo, MaskLease and the mask builders (kvstate.masks)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import kvstate as kv
+from kvstate import ops
+from kvstate.masks import rows_mask
+from _rows import np_of, rand
+
+
+def counting_build(value="m"):
+    calls = []
+
+    def build():
+        calls.append(1)
+        return f"{value}{len(calls)}"
+
+    return build, calls
+
+
+# --- MaskKey ----------------------------------------------------------------------
+
+
+def test_mask_key_equality_and_hash():
+    a = mx.array([True, False])
+    b = mx.array([True, False])  # equal values, another object
+    k1 = kv.MaskKey("enc", (2,), a)
+    assert k1 == kv.MaskKey("enc", (2,), a)
+    assert hash(k1) == hash(kv.MaskKey("enc", (2,), a))
+    assert k1 != kv.MaskKey("enc", (2,), b)  # source compared by identity
+    assert k1 != kv.MaskKey("enc", (3,), a)
+    assert k1 != kv.MaskKey("other", (2,), a)
+    assert kv.MaskKey("rows", (1, (0,), (3,), None)) == kv.MaskKey("rows", (1, (0,), (3,), None))
+    assert kv.MaskKey("rows") != "rows"
+    d = {k1: 1, kv.MaskKey("enc", (2,), b): 2}
+    assert d[kv.MaskKey("enc", (2,), a)] == 1 and len(d) == 2
+    with pytest.raises(AttributeError):
+        k1.family = "x"  # frozen
+
+
+# --- MaskMemo and leases ------------------------------------------------------------
+
+
+def test_build_runs_once_per_key():
+    memo = kv.MaskMemo()
+    build, calls = counting_build()
+    key = kv.MaskKey("rows", (1,))
+    leases = [memo.mask_for(kv.MaskKey("rows", (1,)), build) for _ in range(5)]
+    assert len(calls) == 1 and memo.builds == 1 and memo.live == 5
+    assert all(l.mask == "m1" for l in leases) and all(l.key == key for l in leases)
+    for l in leases:
+        l.release()
+    assert memo.live == 0
+    # still memoized after every lease is released
+    with memo.mask_for(key, build) as l:
+        assert l.mask == "m1"
+    assert len(calls) == 1
+
+
+def test_one_slot_per_family():
+    memo = kv.MaskMemo()
+    full, full_calls = counting_build("full")
+    slide, slide_calls = counting_build("slide")
+    f1 = memo.mask_for(kv.MaskKey("rows", (1,)), full)
+    s1 = memo.mask_for(kv.MaskKey("rows-window", (1,)), slide)
+    # another family never evicts: both still memoized
+    memo.mask_for(kv.MaskKey("rows", (1,)), full).release()
+    memo.mask_for(kv.MaskKey("rows-window", (1,)), slide).release()
+    assert memo.builds == 2 and len(full_calls) == len(slide_calls) == 1
+    # a new key in a family replaces the old mask; the old lease stays valid
+    f2 = memo.mask_for(kv.MaskKey("rows", (2,)), full)
+    assert f2.mask == "full2" and f1.mask == "full1" and s1.mask == "slide1"
+    assert memo.builds == 3
+    # the replaced key builds again when asked for
+    f3 = memo.mask_for(kv.MaskKey("rows", (1,)), full)
+    assert f3.mask == "full3" and memo.builds == 4
+    assert memo.live == 4
+    for l in (f1, s1, f2, f3):
+        l.release()
+    assert memo.live == 0
+
+
+def test_clear_keeps_leased_masks_valid():
+    memo = kv.MaskMemo()
+    build, calls = counting_build()
+    held = memo.mask_for(kv.MaskKey("rows", (1,)), build)
+    memo.clear()
+    assert held.mask == "m1" and memo.live == 1
+    again = memo.mask_for(kv.MaskKey("rows", (1,)), build)
+    assert again.mask == "m2" and memo.builds == 2  # the memo's own hold was dropped
+    held.release()
+    again.release()
+    assert memo.live == 0
+
+
+def test_lease_release_exactly_once_and_context_manager():
+    memo = kv.MaskMemo()
+    lease = memo.mask_for(kv.MaskKey("f"), lambda: None)
+    assert lease.mask is None and not lease.released
+    lease.release()
+    assert lease.released and memo.live == 0
+    with pytest.raises(kv.LeaseError):
+        lease.release()
+    with pytest.raises(kv.LeaseError):
+        lease.mask
+    assert memo.live == 0
+    with memo.mask_for(kv.MaskKey("f"), lambda: None) as l:
+        assert memo.live == 1 and l.mask is None
+    assert memo.live == 0 and l.released
+    with pytest.raises(RuntimeError):
+        with memo.mask_for(kv.MaskKey("f"), lambda: None):
+            assert memo.live == 1
+            raise RuntimeError("released on the way out")
+    assert memo.live == 0
+    with memo.mask_for(kv.MaskKey("f"), lambda: None) as l:
+        l.release()  # an explicit release inside the block is not repeated on exit
+    assert memo.live == 0
+
+
+def test_memos_are_independent():
+    a, b = kv.MaskMemo(), kv.MaskMemo()
+    a.mask_for(kv.MaskKey("rows", (1,)), lambda: "x").release()
+    assert a.builds == 1 and b.builds == 0 and b.live == 0
+
+
+# --- masks chosen by attend ------------------------------------------------------------
+
+
+def aligned_state(rng, B=2, L=5):
+    k = mx.array(rand(rng, B, 2, L, 4))
+    return kv.from_arrays(k, k)
+
+
+def test_aligned_rows_build_no_array():
+    rng = np.random.default_rng(0)
+    s = aligned_state(rng)
+    assert s.aligned
+    memo = kv.MaskMemo()
+    for n, want in ((1, None), (3, "causal")):
+        mask, held = ops.next_mask(kv.trim(s, n), n, memo=memo)
+        assert mask == want and held is None
+        out = kv.attend(s, mx.array(rand(rng, 2, 2, n, 4)), scale=0.5, memo=memo)
+        assert out.shape == (2, 2, n, 4)
+    assert memo.builds == 0 and memo.live == 0
+
+
+def test_unaligned_rows_lease_one_array():
+    rng = np.random.default_rng(1)
+    s = kv.trim(aligned_state(rng), [1, 0])
+    memo = kv.MaskMemo()
+    mask, held = ops.next_mask(kv.trim(s, 2), 2, memo=memo)
+    assert isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.shape == (2, 1, 2, 5)
+    assert memo.builds == 1 and memo.live == 1
+    held.release()
+    for _ in range(3):
+        kv.attend(s, mx.array(rand(rng, 2, 2, 2, 4)), scale=0.5, memo=memo)
+    assert memo.builds == 1 and memo.live == 0  # same key as next_mask's: no rebuild
+    kv.attend(s, mx.array(rand(rng, 2, 2, 2, 4)), scale=0.5, memo=memo, window=2)
+    kv.attend(s, mx.array(rand(rng, 2, 2, 2, 4)), scale=0.5, memo=memo, window=2)
+    assert memo.builds == 2
+
+
+# --- builders against numpy -------------------------------------------------------------
+
+
+def np_rows_mask(n, left_pad, ends, width, window=None):
+    B = len(ends)
+    out = np.zeros((B, 1, n, width), bool)
+    for b in range(B):
+        for i in range(n):
+            q = ends[b] - n + i
+            for j in range(width):
+                ok = left_pad[b] <= j <= q
+                if window is not None:
+                    ok = ok and q - j < window
+                out[b, 0, i, j] = ok
+    return out
+
+
+@given(st.data())
+def test_rows_mask_matches_formula(data):
+    B = data.draw(st.integers(1, 3))
+    lengths = data.draw(st.lists(st.integers(1, 6), min_size=B, max_size=B))
+    left_pad = data.draw(st.lists(st.integers(0, 3), min_size=B, max_size=B))
+    ends = [p + n for p, n in zip(left_pad, lengths)]
+    n = data.draw(st.integers(1, min(lengths)))
+    window = data.draw(st.sampled_from([None, 1, 2, 4]))
+    width = max(ends)
+    got = rows_mask(n, left_pad, ends, width, window)
+    np.testing.assert_array_equal(np_of(got), np_rows_mask(n, left_pad, ends, width, window))
+    # and from int32 arrays (as inside compiled code)
+    got = rows_mask(n, mx.array(left_pad, mx.int32), mx.array(ends, mx.int32), width, window)
+    np.testing.assert_array_equal(np_of(got), np_rows_mask(n, left_pad, ends, width, window))
+
+
+@given(st.integers(1, 9), st.data())
+def test_encoder_window_mask_matches_numpy(L, data):
+    bidi = np.array(data.draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+    source = mx.array(bidi)
+    memo = kv.MaskMemo()
+    with kv.encoder_window_mask(memo, L, source) as lease:
+        got = np_of(lease.mask)
+    i = np.arange(L)
+    want = (i[:, None] >= i[None, :]) | (bidi[:, None] & bidi[None, :])
+    assert got.shape == (1, 1, L, L) and got.dtype == np.bool_
+    np.testing.assert_array_equal(got[0, 0], want)
+    # keyed by the caller's array identity
+    kv.encoder_window_mask(memo, L, source).release()
+    assert memo.builds == 1
+    kv.encoder_window_mask(memo, L, mx.array(bidi)).release()
+    assert memo.builds == 2
