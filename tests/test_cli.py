@@ -1,0 +1,137 @@
+"""The ``kvstate`` command: ``python -m kvstate generate`` end to end, the
+continuous-batching scheduler, ``--model`` on a local directory, ``--compare``
+parity (and that a mismatch is reported), and bad arguments."""
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstate import cli
+
+SMALL = ["--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9", "--batch-size", "3",
+         "--arrival-gap", "1"]
+
+
+def table(stdout):
+    """``{engine: {column: value}}`` from the printed table."""
+    lines = stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("engine"))
+    head = ["engine"] + [h.strip() for h in _cells(lines[i])[1:]]
+    rows = {}
+    for line in lines[i + 1:]:
+        if not line.startswith(("kvstate", "mlx-lm")):
+            break
+        cells = _cells(line)
+        rows[cells[0].strip()] = dict(zip(head, (c.strip() for c in cells)))
+    return rows
+
+
+def _cells(line):
+    return [line[:20]] + [line[j:j + 12] for j in range(20, len(line), 12)]
+
+
+def expected_tokens(argv_seed=0):
+    reqs = cli.make_requests(5, (3, 12), (2, 9), 1, 512, argv_seed)
+    return sum(len(r.prompt) for r in reqs), sum(r.max_new for r in reqs)
+
+
+def test_python_m_kvstate_generate_compare():
+    proc = subprocess.run([sys.executable, "-m", "kvstate", "generate", "--compare", *SMALL],
+                          capture_output=True, timeout=120)
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()  # bytes: keep the \r
+    assert proc.returncode == 0, stderr
+    rows = table(stdout)
+    prompt, gen = expected_tokens()
+    for name in ("kvstate", "mlx-lm"):
+        r = rows[name]
+        assert int(r["requests"]) == 5
+        assert int(r["prompt tok"]) == prompt and int(r["gen tok"]) == gen
+        assert float(r["time s"]) > 0 and float(r["tok/s"].replace(",", "")) > 0
+        assert float(r["peak MB"].replace(",", "")) > 0
+        assert float(r["cache B/tok"].replace(",", "")) > 0
+    assert "token parity: 5/5 requests identical" in stdout
+    assert "speed ratio (mlx-lm time / kvstate time):" in stdout
+    assert "\r" in stderr and f"{gen}/{gen} tok" in stderr  # the progress bar
+
+
+class Recording(cli.KVStateEngine):
+    """Records the batch size at every join and leave."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.joins, self.leaves = [], []
+
+    def join(self, batch, row):
+        self.joins.append(batch[0].batch_size)
+        return super().join(batch, row)
+
+    def leave(self, batch, keep):
+        self.leaves.append((batch[0].batch_size, len(keep)))
+        return super().leave(batch, keep)
+
+
+def test_rows_join_and_leave_mid_generation():
+    model = cli.tiny_llama(0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    reqs = cli.make_requests(8, (2, 10), (2, 12), 1, 128, seed=3)
+    engine = Recording(model)
+    stats = cli.serve(engine, reqs, batch_size=4)
+    assert [len(r.out) for r in reqs] == [r.max_new for r in reqs]
+    assert any(n >= 2 for n in engine.joins)                  # joined a running batch
+    assert any(0 < kept < n for n, kept in engine.leaves)     # left while others go on
+    assert stats["steps"] > 0 and stats["bytes_per_token"] > 0
+    ref = cli.MlxLmEngine(model)                              # same schedule on mlx-lm
+    outs = [list(r.out) for r in reqs]
+    cli.serve(ref, reqs, batch_size=4)
+    assert [list(r.out) for r in reqs] == outs
+
+
+def test_local_model_directory(tmp_path, capsys):
+    model = cli.tiny_llama(5, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    model.save_weights(str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
+    assert cli.main(["generate", "--model", str(tmp_path), "--compare", "--quiet", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {tmp_path}" in out and "token parity: 5/5 requests identical" in out
+
+
+def test_a_token_mismatch_is_reported(monkeypatch, capsys):
+    real = cli.MlxLmEngine.step
+
+    def off_by_one(self, batch, tokens):
+        logits, batch = real(self, batch, tokens)
+        return logits[:, ::-1], batch        # argmax lands elsewhere
+
+    monkeypatch.setattr(cli.MlxLmEngine, "step", off_by_one)
+    assert cli.main(["generate", "--compare", "--quiet", *SMALL]) == 1
+    assert "(MISMATCH)" in capsys.readouterr().out
+
+
+HAS_COMPILED = (importlib.util.find_spec("kvstate.compiled") is not None
+                and hasattr(importlib.import_module("kvstate.compiled"), "make_step"))
+
+
+def test_compile_flag(capsys):
+    argv = ["generate", "--compile", "--compare", "--quiet", *SMALL]
+    if not HAS_COMPILED:
+        with pytest.raises(SystemExit, match="--compile needs kvstate.compiled.make_step"):
+            cli.main(argv)
+        return
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "kvstate (compiled)" in out and "token parity: 5/5 requests identical" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--prompt-len", "5:2"], "LO:HI"),
+    (["--model", "/nonexistent/model"], "no config.json"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--quiet", *argv])
+    assert e.value.code != 0
+    assert message in str(e.value.code) + capsys.readouterr().err
