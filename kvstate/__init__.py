@@ -9,6 +9,7 @@ from .records import (
     CacheState as CacheState,
     Checkpoint as Checkpoint,
     QuantizedState as QuantizedState,
+    RotatingState as RotatingState,
 )
 from .ops import (
     append as append,
@@ -28,9 +29,11 @@ from .masks import (
     MaskLease as MaskLease,
     MaskMemo as MaskMemo,
     encoder_window_mask as encoder_window_mask,
+    rotating_block_mask as rotating_block_mask,
 )
 from .dense import empty as empty, from_arrays as from_arrays
 from .quantized import quantized as quantized
+from .rotating import rotating as rotating
 from .persist import load as load, save as save
 
 __version__ = "0.1.0"

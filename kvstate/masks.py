@@ -182,3 +182,31 @@ def encoder_window_mask(memo: MaskMemo, L: int, bidirectional: mx.array) -> Mask
         return (causal | both)[None, None]
 
     return memo.mask_for(MaskKey("encoder-window", (L,), bidirectional), build)
+
+
+def rotating_block_mask(memo: MaskMemo, max_size: int, offset: int, n: int,
+                        stored: int) -> MaskLease:
+    """Lease of a ``[1, 1, 1, stored + n]`` bool mask for a block read of a ring.
+
+    Of ``stored`` positions in temporal order, the first ``min(offset,
+    stored)`` are valid and the newest ``max_size - 1`` of those are
+    visible; then all ``n`` block positions are visible. (mlx-lm's ring keeps
+    ``max_size - 1`` old positions when it takes a block, so that every block
+    token sees at least ``max_size`` positions.)
+    """
+    if not isinstance(memo, MaskMemo):
+        raise bad("memo", "a MaskMemo", type(memo).__name__)
+    vals = {}
+    for arg, value, low in (("max_size", max_size, 1), ("offset", offset, 0), ("n", n, 0),
+                            ("stored", stored, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise bad(arg, f"an int >= {low}", repr(value))
+        vals[arg] = value
+
+    def build():
+        j = mx.arange(stored + n)
+        valid = min(offset, stored)
+        lo = max(0, valid - (max_size - 1))
+        return (((j >= lo) & (j < valid)) | (j >= stored))[None, None, None]
+
+    return memo.mask_for(MaskKey("rotating-block", (max_size, offset, n, stored)), build)

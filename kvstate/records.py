@@ -150,3 +150,89 @@ class Checkpoint:
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+
+# --- sliding-window rings ------------------------------------------------------
+
+
+@attrs.frozen
+class RotatingState:
+    """Sliding-window KV rows: mlx-lm's ``RotatingKVCache(max_size, keep)``, batched.
+
+    Each row is its own ring inside fixed storage ``[B, H, C, D]``. The first
+    ``keep`` positions sit in columns ``[0, keep)`` and are never evicted;
+    every later position ``p`` lives at a column fixed by ``p`` alone::
+
+        col(p) = p                           if p < keep
+               = keep + (p - keep) % L       otherwise,  L = C - keep
+
+    One row, ``max_size = C = 8``, ``keep = 2``, after 16 tokens (one at a time)::
+
+        column:     0   1 |  2   3   4   5   6   7
+        position:   0   1 | 14  15  10  11  12  13        lengths = 16, held = 8
+                    kept  |          ^ next write: col(16) = 4, over position 10
+
+    A row holds its kept prefix ``[0, min(keep, lengths))`` and the newest
+    positions ``[start, lengths)`` (``start = lengths - (held - min(keep,
+    lengths))``); other columns are stale or unused and no mask exposes
+    them. Before appending N tokens a row drops its oldest non-kept
+    positions until it holds at most ``max_size - 1``, then holds all N (as
+    mlx-lm: a multi-token append may hold up to ``max_size + N - 1``, so
+    ``C`` may exceed ``max_size`` until the next single-token append shrinks
+    it back). Rows never pad: each writes its own columns, so rows of
+    different lengths sit side by side and behave exactly as when run alone.
+
+    Attributes:
+        lengths: per row, the tokens seen so far (mlx-lm's ``offset``; the
+            RoPE position of the row's next token).
+        held: per row, the tokens the ring holds now (``<= lengths``).
+        max_size: the window the ring keeps (mlx-lm ``max_size``).
+        keep: first positions never evicted (mlx-lm ``keep``), ``< max_size``.
+        step: capacity grows in multiples of this until it reaches ``max_size``.
+        keys: ``[B, H, C, Dk]`` in ring order, or ``None`` before the first append.
+        values: ``[B, H, C, Dv]``, or ``None``.
+    """
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    held: tuple = attrs.field(converter=_tuple_of_ints)
+    max_size: int = attrs.field(kw_only=True)
+    keep: int = attrs.field(default=0, kw_only=True)
+    step: int = attrs.field(default=256, kw_only=True)
+    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def left_pad(self) -> tuple:
+        """Always zeros: ring rows never pad (for code generic over records)."""
+        return (0,) * len(self.lengths)
+
+    @property
+    def starts(self) -> tuple:
+        """Per row, the oldest non-kept position held (``lengths`` when none)."""
+        return tuple(n - (h - min(self.keep, n)) for n, h in zip(self.lengths, self.held))
+
+    @property
+    def width(self) -> int:
+        """Columns ``fetch`` returns: the most tokens any row holds."""
+        return max(self.held, default=0)
+
+    @property
+    def aligned(self) -> bool:
+        """Every row has seen and holds the same tokens (one layout for all rows)."""
+        return len(set(self.lengths)) <= 1 and len(set(self.held)) <= 1
+
+    @property
+    def planes(self) -> tuple:
+        return () if self.keys is None else (self.keys, self.values)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.planes)

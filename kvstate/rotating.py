@@ -1,0 +1,495 @@
+"""Sliding-window rings: ``RotatingState`` (layout pictured in ``kvstate.records``).
+
+A row behaves exactly as mlx-lm's ``RotatingKVCache(max_size, keep)``:
+
+* Before appending ``N`` tokens a row drops its oldest non-kept positions
+  until it holds at most ``max_size - 1``, then holds all ``N`` (one rule
+  for mlx-lm's in-place ``N == 1`` path and its concatenating ``N > 1`` path).
+* A query sees, in the temporal order of what its row holds, itself and
+  the ``w - 1`` entries before it (``w = window or max_size``): what
+  mlx-lm's ``make_mask`` + ``update_and_fetch`` show the model. Counting
+  held entries rather than positions only differs once the kept prefix and
+  the newest positions are no longer contiguous, and there mlx-lm counts
+  entries too.
+
+Rows are independent rings in one ``[B, H, C, D]`` buffer, so a batch equals
+each row run alone, ``keep`` included. Positions decide columns
+(``col(p)``), so a write needs only the row's length: no write index to
+carry, and the index math below takes ``mx.array`` lengths as readily as
+host ints (the compiled path).
+
+The model read (``read``, ``update_and_read``) is the buffer's columns
+``[0, read_width)`` in ring order, with a mask laid out over those columns
+(``next_mask`` before the append, the same mask as ``attend`` after it);
+``fetch`` gathers the held entries into temporal order. Decisions and their
+reasons: ``notes/rotating.md``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from . import dense, ops
+from .errors import as_int, bad, check, per_row
+from .masks import MaskKey, lease
+from .records import Checkpoint, RotatingState
+
+__all__ = ["rotating", "from_temporal", "read", "update_and_read", "read_width", "ring_mask"]
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+# --- construction -------------------------------------------------------------
+
+
+def _check_ring(max_size, keep, step):
+    max_size = as_int(max_size, "max_size")
+    check(max_size >= 1, "max_size", ">= 1", max_size)
+    keep = as_int(keep, "keep")
+    check(0 <= keep < max_size, "keep", f"in [0, max_size={max_size})", keep)
+    step = as_int(step, "step")
+    check(step >= 1, "step", ">= 1", step)
+    return max_size, keep, step
+
+
+def rotating(batch_size: int = 1, *, max_size: int, keep: int = 0,
+             step: int = 256) -> RotatingState:
+    """An empty ``RotatingState``: ``batch_size`` rings of ``max_size`` positions.
+
+    Args:
+        max_size: positions each row keeps (mlx-lm ``RotatingKVCache.max_size``).
+        keep: first positions never evicted, ``0 <= keep < max_size``.
+        step: capacity grows in multiples of this until it reaches ``max_size``.
+    """
+    batch_size = as_int(batch_size, "batch_size")
+    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    max_size, keep, step = _check_ring(max_size, keep, step)
+    return RotatingState((0,) * batch_size, (0,) * batch_size, max_size=max_size, keep=keep,
+                         step=step)
+
+
+# --- the layout math (numpy on the host, or mx inside compiled code) -------------
+
+
+def _xp(x):
+    return mx if isinstance(x, mx.array) else np
+
+
+def column_of(p, keep: int, capacity: int):
+    """``col(p)``: the column that position ``p`` (ints or an array) lives at."""
+    L = max(capacity - keep, 1)
+    xp = _xp(p)
+    return xp.where(p < keep, p, keep + (p - keep) % L)
+
+
+def _ranks(lengths, held, keep: int, capacity: int, width: int):
+    """Per row and column ``[B, width]``: does the column hold a position, and
+    its rank (index in the row's temporal order). ``lengths``/``held``: ``[B]``."""
+    xp = _xp(lengths)
+    n = lengths[:, None]
+    h = held[:, None]
+    nk = xp.minimum(n, keep)
+    start = n - (h - nk)
+    L = max(capacity - keep, 1)
+    c = xp.arange(width)[None, :]
+    s0 = (start - keep) % L
+    r = (c - keep - s0) % L
+    in_keep = c < keep
+    holds = xp.where(in_keep, c < nk, r < h - nk)
+    rank = xp.where(in_keep, c, nk + r)
+    return holds, rank
+
+
+def _position_of_rank(rank, lengths, held, keep: int):
+    """Position of the entry at temporal ``rank`` (``[B, W]``) of each row."""
+    xp = _xp(rank)
+    n = lengths[:, None]
+    nk = xp.minimum(n, keep)
+    start = n - (held[:, None] - nk)
+    return xp.where(rank < nk, rank, start + (rank - nk))
+
+
+def ring_mask(n: int, lengths, held, *, keep: int, capacity: int, width: int, window: int):
+    """The bool mask ``[B, 1, n, width]`` over ring columns ``[0, width)``.
+
+    The ``n`` queries of row ``b`` are its last ``n`` held entries; query
+    ``i`` (temporal rank ``held[b] - n + i``) sees a column iff the column
+    holds an entry of rank ``r`` with ``rank - window < r <= rank``.
+    ``lengths``/``held`` are host sequences or int32 ``[B]`` arrays, so the
+    mask can be built inside compiled code.
+    """
+    ln = lengths if isinstance(lengths, mx.array) else mx.array(lengths, dtype=mx.int32)
+    hd = held if isinstance(held, mx.array) else mx.array(held, dtype=mx.int32)
+    holds, rank = _ranks(ln, hd, keep, capacity, width)
+    q = (hd[:, None] - n + mx.arange(n, dtype=mx.int32)[None, :])[:, :, None]  # [B, n, 1]
+    r = rank[:, None, :]
+    mask = holds[:, None, :] & (r <= q) & (q - r < window)
+    return mask[:, None]
+
+
+# --- bookkeeping ---------------------------------------------------------------
+
+
+def _evicted(n: int, h: int, max_size: int, keep: int) -> int:
+    """Tokens a row holds once it has dropped down to ``max_size - 1`` (kept prefix stays)."""
+    nk = min(keep, n)
+    return nk + min(h - nk, max(0, max_size - 1 - nk))
+
+
+def _plan(state: RotatingState, N: int):
+    """Host bookkeeping of appending ``N`` tokens to every row.
+
+    Returns ``(lengths, held, kept, capacity)``: the new lengths and held
+    counts, what each row still holds of the old tokens after eviction, and
+    the capacity the new buffer gets.
+    """
+    kept = tuple(_evicted(n, h, state.max_size, state.keep)
+                 for n, h in zip(state.lengths, state.held))
+    lengths = tuple(n + N for n in state.lengths)
+    held = tuple(k + N for k in kept)
+    need = max(held)
+    C = state.capacity
+    if need > C:
+        C = min(_round_up(need, state.step), max(state.max_size, need))
+    elif C > max(state.max_size, need):
+        C = max(state.max_size, need)  # a block made the ring wider: shrink back
+    return lengths, held, kept, C
+
+
+def read_width(state: RotatingState) -> int:
+    """Columns ``read`` returns: ``min(capacity, max(lengths))``.
+
+    A row whose length fits in the capacity has never wrapped, so all it
+    holds lies below its length; beyond that, every column may hold data.
+    """
+    return min(state.capacity, max(state.lengths, default=0))
+
+
+# --- moving data ----------------------------------------------------------------
+
+
+def _relayout(planes, lengths, held, keep: int, old_c: int, new_c: int):
+    """Planes of capacity ``new_c`` holding the same entries at their new columns."""
+    if not planes or old_c == new_c:
+        return tuple(planes)
+    if old_c == 0:
+        return tuple(mx.zeros((p.shape[0], p.shape[1], new_c, p.shape[3]), p.dtype)
+                     for p in planes)
+    if max(lengths, default=0) <= min(old_c, new_c):
+        # No row has wrapped: col(p) = p under both capacities.
+        if new_c < old_c:
+            return tuple(p[:, :, :new_c, :] for p in planes)
+        return tuple(mx.concatenate(
+            [p, mx.zeros((p.shape[0], p.shape[1], new_c - old_c, p.shape[3]), p.dtype)], axis=2)
+            for p in planes)
+    ln, hd = np.array(lengths, np.int64), np.array(held, np.int64)
+    holds, rank = _ranks(ln, hd, keep, new_c, new_c)
+    src = column_of(_position_of_rank(rank, ln, hd, keep), keep, old_c)
+    src = np.where(holds, src, 0).astype(np.int32)  # unheld columns: anything (never read)
+    return _gather(planes, src)
+
+
+def _gather(planes, src):
+    """Each plane's columns ``src`` (``[B, W]`` host ints), per row."""
+    idx = mx.array(src, dtype=mx.int32)[:, None, :, None]
+    return tuple(
+        mx.take_along_axis(p, mx.broadcast_to(idx, (p.shape[0], p.shape[1], idx.shape[2],
+                                                    p.shape[3])), axis=2)
+        for p in planes)
+
+
+def _write(plane, new, cols):
+    """Write ``new`` ``[B, H, N, D]`` at per-row columns ``cols`` (``[B, N]`` host ints)."""
+    N = new.shape[2]
+    first = cols[0]
+    if all(c == first for c in cols) and first == list(range(first[0], first[0] + N)):
+        return mx.slice_update(plane, new, mx.array([first[0]], dtype=mx.int32), (2,))
+    idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
+    return mx.put_along_axis(plane, mx.broadcast_to(idx, new.shape), new, axis=2)
+
+
+# --- append / read / fetch ---------------------------------------------------------
+
+
+@ops.append.register
+def _(state: RotatingState, k, v):
+    dense.validate_tokens(state, k, v)
+    N = k.shape[2]
+    lengths, held, kept, C = _plan(state, N)
+    if state.keys is None:
+        planes = tuple(mx.zeros((x.shape[0], x.shape[1], C, x.shape[3]), x.dtype) for x in (k, v))
+    else:
+        planes = _relayout(state.planes, state.lengths, kept, state.keep, state.capacity, C)
+    pos = np.array(state.lengths, np.int64)[:, None] + np.arange(N)[None, :]
+    cols = column_of(pos, state.keep, C).tolist()
+    keys, values = (_write(p, x, cols) for p, x in zip(planes, (k, v)))
+    return attrs.evolve(state, lengths=lengths, held=held, keys=keys, values=values)
+
+
+def read(state: RotatingState):
+    """``(keys, values)`` the model attends over: columns ``[0, read_width)``, ring order.
+
+    This is what ``next_mask`` (before an append) and ``attend`` lay their
+    masks over. mlx-lm's ring also hands the model its buffer in ring order.
+    """
+    check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    w = read_width(state)
+    if w == state.capacity:
+        return state.keys, state.values
+    return state.keys[:, :, :w, :], state.values[:, :, :w, :]
+
+
+def update_and_read(state: RotatingState, k, v):
+    """Append, then read: ``(new_state, keys, values)`` for an mlx-lm cache shell.
+
+    The bridge's ``update_and_fetch(k, v)`` returns ``keys, values`` from
+    here; its ``make_mask(N, window_size)``, called before, answers
+    ``ops.next_mask(state, N, memo=..., window=window_size)``, whose mask is
+    laid out over exactly these columns. ``attend`` on ``new_state`` is this
+    read under that mask.
+    """
+    new = ops.append(state, k, v)
+    keys, values = read(new)
+    return new, keys, values
+
+
+@ops.fetch.register
+def _(state: RotatingState):
+    """``(keys, values)`` ``[B, H, width, D]``: each row's held entries in temporal
+    order; rows holding fewer are left-padded with zeros so every row ends at ``width``."""
+    check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    W = state.width
+    ln, hd = np.array(state.lengths, np.int64), np.array(state.held, np.int64)
+    rank = np.arange(W)[None, :] - (W - hd)[:, None]
+    pad = rank < 0
+    src = column_of(_position_of_rank(np.maximum(rank, 0), ln, hd, state.keep), state.keep,
+                    state.capacity)
+    out = _gather(state.planes, np.where(pad, 0, src))
+    if pad.any():
+        keepm = mx.array(~pad)[:, None, :, None]
+        out = tuple(mx.where(keepm, x, mx.zeros((), x.dtype)) for x in out)
+    return out
+
+
+def from_temporal(keys, values, *, lengths, max_size: int, keep: int = 0, held=None,
+                  step: int = 256) -> RotatingState:
+    """A ``RotatingState`` holding ``keys``/``values`` ``[B, H, S, D]`` given in temporal order.
+
+    Row ``b`` holds its last ``held[b]`` columns (default: all ``S``) and has
+    seen ``lengths[b]`` tokens, as ``fetch`` lays rows out; so
+    ``from_temporal(*fetch(s), lengths=s.lengths, held=s.held, ...)`` rebuilds
+    ``s``. An mlx-lm ``RotatingKVCache`` converts with its temporal-order
+    buffer, ``offset`` and ``keep``.
+    """
+    dense._check_kv("keys", keys, "values", values)
+    max_size, keep, step = _check_ring(max_size, keep, step)
+    B, _, S, _ = keys.shape
+    check(B >= 1, "keys batch size", ">= 1", B)
+    lengths = per_row(lengths, B, "lengths")
+    held = per_row(S if held is None else held, B, "held")
+    for b, (n, h) in enumerate(zip(lengths, held)):
+        check(h <= min(n, S), f"held[{b}]", f"<= min(lengths[{b}]={n}, stored columns={S})", h)
+        if n <= keep:
+            check(h == n, f"held[{b}]", f"{n} (a row inside its kept prefix holds it all)", h)
+        else:
+            check(h >= keep, f"held[{b}]", f">= keep={keep} (the kept prefix is never evicted)", h)
+    C = max(held)
+    ln, hd = np.array(lengths, np.int64), np.array(held, np.int64)
+    holds, rank = _ranks(ln, hd, keep, C, C)
+    src = np.where(holds, S - hd[:, None] + rank, 0)
+    planes = _gather((keys, values), src)
+    return RotatingState(lengths, held, max_size=max_size, keep=keep, step=step,
+                         keys=planes[0], values=planes[1])
+
+
+@ops.positions.register
+def _(state: RotatingState):
+    return None if len(set(state.lengths)) <= 1 else mx.array(state.lengths, dtype=mx.int32)
+
+
+@dense.geometry.register
+def _(state: RotatingState):
+    if state.keys is None:
+        return None
+    return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
+
+
+# --- masks and attention ------------------------------------------------------------
+
+
+def _window(state, window):
+    if window is None:
+        return state.max_size
+    w = as_int(window, "window")
+    check(w >= 1, "window", ">= 1", w)
+    return w
+
+
+def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo, w: int):
+    """The mask for the last ``n`` entries of rows ``lengths``/``held`` over the
+    read of a ring of ``capacity`` (``state`` gives ``keep`` and ``max_size``).
+
+    No array when none is needed: one query seeing every read column (each
+    row holds ``width`` entries, all inside the window) gets ``None``;
+    several queries over rows that hold everything they have seen, in order
+    from column 0, get ``"causal"``.
+    """
+    width = min(capacity, max(lengths))
+    if n == 1 and all(h == width for h in held) and w >= width:
+        return None, None
+    if n > 1 and all(h == width for h in held) and lengths == held and w >= width:
+        return "causal", None
+    family = "ring" if w == state.max_size else "ring-window"
+    key = MaskKey(family, (n, lengths, held, state.keep, capacity, width, w))
+    lease_ = lease(memo, key, lambda: ring_mask(n, lengths, held, keep=state.keep,
+                                                capacity=capacity, width=width, window=w))
+    return lease_.mask, lease_
+
+
+@ops.next_mask.register
+def _(state: RotatingState, n, *, memo=None, window=None):
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    lengths, held, _, capacity = _plan(state, n)
+    return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window))
+
+
+@ops.attend.register
+def _(state: RotatingState, q, *, scale: float, memo=None, window=None):
+    geo = dense.geometry(state)
+    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+    H, Dk, _, dtype = geo
+    if not isinstance(q, mx.array):
+        raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
+    check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
+    check(q.shape[0] == state.batch_size, "q batch size", state.batch_size, q.shape[0])
+    check(q.shape[3] == Dk, "q head dim (shape[3])", Dk, q.shape[3])
+    check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
+          q.shape[1])
+    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    n = q.shape[2]
+    check(n >= 1, "q tokens (shape[2])", ">= 1", n)
+    short = min(state.held)
+    check(n <= short, "q tokens (shape[2])",
+          f"<= {short}, the fewest any row holds (queries are each row's last N entries)", n)
+    w = _window(state, window)
+    keys, values = read(state)
+    mask, held = _read_mask(state.lengths, state.held, state.capacity, state, n, memo, w)
+    try:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    finally:
+        if held is not None:
+            held.release()
+
+
+# --- trim, checkpoint, rollback ---------------------------------------------------------
+
+
+def _trim_to(state: RotatingState, target, arg: str) -> RotatingState:
+    """Rows back to ``target`` tokens seen, where the ring still holds what that needs.
+
+    Going back to ``t`` tokens is exact when the row then holds what any
+    later append reads of its past: its kept prefix and the newest
+    ``max_size - 1 - keep`` positions before ``t`` (or all of them). That is
+    every ``t`` when nothing was evicted, ``t <= keep``, or
+    ``t - start >= max_size - 1 - keep``; anything else was evicted and
+    cannot come back.
+    """
+    keep, ms = state.keep, state.max_size
+    held = []
+    for b, (t, n, h, s) in enumerate(zip(target, state.lengths, state.held, state.starts)):
+        check(t <= n, f"{arg} for row {b}", f"<= {n} (tokens the row has seen)", t)
+        if t <= keep or h == n:  # inside the kept prefix, or nothing was evicted
+            held.append(t)
+            continue
+        lowest = s + max(0, ms - 1 - keep)
+        if t < lowest:
+            raise bad(f"{arg} for row {b}",
+                      f">= {lowest} or <= {keep} (the ring holds positions {s}..{n - 1}, and "
+                      f"the next append needs the {ms - 1 - keep} before it)", t)
+        held.append(keep + t - s)
+    return attrs.evolve(state, lengths=tuple(target), held=tuple(held))
+
+
+@ops.trim.register
+def _(state: RotatingState, n):
+    n = per_row(n, state.batch_size, "n")
+    return _trim_to(state, tuple(m - k for m, k in zip(state.lengths, n)), "lengths - n")
+
+
+@ops.checkpoint.register
+def _(state: RotatingState):
+    """Tokens seen per row (``Checkpoint.lengths``); ring rows never pad."""
+    return Checkpoint(state.lengths, state.left_pad)
+
+
+@ops.rollback.register
+def _(state: RotatingState, checkpoint, keep=0):
+    if not isinstance(checkpoint, Checkpoint):
+        raise bad("checkpoint", "a Checkpoint", type(checkpoint).__name__)
+    check(checkpoint.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
+          checkpoint.batch_size)
+    check(checkpoint.left_pad == state.left_pad, "checkpoint left_pad",
+          f"{state.left_pad} (a ring's rows never pad)", checkpoint.left_pad)
+    keep = per_row(keep, state.batch_size, "keep")
+    target = tuple(c + k for c, k in zip(checkpoint.lengths, keep))
+    return _trim_to(state, target, "checkpoint + keep")
+
+
+# --- rows: merge, filter, extract --------------------------------------------------------
+
+
+@ops.filter_rows.register
+def _(state: RotatingState, rows):
+    if isinstance(rows, mx.array):
+        rows = rows.tolist()
+    if not isinstance(rows, (list, tuple)):
+        raise bad("rows", "a list of row indices", type(rows).__name__)
+    check(len(rows) >= 1, "rows", "at least one row index", "none")
+    rows = [dense._row_index(r, state.batch_size, f"rows[{i}]") for i, r in enumerate(rows)]
+    keys, values = state.keys, state.values
+    if keys is not None and rows != list(range(state.batch_size)):
+        idx = mx.array(rows, dtype=mx.int32)
+        keys, values = keys[idx], values[idx]
+    return attrs.evolve(state, lengths=tuple(state.lengths[r] for r in rows),
+                        held=tuple(state.held[r] for r in rows), keys=keys, values=values)
+
+
+@ops.extract_row.register
+def _(state: RotatingState, row):
+    """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
+    row = dense._row_index(row, state.batch_size, "row")
+    one = attrs.evolve(state, lengths=(state.lengths[row],), held=(state.held[row],),
+                       keys=None, values=None)
+    if state.keys is None:
+        return one
+    h = state.held[row]
+    planes = _relayout(tuple(p[row:row + 1] for p in state.planes), one.lengths, one.held,
+                       state.keep, state.capacity, h)
+    keys, values = (mx.contiguous(p) for p in planes)
+    return attrs.evolve(one, keys=keys, values=values)
+
+
+@ops._merge.register
+def _(first: RotatingState, states):
+    dense.check_same_geometry(states, ("max_size", "keep"))
+    C = max(s.capacity for s in states)
+    full = [s for s in states if s.keys is not None]
+    keys = values = None
+    if full:
+        ref = full[0]
+        parts = []
+        for s in states:
+            if s.keys is None:
+                parts.append(tuple(mx.zeros((s.batch_size, p.shape[1], C, p.shape[3]), p.dtype)
+                                   for p in ref.planes))
+            else:
+                parts.append(_relayout(s.planes, s.lengths, s.held, s.keep, s.capacity, C))
+        keys = mx.concatenate([p[0] for p in parts], axis=0)
+        values = mx.concatenate([p[1] for p in parts], axis=0)
+    return attrs.evolve(first, lengths=sum((s.lengths for s in states), ()),
+                        held=sum((s.held for s in states), ()), keys=keys, values=values)

@@ -1,0 +1,145 @@
+"""Differential: RotatingState against mlx-lm's RotatingKVCache, same process,
+same inputs.
+
+What a model sees must match after every append of 1 or more tokens: the
+entries a row holds (``kv.fetch``, temporal order, against the cache's
+buffer put in temporal order) bit for bit, and the attention output of
+``kv.attend`` against mlx-lm's ``make_mask`` (called before
+``update_and_fetch``, as a model does) + fused SDPA, float32.
+
+One exception, measured: mlx-lm's single-token mask for a window smaller
+than the ring rolls a ring that ignores ``keep`` (with ``keep > 0`` a query
+can miss itself, see ``test_mlx_lm_window_mask_ignores_keep``). There,
+kvstate is compared against the numpy reference of the semantics mlx-lm's
+block mask uses (``RefRing``); everywhere else against both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+from hypothesis import given, strategies as st
+from mlx_lm.models.cache import RotatingKVCache
+
+import kvstate as kv
+from kvstate.rotating import read_width, update_and_read
+
+from _ring import RefRing, rand, rows_of
+
+H, HQ, D = 2, 4, 8
+SCALE = D ** -0.5
+
+
+def mlx_temporal(cache):
+    """The entries an mlx-lm ring holds, in temporal order (its own reordering)."""
+    k = cache._temporal_order(cache.keys)
+    v = cache._temporal_order(cache.values)
+    n = min(cache.offset, k.shape[2])
+    return np.array(k[0, :, :n]), np.array(v[0, :, :n])
+
+
+def mlx_buggy(n, keep, window, max_size):
+    return n == 1 and keep > 0 and window is not None and window < max_size
+
+
+rings = st.sampled_from([(1, 0), (2, 0), (2, 1), (4, 0), (4, 2), (5, 1), (7, 3), (8, 0), (8, 4)])
+appends = st.lists(st.sampled_from([1, 1, 1, 1, 2, 3, 5, 9]), min_size=1, max_size=14)
+
+
+@given(ring=rings, sizes=appends, window=st.sampled_from([None, None, 1, 2, 3, 6, 20]),
+       step=st.sampled_from([3, 256]), seed=st.integers(0, 2**16))
+def test_one_row_equals_rotating_kv_cache(ring, sizes, window, step, seed):
+    max_size, keep = ring
+    rng = np.random.default_rng(seed)
+    cache = RotatingKVCache(max_size, keep)
+    ref = RefRing(max_size, keep)
+    s = kv.rotating(1, max_size=max_size, keep=keep, step=step)
+    for n in sizes:
+        k, v, q = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D), rand(rng, 1, HQ, n, D)
+        mask = cache.make_mask(n, window_size=window)
+        ck, cv = cache.update_and_fetch(mx.array(k), mx.array(v))
+        want = mx.fast.scaled_dot_product_attention(mx.array(q), ck, cv, scale=SCALE, mask=mask)
+        ref.append(k[0], v[0])
+        s = kv.append(s, mx.array(k), mx.array(v))
+        got = kv.attend(s, mx.array(q), scale=SCALE, window=window)
+
+        # What the row holds: same entries, same order, same bits.
+        (gk, gv), = rows_of(s)
+        mk, mv = mlx_temporal(cache)
+        np.testing.assert_array_equal(gk, mk)
+        np.testing.assert_array_equal(gv, mv)
+        assert s.lengths == (cache.offset,)
+        assert read_width(s) <= max(max_size, s.held[0])
+
+        np.testing.assert_allclose(np.array(got)[0], ref.attend(q[0], SCALE, window), atol=2e-5)
+        if not mlx_buggy(n, keep, window, max_size):
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+
+
+@given(ring=rings, sizes=appends, cut=st.integers(0, 12), seed=st.integers(0, 2**16))
+def test_trim_equals_rotating_kv_cache_where_mlx_lm_can_trim(ring, sizes, cut, seed):
+    """mlx-lm trims only before anything is evicted (``is_trimmable``); there both agree,
+    and appends after the trim agree too."""
+    max_size, keep = ring
+    rng = np.random.default_rng(seed)
+    cache = RotatingKVCache(max_size, keep)
+    s = kv.rotating(1, max_size=max_size, keep=keep)
+    for n in sizes:
+        k = rand(rng, 1, H, n, D)
+        cache.update_and_fetch(mx.array(k), mx.array(k))
+        s = kv.append(s, mx.array(k), mx.array(k))
+        if cache.is_trimmable() and cut:
+            m = min(cut, cache.offset)
+            assert cache.trim(m) == m
+            s = kv.trim(s, m)
+        (gk, _), = rows_of(s) if s.held[0] else [(np.zeros((H, 0, D), np.float32), None)]
+        mk, _ = mlx_temporal(cache) if cache.offset else (np.zeros((H, 0, D), np.float32), None)
+        np.testing.assert_array_equal(gk, mk)
+
+
+@given(ring=rings, sizes=appends, window=st.sampled_from([None, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_shell_protocol_next_mask_then_update_and_read(ring, sizes, window, seed):
+    """The bridge's path: ``next_mask`` before the append, ``update_and_read`` after,
+    fused SDPA over that read: equals mlx-lm's cache driven the same way."""
+    max_size, keep = ring
+    rng = np.random.default_rng(seed)
+    cache = RotatingKVCache(max_size, keep)
+    s = kv.rotating(1, max_size=max_size, keep=keep)
+    memo = kv.MaskMemo()
+    for n in sizes:
+        k, v, q = (mx.array(rand(rng, 1, h, n, D)) for h in (H, H, HQ))
+        mask, held = kv.ops.next_mask(s, n, memo=memo, window=window)
+        s, keys, values = update_and_read(s, k, v)
+        got = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE, mask=mask)
+        if held is not None:
+            assert mask.shape[-1] == keys.shape[2]
+            held.release()
+        np.testing.assert_allclose(np.array(got),
+                                   np.array(kv.attend(s, q, scale=SCALE, window=window)),
+                                   atol=1e-6)
+        mmask = cache.make_mask(n, window_size=window)
+        ck, cv = cache.update_and_fetch(k, v)
+        if not mlx_buggy(n, keep, window, max_size):
+            want = mx.fast.scaled_dot_product_attention(q, ck, cv, scale=SCALE, mask=mmask)
+            np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
+    assert memo.live == 0
+
+
+def test_mlx_lm_window_mask_ignores_keep():
+    """The measured mlx-lm behaviour that the parity tests step around."""
+    cache = RotatingKVCache(6, keep=2)
+    s = kv.rotating(1, max_size=6, keep=2)
+    for p in range(7):
+        mask = cache.make_mask(1, window_size=3)
+        x = mx.full((1, 1, 1, 1), float(p))
+        k, _ = cache.update_and_fetch(x, x)
+        s = kv.append(s, x, x)
+    # The 7th token (position 6) went to column 2; mlx-lm's mask hides column 2.
+    assert np.array(k).reshape(-1).tolist()[2] == 6.0
+    assert not np.array(mask)[2]
+    # kvstate: position 6 sees itself and the two entries before it (4, 5).
+    got, _ = kv.ops.next_mask(kv.trim(s, 1), 1, window=3)
+    (seen,) = rows_of(kv.trim(s, 0))
+    cols = np.array(got).reshape(-1)
+    assert sorted(np.array(s.keys).reshape(-1)[cols].tolist()) == [4.0, 5.0, 6.0]
