@@ -77,13 +77,17 @@ def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
 
 
 def _check_kv(arg_k, k, arg_v, v):
+    # Messages are formatted only on failure: this runs on every append.
     for arg, x in ((arg_k, k), (arg_v, v)):
         if not isinstance(x, mx.array):
             raise bad(arg, "an mx.array [B, H, N, D]", type(x).__name__)
-        check(x.ndim == 4, f"{arg} rank", "4 ([B, H, N, D])", f"{x.ndim} {list(x.shape)}")
-    check(v.shape[:3] == k.shape[:3], f"{arg_v} shape[:3]", f"{list(k.shape[:3])} as {arg_k}",
-          list(v.shape[:3]))
-    check(v.dtype == k.dtype, f"{arg_v} dtype", f"{k.dtype} as {arg_k}", v.dtype)
+        if x.ndim != 4:
+            raise bad(f"{arg} rank", "4 ([B, H, N, D])", f"{x.ndim} {list(x.shape)}")
+    ks, vs = k.shape, v.shape
+    if vs[:3] != ks[:3]:
+        raise bad(f"{arg_v} shape[:3]", f"{list(ks[:3])} as {arg_k}", list(vs[:3]))
+    if v.dtype != k.dtype:
+        raise bad(f"{arg_v} dtype", f"{k.dtype} as {arg_k}", v.dtype)
 
 
 def from_arrays(keys, values, *, lengths=None, left_pad=None, step: int = 256) -> CacheState:
@@ -108,14 +112,15 @@ def from_arrays(keys, values, *, lengths=None, left_pad=None, step: int = 256) -
 def validate_tokens(state, k, v):
     """Host checks of new tokens against the record's batch and geometry."""
     _check_kv("k", k, "v", v)
-    check(k.shape[0] == state.batch_size, "k batch size", state.batch_size, k.shape[0])
-    check(k.shape[2] >= 1, "k tokens (shape[2])", ">= 1", k.shape[2])
+    (B, Hk, N, dk), dv = k.shape, v.shape[3]
+    check(B == state.batch_size, "k batch size", state.batch_size, B)
+    check(N >= 1, "k tokens (shape[2])", ">= 1", N)
     geo = geometry(state)
     if geo is not None:
         H, Dk, Dv, dtype = geo
-        check(k.shape[1] == H, "k heads (shape[1])", H, k.shape[1])
-        check(k.shape[3] == Dk, "k head dim (shape[3])", Dk, k.shape[3])
-        check(v.shape[3] == Dv, "v head dim (shape[3])", Dv, v.shape[3])
+        check(Hk == H, "k heads (shape[1])", H, Hk)
+        check(dk == Dk, "k head dim (shape[3])", Dk, dk)
+        check(dv == Dv, "v head dim (shape[3])", Dv, dv)
         check(k.dtype == dtype, "k dtype", dtype, k.dtype)
 
 
