@@ -49,7 +49,7 @@ DIGEST_KEY = "kvstate.model.digest"
 RECORDS = {cls.__name__: cls for cls in (
     records.CacheState,
     records.QuantizedState,
-    *((records.RotatingState,) if hasattr(records, "RotatingState") else ()),
+    records.RotatingState,
 )}
 
 

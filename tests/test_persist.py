@@ -19,8 +19,18 @@ from kvstate import persist
 
 import tiny_models as tm
 
-HAS_RING = hasattr(kv, "RotatingState")
-NO_RING = "kv.RotatingState has not landed yet"
+
+
+def _bridge_converts_rings():
+    try:
+        br.from_prompt_cache([lm_cache.RotatingKVCache(max_size=4)])
+        return True
+    except kv.KVStateError:
+        return False
+
+
+RING_FILES = _bridge_converts_rings()
+NO_RING_FILES = "kvstate.mlx_lm.from_prompt_cache does not convert RotatingKVCache yet"
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -127,7 +137,6 @@ def test_round_trip_is_exact_after_any_ops(kind, lengths, ops):
     assert_same_record(s, got)
 
 
-@pytest.mark.skipif(not HAS_RING, reason=NO_RING)
 def test_round_trip_rotating(tmp_path):
     s = kv.rotating(2, max_size=8, keep=2)
     for i, n in enumerate([5, 1, 1, 4, 1, 1, 1]):
@@ -199,7 +208,7 @@ def test_mlx_lm_batch_file_continues_identically(tmp_path):
     assert states[0].left_pad == (0, 5, 3) and states[0].lengths == (10, 5, 7)
 
 
-@pytest.mark.skipif(not HAS_RING, reason=NO_RING)
+@pytest.mark.skipif(not RING_FILES, reason=NO_RING_FILES)
 def test_mlx_lm_rotating_file_continues_identically(tmp_path):
     model = tm.gemma3_model(seed=7, sliding_window=8)
     caches = lm_cache.make_prompt_cache(model)
@@ -230,6 +239,24 @@ def test_load_refuses_another_geometry(tmp_path):
     lm_cache.save_prompt_cache(str(tmp_path / "lm.safetensors"), caches)
     with pytest.raises(kv.KVStateError, match="geometry"):
         kv.load(tmp_path / "lm.safetensors", model=other)
+
+
+def test_load_checks_sliding_layers_hold_rings_of_the_window(tmp_path):
+    model = tm.gemma3_model(seed=2, layers=4, sliding_window=8)
+    _, states = br.prefill(model, [tm.prompt(3, 11)])
+    assert isinstance(states[0], kv.RotatingState) and states[0].max_size == 8
+    kv.save(tmp_path / "g.safetensors", states)
+    got, _ = kv.load(tmp_path / "g.safetensors", model=model)
+    for a, b in zip(states, got):
+        assert_same_record(a, b)
+    wider = tm.gemma3_model(seed=2, layers=4, sliding_window=16)
+    with pytest.raises(kv.KVStateError, match=r"states\[0\]: expected a ring of max_size=16"):
+        kv.load(tmp_path / "g.safetensors", model=wider)
+    dense_only = [kv.from_arrays(*kv.fetch(s)) if isinstance(s, kv.RotatingState) else s
+                  for s in states]
+    kv.save(tmp_path / "d.safetensors", dense_only)
+    with pytest.raises(kv.KVStateError, match="sliding-window layer"):
+        kv.load(tmp_path / "d.safetensors", model=model)
 
 
 def test_load_refuses_wrong_dtype(tmp_path):
