@@ -114,6 +114,28 @@ def test_append_does_not_change_the_input(rng):
         assert_unchanged(state, before)
 
 
+def test_append_never_writes_into_the_callers_arrays(rng):
+    # from_arrays wraps the caller's arrays; rows short of capacity get written
+    # within it, which must copy while the caller still holds them
+    k, v = rand(rng, 2, H, 6, D), rand(rng, 2, H, 6, D)
+    keys, values = mx.array(k), mx.array(v)
+    s = kv.from_arrays(keys, values, lengths=[2, 4])
+    for _ in range(2):
+        new = rand(rng, 2, H, 1, D)
+        s = kv.append(s, mx.array(new), mx.array(new))
+        mx.eval(*s.planes)
+    np.testing.assert_array_equal(np_of(keys), k)
+    np.testing.assert_array_equal(np_of(values), v)
+    assert s.lengths == (4, 6)
+    # one array as both keys and values
+    shared = mx.array(k)
+    s = kv.from_arrays(shared, shared, lengths=[3, 3])
+    s = kv.append(s, mx.zeros((2, H, 1, D)), mx.ones((2, H, 1, D)))
+    mx.eval(*s.planes)
+    np.testing.assert_array_equal(np_of(shared), k)
+    assert (np_of(s.keys)[:, :, 3] == 0).all() and (np_of(s.values)[:, :, 3] == 1).all()
+
+
 # --- fetch / positions --------------------------------------------------------
 
 
