@@ -196,11 +196,11 @@ def _parser():
     g = sub.add_parser("generate", help="continuous batched generation on kvstate records")
     g.add_argument("--model", type=Path, help="a local mlx-lm model directory "
                    "(default: a built-in tiny llama with seeded random weights)")
-    g.add_argument("--requests", type=int, default=24, help="number of requests (24)")
-    g.add_argument("--prompt-len", type=_range, default=(16, 96), metavar="LO:HI",
-                   help="prompt lengths, uniform (16:96)")
-    g.add_argument("--gen-len", type=_range, default=(8, 64), metavar="LO:HI",
-                   help="tokens generated per request, uniform (8:64)")
+    g.add_argument("--requests", type=int, default=16, help="number of requests (16)")
+    g.add_argument("--prompt-len", type=_range, default=(16, 64), metavar="LO:HI",
+                   help="prompt lengths, uniform (16:64)")
+    g.add_argument("--gen-len", type=_range, default=(8, 48), metavar="LO:HI",
+                   help="tokens generated per request, uniform (8:48)")
     g.add_argument("--batch-size", type=int, default=8, help="most rows decoded at once (8)")
     g.add_argument("--arrival-gap", type=int, default=2,
                    help="mean decode steps between arrivals (2)")
@@ -238,6 +238,7 @@ def _load_model(args):
         return tiny_llama(args.seed), "tiny llama (random weights, float32)"
     from mlx_lm.utils import load_model
 
+    args.model = args.model.expanduser()
     if not (args.model / "config.json").is_file():
         raise SystemExit(f"kvstate generate: --model {args.model}: no config.json there "
                          "(expected a local mlx-lm model directory)")

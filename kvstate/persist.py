@@ -325,7 +325,7 @@ def model_digest(model_path) -> str:
     files (name and content digest of each, sorted by name)."""
     if not isinstance(model_path, (str, os.PathLike)):
         raise bad("model_path", "a model directory", type(model_path).__name__)
-    root = Path(model_path)
+    root = Path(model_path).expanduser()
     check(root.is_dir(), "model_path", "an existing directory", os.fspath(model_path))
     files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
     check(bool(files), "model_path", "a directory holding *.safetensors weight files",
