@@ -1,0 +1,715 @@
+"""The compile boundary: records into and out of an ``mx.compile``'d step.
+
+``mx.compile`` takes trees of arrays, not ``attrs`` records, and anything
+that is not an array (a Python int, a tuple of row lengths) is frozen into
+the trace. So a record crosses the boundary in two parts::
+
+    record ──flatten──▶ Flat (arrays, traced)  +  Spec (static, hashable)
+                              │
+                 compiled step: positions are int32 arrays,
+                 capacity C is fixed, writes are per-row scatters
+                              │
+    record ◀─unflatten── Flat' (arrays)  +  Spec  +  host lengths
+
+``Flat`` is a plain tuple ``(planes, ends, left_pad)``:
+
+    planes    every stored array, each ``[B, H, C, *]`` (2 dense, 6 quantized)
+    ends      int32 ``[B]``: the column the next token of each row goes to
+    left_pad  int32 ``[B]``: the first column each row holds
+
+``Spec`` is what changes the traced Python: the record kind, ``step``,
+``group_size``/``bits``. The capacity is in the arrays' shapes, so
+``mx.compile`` traces once per capacity *bucket* (a multiple of ``step``),
+never once per token. Growth to the next bucket, and every check that a
+write stays inside the bucket (MLX's dynamic scatter does not bounds-check),
+happen on the host, outside the compiled function.
+
+A decode step for mlx-lm models built on this boundary::
+
+    decode = compiled_decoder(model)
+    logits, states = decode(tokens, states)    # tokens [B], logits [B, V]
+
+``decode`` flattens the records, runs the whole model forward and every
+state update in one compiled function (one per static key), and unflattens
+the results with host-side lengths advanced by one; records in, records out,
+the input records unchanged. ``decode.traces`` counts Python executions of
+the traced function. Decisions and measurements are in ``notes/compile.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import NamedTuple, Optional, Sequence
+
+import attrs
+import mlx.core as mx
+
+from . import dense
+from .rotating import _plan as ring_plan, _relayout as ring_relayout, column_of, ring_mask
+from .errors import as_int, bad, check
+from .masks import rows_mask
+from .records import CacheState, QuantizedState, RotatingState, _Rows
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+# --- the boundary ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Spec:
+    """The static half of a flattened record (hashable; part of the compile key).
+
+    Attributes:
+        kind: ``"dense"``, ``"quantized"`` or ``"rotating"``.
+        step: capacity buckets are multiples of this.
+        group_size: quantization group (0 unless quantized).
+        bits: quantization bits (0 unless quantized).
+        max_size: ring window (0 unless rotating).
+        keep: ring positions never evicted (0 unless rotating).
+    """
+
+    kind: str
+    step: int
+    group_size: int = 0
+    bits: int = 0
+    max_size: int = 0
+    keep: int = 0
+
+
+class Flat(NamedTuple):
+    """The array half of a flattened record: ``(planes, positions)``.
+
+    ``planes``: every stored array, each ``[B, H, C, *]``. ``positions``:
+    int32 ``[B]`` arrays, ``(ends, left_pad)`` for dense and quantized rows,
+    ``(lengths, held)`` for rings. A ``NamedTuple`` is a tuple to
+    ``mx.compile``.
+    """
+
+    planes: tuple
+    positions: tuple
+
+
+def spec_of(state) -> Spec:
+    """The static key of ``state``."""
+    if isinstance(state, QuantizedState):
+        return Spec("quantized", state.step, state.group_size, state.bits)
+    if isinstance(state, CacheState):
+        return Spec("dense", state.step)
+    if isinstance(state, RotatingState):
+        return Spec("rotating", state.step, max_size=state.max_size, keep=state.keep)
+    raise bad("state", "a CacheState, QuantizedState or RotatingState", type(state).__name__)
+
+
+def with_capacity(state, capacity: int):
+    """``state`` with planes of exactly ``capacity`` columns (host side, never traced).
+
+    Dense rows grow by appending zero columns (or drop spare columns past
+    ``width``); ``capacity`` must be a multiple of ``step`` and hold ``width``.
+    Rings are laid out again for the new capacity (``col(p)`` depends on it).
+    """
+    capacity = as_int(capacity, "capacity")
+    check(state.planes != (), "state", "a state holding keys (append first)", "an empty state")
+    C = state.capacity
+    if C == capacity:
+        return state
+    if isinstance(state, RotatingState):
+        check(capacity >= state.width, "capacity", f">= {state.width} (entries a row holds)",
+              capacity)
+        planes = ring_relayout(state.planes, state.lengths, state.held, state.keep, C,
+                                    capacity)
+        return attrs.evolve(state, keys=planes[0], values=planes[1])
+    check(capacity % state.step == 0, "capacity", f"a multiple of step={state.step}", capacity)
+    check(capacity >= state.width, "capacity", f">= {state.width} (the stored width)", capacity)
+    B = state.batch_size
+    if C < capacity:
+        planes = tuple(
+            mx.concatenate([p, mx.zeros((B, p.shape[1], capacity - C, p.shape[3]), p.dtype)],
+                           axis=2)
+            for p in state.planes)
+    else:
+        planes = tuple(mx.contiguous(p[:, :, :capacity, :]) for p in state.planes)
+    return dense.with_planes(state, planes)
+
+
+def prepare(state, n: int = 1):
+    """``state`` laid out in the bucket a compiled step writing ``n`` tokens uses.
+
+    Dense rows keep their capacity when every row has room for ``n`` more,
+    else grow to the next multiple of ``step`` that does: a T-token loop
+    visits at most ``ceil(T / step) + 1`` buckets. A ring takes the capacity
+    its next append would give it (growing by ``step`` up to ``max_size``)
+    and, when that changes, drops the entries that append would evict.
+    Host-side only; after this no write of the compiled step is out of range.
+    """
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    check(state.planes != (), "state", "a state holding keys (prefill first)", "an empty state")
+    if isinstance(state, RotatingState):
+        check(n == 1, "tokens per row", "1 for a RotatingState in a compiled step "
+              "(prefill blocks with kvstate.mlx_lm.forward)", n)
+        _, _, kept, C = ring_plan(state, n)
+        if C == state.capacity:
+            return state
+        planes = ring_relayout(state.planes, state.lengths, kept, state.keep,
+                                    state.capacity, C)
+        return attrs.evolve(state, held=kept, keys=planes[0], values=planes[1])
+    need = state.width + n
+    C = state.capacity
+    if C >= need and C % state.step == 0:
+        return state
+    return with_capacity(state, _round_up(need, state.step))
+
+
+def position_arrays(state) -> tuple:
+    """The int32 ``[B]`` position arrays of ``state`` (``Flat.positions``)."""
+    if isinstance(state, RotatingState):
+        return (mx.array(state.lengths, dtype=mx.int32), mx.array(state.held, dtype=mx.int32))
+    return (mx.array(state.ends, dtype=mx.int32), mx.array(state.left_pad, dtype=mx.int32))
+
+
+def layout_key(state) -> tuple:
+    """Host values that ``position_arrays`` depends on (records sharing one share arrays)."""
+    if isinstance(state, RotatingState):
+        return ("ring", state.lengths, state.held)
+    return ("rows", state.ends, state.left_pad)
+
+
+def flatten(state, *, room: int = 1, positions=None) -> tuple:
+    """``(Flat, Spec)`` of ``state``, in a bucket with room for ``room`` more tokens per row.
+
+    Host-side: validates the record, moves it to its bucket (``prepare``) and
+    builds the position arrays; ``positions`` may pass arrays already built
+    for an equal ``layout_key`` (the layers of one model share them).
+    """
+    spec = spec_of(state)
+    state = prepare(state, room)
+    if positions is None:
+        positions = position_arrays(state)
+    return Flat(state.planes, tuple(positions)), spec
+
+
+def advanced(state, n: int = 1) -> dict:
+    """Host fields of ``state`` after a compiled step appended ``n`` tokens per row."""
+    if isinstance(state, RotatingState):
+        lengths, held, _, _ = ring_plan(state, n)
+        return {"lengths": lengths, "held": held}
+    return {"lengths": tuple(m + n for m in state.lengths)}
+
+
+def unflatten(flat, template, **fields):
+    """The record ``flat`` holds, shaped like ``template`` (the prepared record
+    that was flattened) with host ``fields`` replaced (``advanced`` gives them).
+
+    ``flat`` is a ``Flat`` or just its planes (what a compiled step returns).
+    The device position arrays are never read back.
+    """
+    planes = tuple(flat.planes if isinstance(flat, Flat) else flat)
+    check(len(planes) == len(template.planes), "planes", f"{len(template.planes)} arrays",
+          len(planes))
+    if isinstance(template, RotatingState):
+        return attrs.evolve(template, keys=planes[0], values=planes[1], **fields)
+    out = dense.with_planes(template, planes, **fields)
+    C = planes[0].shape[2]
+    check(out.width <= C, "lengths", f"rows ending at most at the capacity {C}", out.ends)
+    return out
+
+
+# --- inside the compiled region: the mlx-lm cache protocol over a Flat -------------
+
+
+def write(plane, new, cols):
+    """Write ``new`` ``[B, H, N, *]`` into ``plane`` at columns ``cols + i`` per row.
+
+    ``cols``: int32 ``[B]``. A per-row scatter with array indices: traceable,
+    and in place when nothing else holds ``plane``. MLX does not bounds-check
+    it: the host guarantees ``cols + N <= C`` (``prepare``).
+    """
+    N = new.shape[2]
+    idx = cols[:, None, None, None] + mx.arange(N, dtype=mx.int32)[None, None, :, None]
+    return mx.put_along_axis(plane, mx.broadcast_to(idx, new.shape), new, axis=2)
+
+
+class _Step:
+    """What the shells of one traced step share: one mask per (family, layout)."""
+
+    def __init__(self, attention: str):
+        self.attention = attention
+        self.masks = {}
+
+    def mask(self, key, arrays, build):
+        key = key + tuple(id(a) for a in arrays)
+        if key not in self.masks:
+            self.masks[key] = (build(), arrays)  # hold the arrays: their ids stay unique
+        return self.masks[key][0]
+
+
+class Shell:
+    """One layer's dense rows as an mlx-lm model sees them inside a compiled step.
+
+    ``offset`` is the per-row RoPE position (int32 ``[B]``), ``update_and_fetch``
+    scatters the new tokens at the rows' ends and returns the whole
+    fixed-capacity planes, and ``make_mask`` builds the per-row mask over
+    those ``C`` columns from the position arrays. ``flat`` holds the updated
+    arrays once the model has run.
+    """
+
+    def __init__(self, flat, spec: Spec, ctx: _Step):
+        self.flat = Flat(tuple(flat[0]), tuple(flat[1]))
+        self.spec = spec
+        self._ctx = ctx
+
+    @property
+    def capacity(self) -> int:
+        return self.flat.planes[0].shape[2]
+
+    @property
+    def offset(self):
+        ends, lp = self.flat.positions
+        return ends - lp
+
+    def _new_planes(self, keys, values):
+        return (keys, values)
+
+    def update_and_fetch(self, keys, values):
+        ends, lp = self.flat.positions
+        new = self._new_planes(keys, values)
+        planes = tuple(write(p, x, ends) for p, x in zip(self.flat.planes, new))
+        self.flat = Flat(planes, (ends + keys.shape[2], lp))
+        return self._fetch()
+
+    def _fetch(self):
+        return self.flat.planes
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        ends, lp = self.flat.positions
+        C = self.capacity
+        return self._ctx.mask(("rows", N, window_size, C), (ends, lp),
+                              lambda: rows_mask(N, lp, ends + N, C, window_size))
+
+    @property
+    def state(self):
+        return self.flat.planes
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class QuantizedShell(Shell):
+    """Quantized rows: ``bits``/``group_size`` send mlx-lm to its quantized SDPA."""
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.group_size
+
+    def _new_planes(self, keys, values):
+        qk = mx.quantize(keys, group_size=self.spec.group_size, bits=self.spec.bits)
+        qv = mx.quantize(values, group_size=self.spec.group_size, bits=self.spec.bits)
+        return (*qk, *qv)
+
+    def _fetch(self):
+        p = self.flat.planes
+        return tuple(p[:3]), tuple(p[3:])
+
+
+class RingShell(Shell):
+    """A ``RotatingState`` layer: one token per row lands at ``col(lengths)``.
+
+    Eviction and the write column are array arithmetic on ``(lengths,
+    held)`` (``kvstate.rotating``'s layout math), and the mask is
+    ``rotating.ring_mask`` over all ``C`` ring columns.
+    """
+
+    @property
+    def offset(self):
+        return self.flat.positions[0]
+
+    def _after(self, N):
+        lengths, held = self.flat.positions
+        keep, ms = self.spec.keep, self.spec.max_size
+        nk = mx.minimum(lengths, keep)
+        kept = nk + mx.minimum(held - nk, mx.maximum(ms - 1 - nk, 0))
+        return lengths + N, kept + N
+
+    def update_and_fetch(self, keys, values):
+        if keys.shape[2] != 1:
+            raise bad("tokens per row", "1 for a ring in a compiled step", keys.shape[2])
+        lengths, _ = self.flat.positions
+        cols = column_of(lengths, self.spec.keep, self.capacity).astype(mx.int32)
+        planes = tuple(write(p, x, cols) for p, x in zip(self.flat.planes, (keys, values)))
+        self.flat = Flat(planes, self._after(1))
+        return planes
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        lengths, held = self.flat.positions
+        C, spec = self.capacity, self.spec
+        w = window_size or spec.max_size
+
+        def build():
+            ln, hd = self._after(N)
+            return ring_mask(N, ln, hd, keep=spec.keep, capacity=C, width=C, window=w)
+
+        return self._ctx.mask(("ring", N, w, C, spec.keep), (lengths, held), build)
+
+
+def _shell(flat, spec, ctx):
+    cls = {"dense": Shell, "quantized": QuantizedShell, "rotating": RingShell}[spec.kind]
+    return cls(flat, spec, ctx)
+
+
+# --- attention without a mask array (CUDA kernel path) --------------------------------
+
+_patch_lock = threading.Lock()
+
+
+def _attention_modules(model):
+    """The modules whose ``scaled_dot_product_attention`` global the model calls."""
+    from mlx_lm.models import base
+
+    mods = set()
+    for _, m in model.named_modules():
+        mod = sys.modules.get(type(m).__module__)
+        if mod is not None and getattr(mod, "scaled_dot_product_attention", None) is \
+                base.scaled_dot_product_attention:
+            mods.add(mod)
+    return mods
+
+
+class _routed:
+    """While tracing, route attention reads of dense shells to ``ragged_attention``.
+
+    mlx-lm's attention calls ``scaled_dot_product_attention(q, k, v, cache=...,
+    scale=..., mask=...)``, a global of the model's module. For the duration
+    of one trace only (compiled replays run no Python), that global becomes a
+    dispatcher that sends a ``Shell`` of dense rows to the mask-free kernel
+    and every other call, unchanged, to mlx-lm's function.
+    """
+
+    def __init__(self, model):
+        self.mods = _attention_modules(model)
+
+    def __enter__(self):
+        from mlx_lm.models import base
+
+        original = base.scaled_dot_product_attention
+
+        def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
+            if (type(cache) is Shell and sinks is None and queries.shape[2] == 1
+                    and cache._ctx.attention == "kernel"):
+                ends, left_pad = cache.flat.positions  # after the write
+                return ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)
+
+        _patch_lock.acquire()
+        for mod in self.mods:
+            mod.scaled_dot_product_attention = dispatch
+        self.original = original
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            for mod in self.mods:
+                mod.scaled_dot_product_attention = self.original
+        finally:
+            _patch_lock.release()
+        return False
+
+
+_KERNEL_SRC = r"""
+    constexpr int NT = 128;
+    constexpr int ELEMS = 16 / sizeof(T);
+    constexpr int LPK = D / ELEMS;
+    constexpr int G = NT / LPK;
+    __shared__ float sm_m[G][REP];
+    __shared__ float sm_l[G][REP];
+    __shared__ float sm_o[G][REP][D];
+
+    const int split = blockIdx.x;
+    const int bh = blockIdx.y;
+    const int b = bh / HKV;
+    const int h = bh % HKV;
+    const int tid = threadIdx.x;
+    const int g = tid / LPK;
+    const int lane = tid % LPK;
+    const int lo = lp[b];
+    const int hi = en[b];
+    const int chunk = (hi - lo + S - 1) / S;
+    const int start = lo + split * chunk;
+    const int stop = min(start + chunk, hi);
+
+    float qf[REP][ELEMS];
+    float m[REP], l[REP], o[REP][ELEMS];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        uint4 raw = *reinterpret_cast<const uint4*>(
+            q + ((size_t)(b * HKV + h) * REP + r) * D + lane * ELEMS);
+        const T* t = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]); o[r][e] = 0.f; }
+        m[r] = -1e30f;
+        l[r] = 0.f;
+    }
+    const T* kb = k + (size_t)bh * CAP * D + lane * ELEMS;
+    const T* vb = v + (size_t)bh * CAP * D + lane * ELEMS;
+    for (int base = start; base < stop; base += G) {
+        const int j = base + g;
+        const bool ok = j < stop;
+        float kf[ELEMS], vf[ELEMS];
+        if (ok) {
+            uint4 rk = *reinterpret_cast<const uint4*>(kb + (size_t)j * D);
+            uint4 rv = *reinterpret_cast<const uint4*>(vb + (size_t)j * D);
+            const T* tk = reinterpret_cast<const T*>(&rk);
+            const T* tv = reinterpret_cast<const T*>(&rv);
+            #pragma unroll
+            for (int e = 0; e < ELEMS; ++e) {
+                kf[e] = static_cast<float>(tk[e]);
+                vf[e] = static_cast<float>(tv[e]);
+            }
+        } else {
+            #pragma unroll
+            for (int e = 0; e < ELEMS; ++e) { kf[e] = 0.f; vf[e] = 0.f; }
+        }
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            float s = 0.f;
+            #pragma unroll
+            for (int e = 0; e < ELEMS; ++e) s += qf[r][e] * kf[e];
+            #pragma unroll
+            for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off, LPK);
+            if (ok) {
+                const float mn = fmaxf(m[r], s);
+                const float a = expf(m[r] - mn);
+                const float p = expf(s - mn);
+                l[r] = l[r] * a + p;
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) o[r][e] = o[r][e] * a + p * vf[e];
+                m[r] = mn;
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) { sm_m[g][r] = m[r]; sm_l[g][r] = l[r]; }
+        #pragma unroll
+        for (int e = 0; e < ELEMS; ++e) sm_o[g][r][lane * ELEMS + e] = o[r][e];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < REP * D; idx += NT) {
+        const int r = idx / D;
+        const int d = idx % D;
+        float M = -1e30f;
+        for (int gg = 0; gg < G; ++gg) M = fmaxf(M, sm_m[gg][r]);
+        float L = 0.f, O = 0.f;
+        for (int gg = 0; gg < G; ++gg) {
+            const float w = expf(sm_m[gg][r] - M);
+            L += w * sm_l[gg][r];
+            O += w * sm_o[gg][r][d];
+        }
+        const size_t row = ((size_t)(b * HKV + h) * REP + r) * S + split;
+        po[row * D + d] = O;
+        if (d == 0) { pm[row] = M; pl[row] = L; }
+    }
+"""
+
+_MERGE_SRC = r"""
+    const int row = blockIdx.y;
+    const int d = threadIdx.x;
+    const float* m = pm + (size_t)row * S;
+    const float* l = pl + (size_t)row * S;
+    float M = -1e30f;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, m[s]);
+    float L = 0.f, O = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const float w = expf(m[s] - M);
+        L += w * l[s];
+        O += w * po[((size_t)row * S + s) * D + d];
+    }
+    out[(size_t)row * D + d] = static_cast<T>(O / L);
+"""
+
+_kernels = {}
+
+
+def _get_kernels():
+    if not _kernels:
+        _kernels["split"] = mx.fast.cuda_kernel(
+            name="kvstate_ragged_decode", input_names=["q", "k", "v", "lp", "en"],
+            output_names=["po", "pm", "pl"], source=_KERNEL_SRC)
+        _kernels["merge"] = mx.fast.cuda_kernel(
+            name="kvstate_ragged_merge", input_names=["po", "pm", "pl"],
+            output_names=["out"], source=_MERGE_SRC)
+    return _kernels
+
+
+def splits_for(B: int, H: int, C: int) -> int:
+    """Key splits per (row, head): about 1024 blocks in all, at least 64 columns each."""
+    return max(1, min(64, 1024 // max(1, B * H), max(1, C // 64)))
+
+
+def kernel_available(dtype=None) -> bool:
+    """Whether the mask-free decode kernel runs here (MLX's CUDA backend, GPU stream)."""
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:
+        return False
+
+
+def ragged_attention(q, k, v, left_pad, ends, *, scale: float):
+    """Decode attention over each row's own columns ``[left_pad[b], ends[b])``.
+
+    ``q`` ``[B, Hq, 1, D]``, ``k``/``v`` ``[B, H, C, D]`` (``Hq`` a multiple of
+    ``H``), ``left_pad``/``ends`` int32 ``[B]`` arrays (traceable). No mask
+    array is built: on MLX's CUDA backend a split-K kernel reads only the
+    valid columns; elsewhere this is the masked fused SDPA (same result).
+    The caller guarantees ``0 <= left_pad < ends <= C``.
+    """
+    B, Hq, N, D = q.shape
+    H, C = k.shape[1], k.shape[2]
+    lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
+    if (not kernel_available() or N != 1 or (D * k.dtype.size) % 16 or lanes > 32
+            or lanes & (lanes - 1) or k.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
+        mask = rows_mask(N, left_pad, ends, C)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    rep = Hq // H
+    S = splits_for(B, H, C)
+    kern = _get_kernels()
+    q = mx.contiguous((q * scale).astype(k.dtype))
+    po, pm, pl = kern["split"](
+        inputs=[q, k, v, left_pad, ends],
+        template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C)],
+        grid=(128 * S, B * H, 1), threadgroup=(128, 1, 1),
+        output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    (out,) = kern["merge"](
+        inputs=[po, pm, pl], template=[("T", k.dtype), ("D", D), ("S", S)],
+        grid=(D, B * Hq, 1), threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, 1, D)], output_dtypes=[k.dtype])
+    return out
+
+
+# --- the compiled decode step -----------------------------------------------------------
+
+ATTENTION = ("mask", "kernel", "auto")
+
+
+class Decoder:
+    """A compiled decode step for an mlx-lm model over kvstate records.
+
+    ``decoder(tokens, states) -> (logits, states)``: ``tokens`` ``[B]`` (one
+    per row) or ``[B, N]``; ``logits`` ``[B, V]`` for one token per row, else
+    ``[B, N, V]``. The whole forward and every state update run in one
+    compiled function per static key (the layers' ``Spec``s, ``N`` and the
+    attention mode); capacity buckets are shapes, so at most one trace per
+    bucket. Input records are unchanged; drop them before evaluating the
+    result so the writes happen in place.
+
+    Args:
+        model: an mlx-lm model whose layers read their caches through the
+            protocol (llama, qwen3, gemma3's full layers, ...).
+        attention: ``"mask"``: the model's own SDPA with a per-row bool mask
+            over the fixed capacity (any backend, any model). ``"kernel"``:
+            dense full-attention decode reads go to ``ragged_attention`` (a
+            mask-free split-K CUDA kernel; the masked SDPA elsewhere).
+            ``"auto"``: ``"kernel"`` on MLX's CUDA backend, else ``"mask"``.
+    """
+
+    def __init__(self, model, *, attention: str = "auto"):
+        if attention not in ATTENTION:
+            raise bad("attention", f"one of {ATTENTION}", repr(attention))
+        if attention == "auto":
+            attention = "kernel" if kernel_available() else "mask"
+        self.model = model
+        self.attention = attention
+        self.traces = 0
+        self._fns = {}
+
+    def _compiled(self, key):
+        fn = self._fns.get(key)
+        if fn is None:
+            specs, squeeze = key
+
+            def step(tokens, flats):
+                self.traces += 1  # Python runs only while tracing
+                ctx = _Step(self.attention)
+                shells = [_shell(f, s, ctx) for f, s in zip(flats, specs)]
+                logits = self.model(tokens, cache=shells)
+                if squeeze:
+                    logits = logits[:, -1, :]
+                return logits, [sh.flat.planes for sh in shells]
+
+            fn = self._fns[key] = mx.compile(step)
+        return fn
+
+    def __call__(self, tokens, states):
+        if not isinstance(tokens, mx.array):
+            tokens = mx.array(tokens)
+        squeeze = tokens.ndim == 1
+        if squeeze:
+            tokens = tokens[:, None]
+        check(tokens.ndim == 2, "tokens rank", "1 ([B]) or 2 ([B, N])", tokens.ndim)
+        N = tokens.shape[1]
+        check(N >= 1, "tokens length", ">= 1", N)
+        states = list(states)
+        check(len(states) >= 1, "states", "one record per layer", "an empty list")
+        B = tokens.shape[0]
+        flats, specs, prepared, layouts = [], [], [], {}
+        for i, s in enumerate(states):
+            if not isinstance(s, (_Rows, RotatingState)):
+                raise bad(f"states[{i}]", "a CacheState, QuantizedState or RotatingState",
+                          type(s).__name__)
+            check(s.batch_size == B, f"states[{i}] batch size", f"{B} (tokens rows)",
+                  s.batch_size)
+            s = prepare(s, N)
+            lay = layout_key(s)
+            if lay not in layouts:
+                layouts[lay] = position_arrays(s)
+            flat, spec = flatten(s, room=N, positions=layouts[lay])
+            flats.append(flat)
+            specs.append(spec)
+            prepared.append(s)
+        fn = self._compiled((tuple(specs), squeeze))
+        if self.attention == "kernel":
+            with _routed(self.model):
+                logits, out = fn(tokens, flats)
+        else:
+            logits, out = fn(tokens, flats)
+        del flats, states
+        new = [unflatten(f, s, **advanced(s, N)) for f, s in zip(out, prepared)]
+        return logits, new
+
+
+def compiled_decoder(model, *, attention: str = "auto") -> Decoder:
+    """A ``Decoder`` for ``model``: ``decode(tokens, states) -> (logits, states)``."""
+    return Decoder(model, attention=attention)
+
+
+def make_step(model, *, attention: str = "auto"):
+    """``step(model, tokens, states) -> (logits [B, V], states)``, compiled.
+
+    Same signature as ``kvstate.mlx_lm.step`` (what ``kvstate generate
+    --compile`` calls); one ``Decoder`` per ``make_step`` call.
+    """
+    decoder = Decoder(model, attention=attention)
+
+    def step(model_, tokens, states):
+        if model_ is not model:
+            raise bad("model", "the model this step was compiled for", type(model_).__name__)
+        return decoder(tokens, states)
+
+    step.decoder = decoder
+    return step
+
+
+__all__ = [
+    "Spec", "Flat", "spec_of", "flatten", "unflatten", "with_capacity", "bucket",
+    "position_arrays", "write", "Shell", "QuantizedShell", "ragged_attention",
+    "kernel_available", "Decoder", "compiled_decoder", "make_step",
+]

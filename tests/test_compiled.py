@@ -1,0 +1,229 @@
+"""The compile boundary and the compiled decode step (``kvstate.compiled``).
+
+Compiled loops run under real ``mx.compile`` on real mlx-lm model classes
+(tiny, seeded float32 weights) and are compared, step by step, with the
+eager bridge loop (``kvstate.mlx_lm.step``) in the same process: logits
+within 1e-5 and identical greedy tokens. Rings are also compared with each
+prompt run alone through mlx-lm's own caches.
+"""
+
+import math
+
+import attrs
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvstate as kv
+import kvstate.compiled as kc
+from kvstate import mlx_lm as br
+
+import tiny_models as tm
+
+ATOL = 1e-5
+
+
+def prefill(model, lens, *, step=256, **make):
+    """Ragged rows: each prompt prefilled alone (records with ``step``), then merged."""
+    prompts = [tm.prompt(10 + i, n) for i, n in enumerate(lens)]
+    last, rows = [], []
+    for p in prompts:
+        states = br.make_states(model, 1, **make)
+        states = [s if isinstance(s, kv.RotatingState) else
+                  attrs.evolve(s, step=step) for s in states]
+        logits, states = br.forward(model, mx.array([p]), states)
+        last.append(logits[:, -1])
+        rows.append(states)
+    return prompts, mx.concatenate(last), br.merge_rows(rows)
+
+
+def loops(model, logits, states, steps, decode):
+    """Greedy eager and compiled loops side by side; returns the worst logit gap."""
+    se = sc = states
+    te = tc = mx.argmax(logits, axis=-1)
+    worst = 0.0
+    for t in range(steps):
+        le, se = br.step(model, te, se)
+        lc, sc = decode(tc, sc)
+        worst = max(worst, mx.abs(le - lc).max().item())
+        te, tc = mx.argmax(le, axis=-1), mx.argmax(lc, axis=-1)
+        assert te.tolist() == tc.tolist(), f"greedy tokens differ at step {t}"
+    return worst, se, sc
+
+
+# --- the boundary -------------------------------------------------------------------
+
+
+def test_flatten_unflatten_round_trip():
+    model = tm.llama_model(layers=1)
+    _, _, states = prefill(model, [5, 9, 3], step=16)
+    s = states[0]
+    flat, spec = kc.flatten(s)
+    assert spec == kc.Spec("dense", 16)
+    assert flat.positions[0].tolist() == list(s.ends)
+    assert flat.positions[1].tolist() == list(s.left_pad)
+    back = kc.unflatten(flat, s, lengths=s.lengths)
+    assert back.lengths == s.lengths and back.left_pad == s.left_pad
+    assert mx.array_equal(kv.fetch(back)[0], kv.fetch(s)[0])
+    hash(spec)  # static half is a compile key
+
+
+def test_prepare_grows_only_without_room():
+    model = tm.llama_model(layers=1)
+    _, _, states = prefill(model, [5, 16, 3], step=16)
+    s = states[0]  # width 16, capacity 16: no room
+    assert s.capacity == 16
+    g = kc.prepare(s, 1)
+    assert g.capacity == 32 and g.lengths == s.lengths and s.capacity == 16
+    assert kc.prepare(g, 1) is g  # room already: no copy
+    assert kc.prepare(g, 17).capacity == 48
+    assert mx.array_equal(kv.fetch(g)[0], kv.fetch(s)[0])
+
+
+def test_prepare_refuses_bad_input():
+    with pytest.raises(kv.KVStateError, match="state"):
+        kc.prepare(kv.empty(2))
+    model = tm.llama_model(layers=1)
+    _, _, states = prefill(model, [5, 9], step=16)
+    with pytest.raises(kv.KVStateError, match="n"):
+        kc.prepare(states[0], 0)
+    with pytest.raises(kv.KVStateError, match="capacity"):
+        kc.with_capacity(states[0], 24)
+    with pytest.raises(kv.KVStateError, match="batch size"):
+        kc.Decoder(model)(mx.array([1, 2, 3]), states)
+
+
+# --- compiled decode == eager decode ----------------------------------------------
+
+
+def test_trace_count_600_tokens_ragged():
+    step, T = 128, 600
+    model = tm.llama_model(layers=1)
+    _, logits, states = prefill(model, [5, 19, 2, 11], step=step)
+    decode = kc.Decoder(model, attention="mask")
+    tok = mx.argmax(logits, axis=-1)
+    caps = set()
+    for _ in range(T):
+        logits, states = decode(tok, states)
+        tok = mx.argmax(logits, axis=-1)
+        mx.async_eval(tok)
+        caps.add(states[0].capacity)
+    assert states[0].lengths == (5 + T, 19 + T, 2 + T, 11 + T)
+    assert decode.traces <= math.ceil(T / step) + 1
+    assert decode.traces == len(caps)  # exactly one trace per capacity bucket
+
+
+def test_llama_compiled_equals_eager_across_buckets():
+    model = tm.llama_model()
+    _, logits, states = prefill(model, [5, 9, 3], step=16)
+    decode = kc.Decoder(model, attention="mask")
+    worst, se, sc = loops(model, logits, states, 24, decode)
+    assert worst <= ATOL
+    assert sc[0].lengths == se[0].lengths and sc[0].left_pad == se[0].left_pad
+    assert sc[0].capacity == 48 and decode.traces == 3  # buckets 16, 32, 48: one trace each
+
+
+def test_quantized_batch_compiled_equals_eager():
+    model = tm.llama_model()
+    _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
+    assert isinstance(states[0], kv.QuantizedState)
+    decode = kc.Decoder(model, attention="mask")
+    worst, _, sc = loops(model, logits, states, 12, decode)
+    assert worst <= ATOL
+    assert isinstance(sc[0], kv.QuantizedState) and decode.traces == 1
+
+
+def solo_rows(model, prompts, tokens, steps):
+    """Each prompt alone through mlx-lm's own caches, fed the given first token."""
+    out = []
+    for b, p in enumerate(prompts):
+        cache = make_prompt_cache(model)
+        model(mx.array([p]), cache=cache)
+        t, seq = tokens[b:b + 1], []
+        for _ in range(steps):
+            lg = model(t[:, None], cache=cache)[:, -1]
+            seq.append(lg[0])
+            t = mx.argmax(lg, axis=-1)
+        out.append(mx.stack(seq))
+    return out
+
+
+def test_gemma3_rings_compiled_equals_mlx_lm_alone_and_eager():
+    model = tm.gemma3_model()  # sliding_window=8: rows below, at and past the window
+    prompts, logits, states = prefill(model, [3, 8, 12])
+    assert isinstance(states[0], kv.RotatingState)
+    steps = 14
+    tok = mx.argmax(logits, axis=-1)
+    ref = solo_rows(model, prompts, tok, steps)
+    decode = kc.Decoder(model, attention="mask")
+    sc, t, worst = states, tok, 0.0
+    for i in range(steps):
+        lc, sc = decode(t, sc)
+        for b in range(len(prompts)):
+            worst = max(worst, mx.abs(lc[b] - ref[b][i]).max().item())
+        t = mx.argmax(lc, axis=-1)
+    assert worst <= ATOL
+    assert sc[0].capacity == 8 and sc[0].held == (8, 8, 8)
+    worst, _, _ = loops(model, logits, states, steps, kc.Decoder(model, attention="mask"))
+    assert worst <= ATOL
+
+
+def test_inputs_unchanged_and_outputs_own_their_rows():
+    model = tm.llama_model(layers=2)
+    _, logits, states = prefill(model, [4, 7], step=16)
+    before = [mx.array(s.keys) for s in states]
+    mx.eval(before)
+    decode = kc.Decoder(model, attention="mask")
+    tok = mx.argmax(logits, axis=-1)
+    _, new = decode(tok, states)
+    _, newer = decode(tok, new)
+    mx.eval([s.keys for s in newer])
+    for s, b in zip(states, before):
+        assert mx.array_equal(s.keys, b)
+    assert states[0].lengths == (4, 7) and new[0].lengths == (5, 8)
+    assert newer[0].lengths == (6, 9)
+
+
+def test_kernel_mode_routes_dense_reads_without_a_mask(monkeypatch):
+    model = tm.llama_model()
+    _, logits, states = prefill(model, [5, 9, 3])
+    calls = []
+    real = kc.ragged_attention
+
+    def spy(q, k, v, left_pad, ends, *, scale):
+        calls.append(q.shape)
+        return real(q, k, v, left_pad, ends, scale=scale)
+
+    monkeypatch.setattr(kc, "ragged_attention", spy)
+    decode = kc.Decoder(model, attention="kernel")
+    worst, _, _ = loops(model, logits, states, 4, decode)
+    assert worst <= ATOL
+    assert len(calls) == 3  # one per layer, during the single trace only
+    from mlx_lm.models import base, llama
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_ragged_attention_equals_masked_sdpa():
+    mx.random.seed(3)
+    B, Hq, H, C, D = 3, 4, 2, 32, 32
+    q = mx.random.normal((B, Hq, 1, D))
+    k = mx.random.normal((B, H, C, D))
+    v = mx.random.normal((B, H, C, D))
+    lp, ends = mx.array([0, 5, 9], mx.int32), mx.array([20, 32, 10], mx.int32)
+    got = kc.ragged_attention(q, k, v, lp, ends, scale=0.2)
+    for b, (a, e) in enumerate([(0, 20), (5, 32), (9, 10)]):
+        want = mx.fast.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, a:e],
+                                                    v[b:b + 1, :, a:e], scale=0.2)
+        assert mx.allclose(got[b:b + 1], want, atol=1e-5)
+
+
+def test_make_step_matches_the_bridge_step_signature():
+    model = tm.llama_model(layers=1)
+    _, logits, states = prefill(model, [3, 6])
+    step = kc.make_step(model)
+    tok = mx.argmax(logits, axis=-1)
+    lc, sc = step(model, tok, states)
+    le, se = br.step(model, tok, states)
+    assert lc.shape == le.shape and mx.abs(lc - le).max().item() <= ATOL
+    with pytest.raises(kv.KVStateError, match="model"):
+        step(tm.llama_model(layers=1), tok, states)
