@@ -36,7 +36,10 @@ from .errors import as_int, bad, check, per_row
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState
 
-__all__ = ["rotating", "from_temporal", "read", "update_and_read", "read_width", "ring_mask"]
+__all__ = [
+    "rotating", "from_temporal", "read", "update_and_read", "read_width", "ring_mask",
+    "column_of", "advance", "write_at",
+]
 
 
 def _round_up(n: int, step: int) -> int:
@@ -158,6 +161,31 @@ def _plan(state: RotatingState, N: int):
     elif C > max(state.max_size, need):
         C = max(state.max_size, need)  # a block made the ring wider: shrink back
     return lengths, held, kept, C
+
+
+def advance(lengths, held, n: int, *, max_size: int, keep: int):
+    """``(lengths, held)`` after appending ``n`` tokens, as arrays (numpy or mx).
+
+    The same rule as ``append``'s host bookkeeping, for code that keeps the
+    rows' positions in arrays (a compiled decode step).
+    """
+    xp = _xp(lengths)
+    nk = xp.minimum(lengths, keep)
+    kept = nk + xp.minimum(held - nk, xp.maximum(max_size - 1 - nk, 0))
+    return lengths + n, kept + n
+
+
+def write_at(plane, new, lengths, *, keep: int, capacity: int):
+    """``plane`` with ``new`` ``[B, H, N, D]`` written at each row's next columns.
+
+    ``lengths`` (int32 ``[B]``, may be traced) are the rows' tokens seen
+    before the write. The capacity must already hold the rows after the
+    append (``append`` grows it on the host first).
+    """
+    N = new.shape[2]
+    pos = lengths[:, None] + mx.arange(N, dtype=lengths.dtype)[None, :]
+    cols = column_of(pos, keep, capacity)[:, None, :, None]
+    return mx.put_along_axis(plane, mx.broadcast_to(cols, new.shape), new, axis=2)
 
 
 def read_width(state: RotatingState) -> int:
@@ -418,6 +446,8 @@ def _trim_to(state: RotatingState, target, arg: str) -> RotatingState:
 @ops.trim.register
 def _(state: RotatingState, n):
     n = per_row(n, state.batch_size, "n")
+    for b, (m, have) in enumerate(zip(n, state.lengths)):
+        check(m <= have, f"n for row {b}", f"<= {have} (tokens the row has seen)", m)
     return _trim_to(state, tuple(m - k for m, k in zip(state.lengths, n)), "lengths - n")
 
 

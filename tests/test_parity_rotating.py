@@ -22,7 +22,7 @@ from hypothesis import given, strategies as st
 from mlx_lm.models.cache import RotatingKVCache
 
 import kvstate as kv
-from kvstate.rotating import read_width, update_and_read
+from kvstate.rotating import from_temporal, read_width, ring_mask, update_and_read
 
 from _ring import RefRing, rand, rows_of
 
@@ -139,7 +139,46 @@ def test_mlx_lm_window_mask_ignores_keep():
     assert np.array(k).reshape(-1).tolist()[2] == 6.0
     assert not np.array(mask)[2]
     # kvstate: position 6 sees itself and the two entries before it (4, 5).
-    got, _ = kv.ops.next_mask(kv.trim(s, 1), 1, window=3)
-    (seen,) = rows_of(kv.trim(s, 0))
-    cols = np.array(got).reshape(-1)
-    assert sorted(np.array(s.keys).reshape(-1)[cols].tolist()) == [4.0, 5.0, 6.0]
+    cols = np.array(ring_mask(1, s.lengths, s.held, keep=2, capacity=s.capacity,
+                              width=read_width(s), window=3)).reshape(-1)
+    assert sorted(np.array(s.keys)[0, 0, cols, 0].tolist()) == [4.0, 5.0, 6.0]
+
+
+def to_mlx(state):
+    """A one-row record as an mlx-lm ring (the state its concatenating path leaves)."""
+    c = RotatingKVCache(state.max_size, state.keep)
+    k, v = kv.fetch(state)
+    c.keys, c.values = mx.array(np.array(k)), mx.array(np.array(v))
+    c.offset, c._idx = state.lengths[0], state.held[0]
+    return c
+
+
+def from_mlx(cache):
+    """An mlx-lm ring as a record: its buffer in temporal order, its offset and keep."""
+    k, v = mlx_temporal(cache)
+    return from_temporal(mx.array(k)[None], mx.array(v)[None], lengths=cache.offset,
+                         max_size=cache.max_size, keep=cache.keep)
+
+
+@given(ring=rings, before=appends, after=appends, seed=st.integers(0, 2**16))
+def test_conversion_both_ways_continues_identically(ring, before, after, seed):
+    """``from_temporal`` of an mlx-lm ring, and an mlx-lm ring built from ``fetch``,
+    both continue exactly as the original."""
+    max_size, keep = ring
+    rng = np.random.default_rng(seed)
+    cache = RotatingKVCache(max_size, keep)
+    s = kv.rotating(1, max_size=max_size, keep=keep)
+    for n in before:
+        k = mx.array(rand(rng, 1, H, n, D))
+        cache.update_and_fetch(k, k)
+        s = kv.append(s, k, k)
+    pairs = [(cache, from_mlx(cache)), (to_mlx(s), s)]
+    for n in after:
+        k = mx.array(rand(rng, 1, H, n, D))
+        for i, (c, r) in enumerate(pairs):
+            c.update_and_fetch(k, k)
+            r = kv.append(r, k, k)
+            pairs[i] = (c, r)
+            (gk, _), = rows_of(r)
+            np.testing.assert_array_equal(gk, mlx_temporal(c)[0])
+            assert r.lengths == (c.offset,)
