@@ -257,8 +257,11 @@ def model_geometry(model) -> list:
     caches = make_prompt_cache(model)
     model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
     out = []
-    for c in caches:
-        keys, values = c.keys, c.values
+    for i, c in enumerate(caches):
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is None or values is None:
+            raise bad(f"model layer {i} cache", "a KV cache (KVCache, RotatingKVCache)",
+                      type(c).__name__)
         if isinstance(keys, (tuple, list)):  # quantized: (packed, scales, biases)
             raise bad("model", "a model whose default caches are not quantized", type(c).__name__)
         window = c.max_size if isinstance(c, RotatingKVCache) else None
