@@ -55,7 +55,9 @@ def next_mask(state, n: int, *, memo=None, window=None):
     """The mask ``attend`` will use after ``n`` more tokens are appended.
 
     Returns ``(mask, lease)``: ``mask`` is ``None``, ``"causal"`` or a bool
-    array laid out over the columns ``fetch`` will return; ``lease`` is the
+    array laid out over the columns ``fetch`` will return (for a
+    ``RotatingState``: the ring-order columns ``kvstate.rotating.read`` and
+    ``update_and_read`` return, not ``fetch``'s temporal order); ``lease`` is the
     ``MaskLease`` it came from (``None`` when no array was needed). This is
     what an mlx-lm cache's ``make_mask`` answers before ``update_and_fetch``.
     """
