@@ -120,7 +120,8 @@ def test_per_row_rollback_equals_appending_only_accepted(sr, data):
     want = [(np.concatenate([k, nk[b]], 1), np.concatenate([v, nv[b]], 1))
             for b, (k, v) in enumerate(want)]
     assert_rows_equal(visible(r), want)
-    got, ref = attend_both(r, want, rng, 1)
+    window = data.draw(st.sampled_from([None, 1, 3]), label="window")
+    got, ref = attend_both(r, want, rng, 1, window)
     np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
