@@ -182,3 +182,38 @@ def test_conversion_both_ways_continues_identically(ring, before, after, seed):
             (gk, _), = rows_of(r)
             np.testing.assert_array_equal(gk, mlx_temporal(c)[0])
             assert r.lengths == (c.offset,)
+
+
+@given(ring=rings, prefixes=st.lists(appends, min_size=2, max_size=3),
+       after=st.lists(st.sampled_from([1, 1, 1, 2, 4]), min_size=1, max_size=8),
+       window=st.sampled_from([None, None, 2, 20]), seed=st.integers(0, 2**16))
+def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(ring, prefixes, after,
+                                                                   window, seed):
+    """Rows with different histories in one batch (``keep`` included, which mlx-lm's
+    ``BatchRotatingKVCache`` drops): each row equals mlx-lm's ring run alone."""
+    max_size, keep = ring
+    rng = np.random.default_rng(seed)
+    caches = [RotatingKVCache(max_size, keep) for _ in prefixes]
+    rows = []
+    for c, sizes in zip(caches, prefixes):
+        r = kv.rotating(1, max_size=max_size, keep=keep)
+        for n in sizes:
+            k = mx.array(rand(rng, 1, H, n, D))
+            c.update_and_fetch(k, k)
+            r = kv.append(r, k, k)
+        rows.append(r)
+    s = kv.merge_rows(rows)
+    B = len(caches)
+    for n in after:
+        k, v, q = (rand(rng, B, h, n, D) for h in (H, H, HQ))
+        s = kv.append(s, mx.array(k), mx.array(v))
+        got = np.array(kv.attend(s, mx.array(q), scale=SCALE, window=window))
+        held = rows_of(s)
+        for b, c in enumerate(caches):
+            mask = c.make_mask(n, window_size=window)
+            ck, cv = c.update_and_fetch(mx.array(k[b:b + 1]), mx.array(v[b:b + 1]))
+            np.testing.assert_array_equal(held[b][0], mlx_temporal(c)[0])
+            if not mlx_buggy(n, keep, window, max_size):
+                want = mx.fast.scaled_dot_product_attention(mx.array(q[b:b + 1]), ck, cv,
+                                                            scale=SCALE, mask=mask)
+                np.testing.assert_allclose(got[b], np.array(want)[0], atol=2e-5)

@@ -236,14 +236,17 @@ def test_merge_with_empty_rows_and_filter_errors():
         kv.extract_row(m, -1)
 
 
-def test_extract_row_does_not_pin_the_batch_buffer():
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_extract_row_does_not_pin_the_batch_buffer(wrapped):
     B, C = 8, 1024
     mx.eval(mx.zeros(1))
     gc.collect()
     base = mx.get_active_memory()
     s = kv.rotating(B, max_size=C, keep=4)
-    s = kv.append(s, mx.random.normal((B, H, C + 100, 64)), mx.random.normal((B, H, C + 100, 64)))
+    n = C + 100 if wrapped else C - 1  # then one more: wrapped rows gather, full ones slice
+    s = kv.append(s, mx.random.normal((B, H, n, 64)), mx.random.normal((B, H, n, 64)))
     s = kv.append(s, mx.random.normal((B, H, 1, 64)), mx.random.normal((B, H, 1, 64)))
+    assert (s.lengths[0] > s.capacity) == wrapped
     mx.eval(*s.planes)
     batch_bytes = s.nbytes
     r = kv.extract_row(s, 3)
