@@ -53,6 +53,7 @@ def test_from_arrays_defaults_and_layout(rng):
     k, v = rand(rng, 2, H, 6, D), rand(rng, 2, H, 6, 4)
     s = kv.from_arrays(mx.array(k), mx.array(v))
     assert s.lengths == (6, 6) and s.left_pad == (0, 0) and s.capacity == 6
+    assert s.nbytes == k.nbytes + v.nbytes
     assert s.aligned and kv.positions(s) is None
     fk, fv = kv.fetch(s)
     np.testing.assert_array_equal(np_of(fk), k)
@@ -264,7 +265,8 @@ def test_extract_row_is_compact(rng):
         assert_rows_equal(visible(r), [rows[i]])
 
 
-def test_extract_row_does_not_pin_the_batch_buffer():
+@pytest.mark.parametrize("eval_first", [True, False], ids=["evaluated", "lazy"])
+def test_extract_row_does_not_pin_the_batch_buffer(eval_first):
     B, Hh, C, Dd = 8, 4, 2048, 64
     mx.eval(mx.zeros(1))
     gc.collect()
@@ -276,9 +278,11 @@ def test_extract_row_does_not_pin_the_batch_buffer():
     batch_bytes = s.nbytes
     assert mx.get_active_memory() - base >= batch_bytes
     r = kv.extract_row(s, 3)
-    mx.eval(*r.planes)
-    del s
+    if eval_first:
+        mx.eval(*r.planes)
+    del s  # lazy: the batch is dropped before the row is computed
     gc.collect()
+    mx.eval(*r.planes)
     held = mx.get_active_memory() - base
     # what is left is the row (1/8 of the batch), not the batch buffer
     assert held < batch_bytes // 4, (held, batch_bytes)
