@@ -25,12 +25,10 @@ from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
 from . import ops
+from .rotating import from_temporal, read as ring_read
 from .errors import as_int, bad, check
 from .masks import MaskMemo, lease, rows_key, rows_mask
-from .records import CacheState, QuantizedState
-
-_rotating = getattr(kv, "rotating", None)
-RotatingState = getattr(kv, "RotatingState", None)
+from .records import CacheState, QuantizedState, RotatingState
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
@@ -80,9 +78,10 @@ class _Shell:
 
     def update_and_fetch(self, keys, values):
         self.record = ops.append(self.record, keys, values)
-        return ops.fetch(self.record)
+        return self.keys_and_values()
 
     def keys_and_values(self):
+        """What the model attends over; ``make_mask`` is laid out over these columns."""
         return ops.fetch(self.record)
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
@@ -97,6 +96,8 @@ class _Shell:
         # Models that ask return_array=True (a few hybrids) want a real array
         # even for aligned rows; same builder and memo as the ragged case.
         s = self.record
+        check(hasattr(s, "left_pad") and not isinstance(s, RotatingState), "return_array",
+              "False for a ring layer (mlx-lm's ring has no array form either)", True)
         ends = tuple(e + N for e in s.ends)
         held = lease(self._fwd.memo, rows_key(N, s.left_pad, ends, window),
                      lambda: rows_mask(N, s.left_pad, ends, max(ends), window))
@@ -149,18 +150,33 @@ class _QuantizedShell(_Shell):
         return self.record.group_size
 
 
+class _RingShell(_Shell):
+    """A ``RotatingState`` layer: the model reads the ring in ring order (as
+    mlx-lm's ring hands it over); ``make_mask`` lays its mask over that read."""
+
+    def keys_and_values(self):
+        return ring_read(self.record)
+
+    def size(self) -> int:
+        return max(self.record.held, default=0)
+
+    def is_trimmable(self) -> bool:
+        # mlx-lm: only before the first eviction (rings can trim more: kv.trim).
+        return self.record.held == self.record.lengths
+
+
+_SHELLS = {CacheState: _Shell, QuantizedState: _QuantizedShell, RotatingState: _RingShell}
+
+
 def _shell(record, fwd):
-    return (_QuantizedShell if isinstance(record, QuantizedState) else _Shell)(record, fwd)
+    return _SHELLS[type(record)](record, fwd)
 
 
 # --- states and forward -----------------------------------------------------------
 
 
 def _rotating_state(batch_size, max_size, keep):
-    if _rotating is None:
-        raise bad("model cache", "full-attention layers (kv.rotating is not available yet)",
-                  f"RotatingKVCache(max_size={max_size}, keep={keep})")
-    return _rotating(batch_size, max_size=max_size, keep=keep)
+    return kv.rotating(batch_size, max_size=max_size, keep=keep)
 
 
 def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
@@ -220,7 +236,7 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
         raise bad("states", "a list of records (one per layer)", type(states).__name__)
     check(len(states) >= 1, "states", "one record per layer", "an empty list")
     for i, s in enumerate(states):
-        if not hasattr(s, "batch_size"):
+        if type(s) not in _SHELLS:
             raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
         check(s.batch_size == tokens.shape[0], f"states[{i}] batch size",
               f"{tokens.shape[0]} (tokens rows)", s.batch_size)
@@ -328,7 +344,23 @@ def _from_cache(i, c):
         w = c._idx
         return kv.from_arrays(_own(c.keys[:, :, :w]), _own(c.values[:, :, :w]),
                               lengths=[w - p for p in lp], left_pad=lp)
-    raise bad(name, "KVCache, QuantizedKVCache or BatchKVCache", type(c).__name__)
+    if isinstance(c, lm_cache.RotatingKVCache):
+        if c.keys is None:
+            return kv.rotating(1, max_size=c.max_size, keep=c.keep)
+        k, v = c._temporal_order(c.keys), c._temporal_order(c.values)  # new arrays
+        n = min(c.offset, k.shape[2])
+        return from_temporal(_own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset,
+                             max_size=c.max_size, keep=c.keep)
+    if isinstance(c, lm_cache.BatchRotatingKVCache):
+        B = c.offset.shape[0]
+        if c.keys is None:
+            return kv.rotating(B, max_size=c.max_size)
+        check(c._lengths is None, name, "a finalized BatchRotatingKVCache (call finalize())",
+              "one with pending right padding")
+        # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
+        return kv.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])
+    raise bad(name, "KVCache, QuantizedKVCache, RotatingKVCache, BatchKVCache or "
+              "BatchRotatingKVCache", type(c).__name__)
 
 
 def from_prompt_cache(caches: Sequence) -> list:
@@ -366,14 +398,31 @@ def _to_cache(i, s):
         c.offset = mx.array(s.lengths)
         c._idx = w
         return c
-    raise bad(name, "a CacheState or QuantizedState", type(s).__name__)
+    if isinstance(s, RotatingState):
+        if s.batch_size == 1:
+            c = lm_cache.RotatingKVCache(s.max_size, s.keep)
+            if s.keys is not None:
+                # The state mlx-lm's concatenating path leaves: temporal order, _idx = held.
+                c.keys, c.values = ops.fetch(s)
+                c.offset, c._idx = s.lengths[0], s.held[0]
+            return c
+        check(s.keep == 0, f"{name}.keep", "0 (mlx-lm's BatchRotatingKVCache drops keep)",
+              s.keep)
+        if s.keys is None:
+            return lm_cache.BatchRotatingKVCache(s.max_size, [0] * s.batch_size)
+        rows = [_to_cache(i, kv.extract_row(s, b)) for b in range(s.batch_size)]
+        return lm_cache.BatchRotatingKVCache.merge(rows)
+    raise bad(name, "a CacheState, QuantizedState or RotatingState", type(s).__name__)
 
 
 def to_prompt_cache(states: Sequence) -> list:
     """mlx-lm cache objects holding what ``states`` hold.
 
-    One-row records become ``KVCache``/``QuantizedKVCache``; batched dense
-    records a ``BatchKVCache`` (rows whose ends differ are right-aligned).
+    One-row records become ``KVCache``/``QuantizedKVCache``/``RotatingKVCache``;
+    batched dense records a ``BatchKVCache`` (rows whose ends differ are
+    right-aligned), batched rings with ``keep == 0`` a ``BatchRotatingKVCache``
+    (mlx-lm's own ``merge`` of the rows). Batched quantized records and
+    batched rings with ``keep > 0`` have no mlx-lm form and are refused.
     The caches get their own array objects, so mlx-lm's in-place writes
     never reach the records.
     """

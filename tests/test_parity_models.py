@@ -13,14 +13,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-import kvstate as kv
 from kvstate import mlx_lm as br
 
 import tiny_models as tm
 
 ATOL = 1e-4
-HAS_RING = hasattr(kv, "RotatingState")
-NO_RING = "kv.RotatingState has not landed yet (sliding layers need rings)"
 
 # (prompt length, tokens to generate, step at which the request arrives)
 REQUESTS = [(5, 6, 0), (11, 3, 0), (2, 8, 0), (7, 5, 2), (3, 4, 4), (9, 3, 4)]
@@ -105,19 +102,16 @@ def test_rows_decode_past_a_capacity_step():
     check_parity(model, full_caches(model), {}, requests=requests)
 
 
-@pytest.mark.skipif(not HAS_RING, reason=NO_RING)
 def test_continuous_batching_gemma3_sliding():
     model = tm.gemma3_model(sliding_window=8)  # prompts longer than the window rotate
     check_parity(model, model.make_cache, {})
 
 
-@pytest.mark.skipif(not HAS_RING, reason=NO_RING)
 def test_continuous_batching_llama_sliding_layers():
     model = tm.llama_model(layers=4, sliding_window=6)
     check_parity(model, model.make_cache, {})
 
 
-@pytest.mark.skipif(not HAS_RING, reason=NO_RING)
 def test_continuous_batching_qwen3_max_kv_size():
     model = tm.qwen3_model()  # no make_cache: max_kv_size gives rings with keep=4
     make_cache = lambda: make_prompt_cache(model, max_kv_size=10)
