@@ -137,7 +137,7 @@ def ring_mask(n: int, lengths, held, *, keep: int, capacity: int, width: int, wi
 # --- bookkeeping ---------------------------------------------------------------
 
 
-def _evicted(n: int, h: int, max_size: int, keep: int) -> int:
+def _after_eviction(n: int, h: int, max_size: int, keep: int) -> int:
     """Tokens a row holds once it has dropped down to ``max_size - 1`` (kept prefix stays)."""
     nk = min(keep, n)
     return nk + min(h - nk, max(0, max_size - 1 - nk))
@@ -150,7 +150,7 @@ def _plan(state: RotatingState, N: int):
     counts, what each row still holds of the old tokens after eviction, and
     the capacity the new buffer gets.
     """
-    kept = tuple(_evicted(n, h, state.max_size, state.keep)
+    kept = tuple(_after_eviction(n, h, state.max_size, state.keep)
                  for n, h in zip(state.lengths, state.held))
     lengths = tuple(n + N for n in state.lengths)
     held = tuple(k + N for k in kept)
