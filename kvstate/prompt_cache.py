@@ -68,7 +68,8 @@ def _from_cache(i, c):
         B = c.offset.shape[0]
         if c.keys is None:
             return rotating(B, max_size=c.max_size)
-        check(c._lengths is None, name, "a finalized BatchRotatingKVCache (call finalize())",
+        pending = getattr(c, "_lengths", None)  # absent after load_prompt_cache
+        check(pending is None, name, "a finalized BatchRotatingKVCache (call finalize())",
               "one with pending right padding")
         # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
         return ops.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])

@@ -176,9 +176,10 @@ def _fw(model, tokens, box):
 # --- files written by mlx-lm ---------------------------------------------------------------
 
 
-def _continue_both(model, path, logits, n=6):
-    """Decode on from ``path`` with mlx-lm's loaded caches and with kv.load; compare."""
-    caches = lm_cache.load_prompt_cache(str(path))
+def _continue_both(model, path, logits, n=6, caches=None):
+    """Decode on from ``path`` with mlx-lm's loaded caches (or ``caches``, the ones
+    that were saved) and with kv.load; compare."""
+    caches = lm_cache.load_prompt_cache(str(path)) if caches is None else caches
     want = greedy(model, logits, n, lambda t: model(t, cache=caches))
     states, _ = kv.load(path, model=model)
     box = [states]
@@ -228,6 +229,25 @@ def test_mlx_lm_rotating_file_continues_identically(tmp_path):
     path = tmp_path / "ring.safetensors"
     lm_cache.save_prompt_cache(str(path), caches)
     _continue_both(model, path, logits, n=10)
+
+
+def test_mlx_lm_batch_rotating_file_continues_identically(tmp_path):
+    model = tm.gemma3_model(seed=7, sliding_window=8)   # BatchRotatingKVCache + BatchKVCache
+    rows, last = [], []
+    for i, n in enumerate([11, 4, 6]):
+        c = lm_cache.make_prompt_cache(model)
+        last.append(model(mx.array([tm.prompt(30 + i, n)]), cache=c)[:, -1:])
+        rows.append(c)
+    batch = [type(rows[0][layer]).merge([r[layer] for r in rows]) for layer in range(len(rows[0]))]
+    logits = mx.concatenate(last, axis=0)
+    for _ in range(2):
+        logits = model(mx.argmax(logits[:, -1], axis=-1)[:, None], cache=batch)
+    path = tmp_path / "batch_ring.safetensors"
+    lm_cache.save_prompt_cache(str(path), batch)
+    # mlx-lm cannot continue its own loaded BatchRotatingKVCache (from_state leaves
+    # _lengths unset: AttributeError), so the reference is the batch that was saved.
+    states = _continue_both(model, path, logits, n=8, caches=batch)
+    assert isinstance(states[0], kv.RotatingState)
 
 
 # --- refusing a file made for another model --------------------------------------------------
