@@ -12,6 +12,8 @@ import pytest
 
 from kvstate import cli
 
+import tiny_models as tm
+
 SMALL = ["--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9", "--batch-size", "3",
          "--arrival-gap", "1"]
 
@@ -89,8 +91,12 @@ def test_rows_join_and_leave_mid_generation():
     assert [list(r.out) for r in reqs] == outs
 
 
-def test_local_model_directory(tmp_path, capsys):
-    model = cli.tiny_llama(5, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
+@pytest.mark.parametrize("build", [
+    lambda: cli.tiny_llama(5, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128),
+    lambda: tm.gemma3_model(seed=2, layers=4, sliding_window=8),   # ring layers
+], ids=["llama", "gemma3-sliding"])
+def test_local_model_directory(build, tmp_path, capsys):
+    model = build()
     model.save_weights(str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
     assert cli.main(["generate", "--model", str(tmp_path), "--compare", "--quiet", *SMALL]) == 0
