@@ -73,7 +73,7 @@ def serve(engine, requests, batch_size, progress=None) -> dict:
     pending = sorted(requests, key=lambda r: r.arrival)
     for r in pending:
         r.out = []
-    active, batch, t, done, bytes_per_tok = [], None, 0, 0, []
+    active, batch, t, bytes_per_tok = [], None, 0, []
     start = time.perf_counter()
     while pending or active:
         while pending and pending[0].arrival <= t and len(active) < batch_size:
@@ -81,7 +81,6 @@ def serve(engine, requests, batch_size, progress=None) -> dict:
             logits, row = engine.prefill(r.prompt)
             r.out.append(mx.argmax(logits, axis=-1).item())
             if len(r.out) >= r.max_new:
-                done += 1
                 continue
             batch = row if batch is None else engine.join(batch, row)
             active.append(r)
@@ -96,7 +95,6 @@ def serve(engine, requests, batch_size, progress=None) -> dict:
         bytes_per_tok.append(engine.nbytes(batch) / held)
         keep = [i for i, r in enumerate(active) if len(r.out) < r.max_new]
         if len(keep) < len(active):
-            done += len(active) - len(keep)
             active = [active[i] for i in keep]
             batch = engine.leave(batch, keep) if keep else None
         t += 1
