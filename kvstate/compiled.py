@@ -70,6 +70,9 @@ class Spec:
         bits: quantization bits (0 unless quantized).
         max_size: ring window (0 unless rotating).
         keep: ring positions never evicted (0 unless rotating).
+        same_end: every row ends at one column (aligned rows, or rows
+            right-aligned by padding as mlx-lm's ``BatchKVCache`` holds them):
+            writes are one dynamic-start ``slice_update`` instead of a scatter.
     """
 
     kind: str
@@ -78,6 +81,7 @@ class Spec:
     bits: int = 0
     max_size: int = 0
     keep: int = 0
+    same_end: bool = False
 
 
 class Flat(NamedTuple):
@@ -95,10 +99,11 @@ class Flat(NamedTuple):
 
 def spec_of(state) -> Spec:
     """The static key of ``state``."""
+    same = len(set(state.ends)) <= 1 if isinstance(state, _Rows) else False
     if isinstance(state, QuantizedState):
-        return Spec("quantized", state.step, state.group_size, state.bits)
+        return Spec("quantized", state.step, state.group_size, state.bits, same_end=same)
     if isinstance(state, CacheState):
-        return Spec("dense", state.step)
+        return Spec("dense", state.step, same_end=same)
     if isinstance(state, RotatingState):
         return Spec("rotating", state.step, max_size=state.max_size, keep=state.keep)
     raise bad("state", "a CacheState, QuantizedState or RotatingState", type(state).__name__)
@@ -221,30 +226,46 @@ def unflatten(flat, template, **fields):
 # --- inside the compiled region: the mlx-lm cache protocol over a Flat -------------
 
 
-def write(plane, new, cols):
+def write_index(cols, N: int):
+    """The scatter index ``[B, 1, N, 1]`` of columns ``cols + i`` (``cols``: int32 ``[B]``)."""
+    return cols[:, None, None, None] + mx.arange(N, dtype=mx.int32)[None, None, :, None]
+
+
+def write(plane, new, cols, index=None):
     """Write ``new`` ``[B, H, N, *]`` into ``plane`` at columns ``cols + i`` per row.
 
-    ``cols``: int32 ``[B]``. A per-row scatter with array indices: traceable,
-    and in place when nothing else holds ``plane``. MLX does not bounds-check
-    it: the host guarantees ``cols + N <= C`` (``prepare``).
+    ``cols``: int32 ``[B]``; ``index``: ``write_index(cols, N)`` when already
+    built, or ``"same"`` when every row ends at ``cols[0]`` (one dynamic-start
+    ``slice_update``). Traceable, and in place when nothing else holds
+    ``plane``. MLX does not bounds-check either: the host guarantees
+    ``cols + N <= C`` (``prepare``).
     """
-    N = new.shape[2]
-    idx = cols[:, None, None, None] + mx.arange(N, dtype=mx.int32)[None, None, :, None]
-    return mx.put_along_axis(plane, mx.broadcast_to(idx, new.shape), new, axis=2)
+    if isinstance(index, str):
+        return mx.slice_update(plane, new, cols[:1], (2,))
+    if index is None:
+        index = write_index(cols, new.shape[2])
+    return mx.put_along_axis(plane, mx.broadcast_to(index, new.shape), new, axis=2)
 
 
 class _Step:
-    """What the shells of one traced step share: one mask per (family, layout)."""
+    """What the shells of one traced step share: masks, offsets, write indices.
+
+    Layers of one model hold the same position arrays, so anything derived
+    from them is built once per step instead of once per layer (fewer
+    kernels in the compiled graph).
+    """
 
     def __init__(self, attention: str):
         self.attention = attention
-        self.masks = {}
+        self.memo = {}
 
-    def mask(self, key, arrays, build):
+    def shared(self, key, arrays, build):
         key = key + tuple(id(a) for a in arrays)
-        if key not in self.masks:
-            self.masks[key] = (build(), arrays)  # hold the arrays: their ids stay unique
-        return self.masks[key][0]
+        if key not in self.memo:
+            self.memo[key] = (build(), arrays)  # hold the arrays: their ids stay unique
+        return self.memo[key][0]
+
+    mask = shared
 
 
 class Shell:
@@ -269,16 +290,22 @@ class Shell:
     @property
     def offset(self):
         ends, lp = self.flat.positions
-        return ends - lp
+        return self._ctx.shared(("offset",), (ends, lp), lambda: ends - lp)
 
     def _new_planes(self, keys, values):
         return (keys, values)
 
     def update_and_fetch(self, keys, values):
         ends, lp = self.flat.positions
+        N = keys.shape[2]
         new = self._new_planes(keys, values)
-        planes = tuple(write(p, x, ends) for p, x in zip(self.flat.planes, new))
-        self.flat = Flat(planes, (ends + keys.shape[2], lp))
+        if self.spec.same_end:
+            index = "same"
+        else:
+            index = self._ctx.shared(("index", N), (ends,), lambda: write_index(ends, N))
+        planes = tuple(write(p, x, ends, index) for p, x in zip(self.flat.planes, new))
+        after = self._ctx.shared(("after", N), (ends,), lambda: ends + N)
+        self.flat = Flat(planes, (after, lp))
         return self._fetch()
 
     def _fetch(self):
@@ -334,16 +361,25 @@ class RingShell(Shell):
     def _after(self, N):
         lengths, held = self.flat.positions
         keep, ms = self.spec.keep, self.spec.max_size
-        nk = mx.minimum(lengths, keep)
-        kept = nk + mx.minimum(held - nk, mx.maximum(ms - 1 - nk, 0))
-        return lengths + N, kept + N
+
+        def build():
+            nk = mx.minimum(lengths, keep)
+            kept = nk + mx.minimum(held - nk, mx.maximum(ms - 1 - nk, 0))
+            return lengths + N, kept + N
+
+        return self._ctx.shared(("ring-after", N, keep, ms), (lengths, held), build)
 
     def update_and_fetch(self, keys, values):
         if keys.shape[2] != 1:
             raise bad("tokens per row", "1 for a ring in a compiled step", keys.shape[2])
         lengths, _ = self.flat.positions
-        cols = column_of(lengths, self.spec.keep, self.capacity).astype(mx.int32)
-        planes = tuple(write(p, x, cols) for p, x in zip(self.flat.planes, (keys, values)))
+        keep, C = self.spec.keep, self.capacity
+
+        def build():
+            return write_index(column_of(lengths, keep, C).astype(mx.int32), 1)
+
+        index = self._ctx.shared(("ring-index", keep, C), (lengths,), build)
+        planes = tuple(write(p, x, None, index) for p, x in zip(self.flat.planes, (keys, values)))
         self.flat = Flat(planes, self._after(1))
         return planes
 
@@ -392,8 +428,8 @@ class _routed:
     and every other call, unchanged, to mlx-lm's function.
     """
 
-    def __init__(self, model):
-        self.mods = _attention_modules(model)
+    def __init__(self, mods):
+        self.mods = mods
 
     def __enter__(self):
         from mlx_lm.models import base
@@ -428,6 +464,7 @@ _KERNEL_SRC = r"""
     constexpr int ELEMS = 16 / sizeof(T);
     constexpr int LPK = D / ELEMS;
     constexpr int G = NT / LPK;
+    constexpr int U = 2;
     __shared__ float sm_m[G][REP];
     __shared__ float sm_l[G][REP];
     __shared__ float sm_o[G][REP][D];
@@ -445,6 +482,7 @@ _KERNEL_SRC = r"""
     const int start = lo + split * chunk;
     const int stop = min(start + chunk, hi);
 
+    const float qs = scale[0];
     float qf[REP][ELEMS];
     float m[REP], l[REP], o[REP][ELEMS];
     #pragma unroll
@@ -453,45 +491,54 @@ _KERNEL_SRC = r"""
             q + ((size_t)(b * HKV + h) * REP + r) * D + lane * ELEMS);
         const T* t = reinterpret_cast<const T*>(&raw);
         #pragma unroll
-        for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]); o[r][e] = 0.f; }
+        for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]) * qs; o[r][e] = 0.f; }
         m[r] = -1e30f;
         l[r] = 0.f;
     }
     const T* kb = k + (size_t)bh * CAP * D + lane * ELEMS;
     const T* vb = v + (size_t)bh * CAP * D + lane * ELEMS;
-    for (int base = start; base < stop; base += G) {
-        const int j = base + g;
-        const bool ok = j < stop;
-        float kf[ELEMS], vf[ELEMS];
-        if (ok) {
-            uint4 rk = *reinterpret_cast<const uint4*>(kb + (size_t)j * D);
-            uint4 rv = *reinterpret_cast<const uint4*>(vb + (size_t)j * D);
-            const T* tk = reinterpret_cast<const T*>(&rk);
-            const T* tv = reinterpret_cast<const T*>(&rv);
-            #pragma unroll
-            for (int e = 0; e < ELEMS; ++e) {
-                kf[e] = static_cast<float>(tk[e]);
-                vf[e] = static_cast<float>(tv[e]);
+    // U keys per group per iteration: all loads first, for more bytes in flight.
+    for (int base = start; base < stop; base += U * G) {
+        float kf[U][ELEMS], vf[U][ELEMS];
+        bool ok[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * G + g;
+            ok[u] = j < stop;
+            if (ok[u]) {
+                uint4 rk = *reinterpret_cast<const uint4*>(kb + (size_t)j * D);
+                uint4 rv = *reinterpret_cast<const uint4*>(vb + (size_t)j * D);
+                const T* tk = reinterpret_cast<const T*>(&rk);
+                const T* tv = reinterpret_cast<const T*>(&rv);
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) {
+                    kf[u][e] = static_cast<float>(tk[e]);
+                    vf[u][e] = static_cast<float>(tv[e]);
+                }
+            } else {
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) { kf[u][e] = 0.f; vf[u][e] = 0.f; }
             }
-        } else {
-            #pragma unroll
-            for (int e = 0; e < ELEMS; ++e) { kf[e] = 0.f; vf[e] = 0.f; }
         }
         #pragma unroll
-        for (int r = 0; r < REP; ++r) {
-            float s = 0.f;
+        for (int u = 0; u < U; ++u) {
             #pragma unroll
-            for (int e = 0; e < ELEMS; ++e) s += qf[r][e] * kf[e];
-            #pragma unroll
-            for (int off = LPK / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off, LPK);
-            if (ok) {
-                const float mn = fmaxf(m[r], s);
-                const float a = expf(m[r] - mn);
-                const float p = expf(s - mn);
-                l[r] = l[r] * a + p;
+            for (int r = 0; r < REP; ++r) {
+                float s = 0.f;
                 #pragma unroll
-                for (int e = 0; e < ELEMS; ++e) o[r][e] = o[r][e] * a + p * vf[e];
-                m[r] = mn;
+                for (int e = 0; e < ELEMS; ++e) s += qf[r][e] * kf[u][e];
+                #pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1)
+                    s += __shfl_xor_sync(0xffffffff, s, off, LPK);
+                if (ok[u]) {
+                    const float mn = fmaxf(m[r], s);
+                    const float a = expf(m[r] - mn);
+                    const float p = expf(s - mn);
+                    l[r] = l[r] * a + p;
+                    #pragma unroll
+                    for (int e = 0; e < ELEMS; ++e) o[r][e] = o[r][e] * a + p * vf[u][e];
+                    m[r] = mn;
+                }
             }
         }
     }
@@ -541,7 +588,7 @@ _kernels = {}
 def _get_kernels():
     if not _kernels:
         _kernels["split"] = mx.fast.cuda_kernel(
-            name="kvstate_ragged_decode", input_names=["q", "k", "v", "lp", "en"],
+            name="kvstate_ragged_decode", input_names=["q", "k", "v", "lp", "en", "scale"],
             output_names=["po", "pm", "pl"], source=_KERNEL_SRC)
         _kernels["merge"] = mx.fast.cuda_kernel(
             name="kvstate_ragged_merge", input_names=["po", "pm", "pl"],
@@ -550,8 +597,9 @@ def _get_kernels():
 
 
 def splits_for(B: int, H: int, C: int) -> int:
-    """Key splits per (row, head): about 1024 blocks in all, at least 64 columns each."""
-    return max(1, min(64, 1024 // max(1, B * H), max(1, C // 64)))
+    """Key splits per (row, head): about 4096 blocks in all (several waves on a
+    large GPU, so the last one is a small share), at least 64 columns each."""
+    return max(1, min(64, 4096 // max(1, B * H), max(1, C // 64)))
 
 
 def kernel_available(dtype=None) -> bool:
@@ -581,9 +629,10 @@ def ragged_attention(q, k, v, left_pad, ends, *, scale: float):
     rep = Hq // H
     S = splits_for(B, H, C)
     kern = _get_kernels()
-    q = mx.contiguous((q * scale).astype(k.dtype))
+    if q.dtype != k.dtype:
+        q = q.astype(k.dtype)
     po, pm, pl = kern["split"](
-        inputs=[q, k, v, left_pad, ends],
+        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32)],
         template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C)],
         grid=(128 * S, B * H, 1), threadgroup=(128, 1, 1),
         output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
@@ -630,6 +679,7 @@ class Decoder:
         self.attention = attention
         self.traces = 0
         self._fns = {}
+        self._mods = None
 
     def _compiled(self, key):
         fn = self._fns.get(key)
@@ -677,7 +727,9 @@ class Decoder:
             prepared.append(s)
         fn = self._compiled((tuple(specs), squeeze))
         if self.attention == "kernel":
-            with _routed(self.model):
+            if self._mods is None:
+                self._mods = _attention_modules(self.model)
+            with _routed(self._mods):
                 logits, out = fn(tokens, flats)
         else:
             logits, out = fn(tokens, flats)

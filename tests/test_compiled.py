@@ -59,7 +59,8 @@ def test_flatten_unflatten_round_trip():
     _, _, states = prefill(model, [5, 9, 3], step=16)
     s = states[0]
     flat, spec = kc.flatten(s)
-    assert spec == kc.Spec("dense", 16)
+    assert spec == kc.Spec("dense", 16, same_end=True)  # merged rows are right-aligned
+    assert kc.spec_of(kv.trim(s, (0, 1, 0))).same_end is False
     assert flat.positions[0].tolist() == list(s.ends)
     assert flat.positions[1].tolist() == list(s.left_pad)
     back = kc.unflatten(flat, s, lengths=s.lengths)
@@ -100,6 +101,7 @@ def test_trace_count_600_tokens_ragged():
     step, T = 128, 600
     model = tm.llama_model(layers=1)
     _, logits, states = prefill(model, [5, 19, 2, 11], step=step)
+    states = [kv.trim(s, (1, 0, 0, 3)) for s in states]  # every row ends at its own column
     decode = kc.Decoder(model, attention="mask")
     tok = mx.argmax(logits, axis=-1)
     caps = set()
@@ -108,7 +110,7 @@ def test_trace_count_600_tokens_ragged():
         tok = mx.argmax(logits, axis=-1)
         mx.async_eval(tok)
         caps.add(states[0].capacity)
-    assert states[0].lengths == (5 + T, 19 + T, 2 + T, 11 + T)
+    assert states[0].lengths == (4 + T, 19 + T, 2 + T, 8 + T)
     assert decode.traces <= math.ceil(T / step) + 1
     assert decode.traces == len(caps)  # exactly one trace per capacity bucket
 
@@ -116,6 +118,7 @@ def test_trace_count_600_tokens_ragged():
 def test_llama_compiled_equals_eager_across_buckets():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], step=16)
+    states = [kv.trim(s, (0, 2, 1)) for s in states]  # ends differ: per-row scatter writes
     decode = kc.Decoder(model, attention="mask")
     worst, se, sc = loops(model, logits, states, 24, decode)
     assert worst <= ATOL

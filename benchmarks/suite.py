@@ -1,0 +1,535 @@
+"""Decode benchmark suite: mlx-lm, kvstate eager and kvstate compiled, side by side.
+
+One process, one model, the same prefilled rows for every implementation:
+
+    mlx-lm       the model on mlx-lm's own caches: ``KVCache`` (B rows) for
+                 aligned rows, ``BatchKVCache`` (left-padded) for ragged rows
+    eager        ``kvstate.mlx_lm.step`` (the bridge: records behind cache shells)
+    compiled     ``kvstate.compiled.Decoder(attention="mask")``: forward and
+                 state update in one ``mx.compile``d function, per-row bool mask
+    kernel       ``Decoder(attention="kernel")``: the same, dense decode reads
+                 through ``ragged_attention`` (mask-free split-K CUDA kernel;
+                 on the CPU it is the masked SDPA, so this row is skipped there)
+    floor        the compiled model forward with no cache at that batch size
+
+Cases: B rows x context x layout. Aligned rows all hold ``context`` tokens;
+ragged rows hold between 3/4 ``context`` and ``context`` (evenly spread),
+right-aligned as mlx-lm's ``BatchKVCache`` holds them. The caches are filled
+with random keys and values (decode time does not depend on their values),
+with room for every timed step so no implementation grows during timing.
+
+Timing: greedy decode with the next token fed back lazily (``async_eval``,
+as mlx-lm's generator does); ``--rounds`` rounds of ``--steps`` steps after
+``--warmup`` steps (the warm-up includes the compiled traces); ms/step is
+the median over rounds. Roofline share: (weight bytes + valid KV bytes) /
+copy bandwidth / step time, the bandwidth measured in the same run by an
+elementwise pass over a large array (bytes read + written).
+
+    python benchmarks/suite.py --preset cpu --out benchmarks/results/cpu
+    python benchmarks/suite.py --preset h200 --out $OUT          # MLX CUDA build
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import kvstate as kv  # noqa: E402
+from kvstate import compiled as kc  # noqa: E402
+from kvstate import mlx_lm as br  # noqa: E402
+from kvstate.masks import rows_mask  # noqa: E402
+
+MODELS = {
+    # Llama-3.2-1B's shape (random weights; no download)
+    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
+                                       "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192,
+                                       "rope_type": "llama3"}),
+    # a small model for CPU runs
+    "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=8192,
+                  rope_theta=10000.0, tie_word_embeddings=True),
+}
+
+PRESETS = {
+    "cpu": dict(model="small", dtype="float32", batch="1,8,32", context="512,2048",
+                impl="mlx-lm,eager,compiled", copy_mb=512),
+    "h200": dict(model="llama-3.2-1b", dtype="bfloat16", batch="1,8,32",
+                 context="512,2048,8192", impl="mlx-lm,eager,compiled,kernel", copy_mb=4096),
+}
+
+IMPLS = ("mlx-lm", "eager", "compiled", "kernel")
+
+
+def build_model(name, dtype):
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **MODELS[name])
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def weight_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def copy_bandwidth(mb: int, dtype) -> float:
+    """Bytes/s of an elementwise pass (read + write) over ``mb`` MiB."""
+    n = mb * (1 << 20) // dtype.size
+    x = mx.random.uniform(shape=(n // 4096, 4096)).astype(dtype)
+    mx.eval(x)
+    times = []
+    for _ in range(12):
+        t0 = time.perf_counter()
+        y = x + 1
+        mx.eval(y)
+        times.append(time.perf_counter() - t0)
+        del y
+    return 2 * x.nbytes / statistics.median(times[2:])
+
+
+# --- rows -----------------------------------------------------------------------
+
+
+def row_lengths(B, ctx, layout):
+    if layout == "aligned" or B == 1:
+        return [ctx] * B
+    lo = ctx - ctx // 4
+    return [lo + (ctx - lo) * b // (B - 1) for b in range(B)][::-1]
+
+
+def random_kv(model, B, cap, dtype, seed):
+    """Per layer ``(keys, values)`` ``[B, H, cap, D]`` of random data."""
+    a = model.args
+    shape = (B, a.num_key_value_heads, cap, a.head_dim)
+    out = []
+    for i in range(a.num_hidden_layers):
+        k1, k2 = mx.random.split(mx.random.key(seed * 1000 + i))
+        out.append(((0.5 * mx.random.normal(shape, key=k1)).astype(dtype),
+                    (0.5 * mx.random.normal(shape, key=k2)).astype(dtype)))
+    mx.eval(out)
+    return out
+
+
+def mlx_lm_caches(kvs, lengths, ctx):
+    B = len(lengths)
+    caches = []
+    for k, v in kvs:
+        if len(set(lengths)) == 1:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, ctx
+        else:
+            c = BatchKVCache([ctx - n for n in lengths])
+            c.keys, c.values = k, v
+            c.offset = mx.array(lengths)
+            c._idx = ctx
+        caches.append(c)
+    return caches
+
+
+def kv_states(kvs, lengths, ctx):
+    lp = [ctx - n for n in lengths]
+    return [kv.from_arrays(k, v, lengths=lengths, left_pad=lp) for k, v in kvs]
+
+
+# --- timing ----------------------------------------------------------------------
+
+
+def run_steps(step, n, tokens, state):
+    """``n`` greedy steps, each token fed back lazily; returns the last tokens and state."""
+    for _ in range(n):
+        logits, state = step(tokens, state)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.async_eval(tokens)
+    mx.eval(tokens)
+    return tokens, state
+
+
+def time_interleaved(runs, warmup, steps, rounds):
+    """Median seconds per step for each of ``runs`` (name -> [step, tokens, state]).
+
+    Every round times each implementation once, one after another, so a
+    load change on a shared machine touches all of them alike.
+    """
+    for r in runs.values():
+        r[1], r[2] = run_steps(r[0], warmup, r[1], r[2])
+    per = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, r in runs.items():
+            t0 = time.perf_counter()
+            r[1], r[2] = run_steps(r[0], steps, r[1], r[2])
+            per[name].append((time.perf_counter() - t0) / steps)
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def impl_step(name, model, decoders):
+    if name == "mlx-lm":
+        def step(tokens, caches):
+            return model(tokens[:, None], cache=caches)[:, -1, :], caches
+        return step
+    if name == "eager":
+        return lambda tokens, states: br.step(model, tokens, states)
+    return decoders[name]
+
+
+def floor_step(model):
+    fwd = mx.compile(lambda t: model(t[:, None])[:, -1, :])
+    return lambda tokens, _: (fwd(tokens), None)
+
+
+# --- kernel checks and attention micro-benchmarks ---------------------------------------
+
+
+def kernel_check(model, dtype, B=8, ctx=2048):
+    """Max |ragged_attention - masked SDPA| on random ragged rows (and fp32)."""
+    a = model.args
+    out = {}
+    for dt in (mx.float32, dtype):
+        mx.random.seed(1)
+        Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        C = ctx + 256
+        q = mx.random.normal((B, Hq, 1, D)).astype(dt)
+        k = mx.random.normal((B, H, C, D)).astype(dt)
+        v = mx.random.normal((B, H, C, D)).astype(dt)
+        lens = row_lengths(B, ctx, "ragged")
+        lp = mx.array([ctx - n for n in lens], mx.int32)
+        en = mx.array([ctx] * B, mx.int32)
+        got = kc.ragged_attention(q, k, v, lp, en, scale=D ** -0.5)
+        mask = rows_mask(1, lp, en, C)
+        want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                                    v.astype(mx.float32), scale=D ** -0.5,
+                                                    mask=mask)
+        err = mx.abs(got.astype(mx.float32) - want)
+        out[str(dt).replace("mlx.core.", "")] = (err.max().item(),
+                                                 (mx.sqrt((err ** 2).sum() / (want ** 2).sum())
+                                                  ).item())
+    return out
+
+
+def attention_micro(model, dtype, B, ctx, reps=50):
+    """Per-layer attention read at B rows x ctx (ragged): microseconds per call."""
+    a = model.args
+    Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    C = kc._round_up(ctx + 1, 256)
+    q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
+    k = mx.random.normal((B, H, C, D)).astype(dtype)
+    v = mx.random.normal((B, H, C, D)).astype(dtype)
+    lens = row_lengths(B, ctx, "ragged")
+    lp = mx.array([ctx - n for n in lens], mx.int32)
+    en = mx.array([ctx] * B, mx.int32)
+    kw, vw = k[:, :, :ctx], v[:, :, :ctx]
+    s = D ** -0.5
+    cases = {
+        "sdpa, no mask, width ctx": lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s),
+        "sdpa, bool mask, width ctx": lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s, mask=rows_mask(1, lp, en, ctx)),
+        "compiled: mask from arrays, capacity C": mx.compile(
+            lambda q, k, v, lp, en: mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=s, mask=rows_mask(1, lp, en, C))),
+    }
+    if kc.kernel_available():
+        cases["ragged_attention kernel, capacity C"] = mx.compile(
+            lambda q, k, v, lp, en: kc.ragged_attention(q, k, v, lp, en, scale=s))
+    out = {}
+    for name, f in cases.items():
+        call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "ragged")) \
+            else f
+        for _ in range(5):
+            mx.eval(call())
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            y = call()
+            mx.async_eval(y)
+        mx.eval(y)
+        out[name] = (time.perf_counter() - t0) / reps * 1e6
+    kv_bytes = sum(lens) * H * D * 2 * dtype.size
+    return out, kv_bytes
+
+
+# --- ablation: where a compiled step's time goes ------------------------------------------
+
+
+def patched(step, **names):
+    """``step`` with ``kvstate.compiled`` globals replaced while it runs (so while it traces)."""
+    def run(tokens, state):
+        old = {k: getattr(kc, k) for k in names}
+        for k, v in names.items():
+            setattr(kc, k, v)
+        try:
+            return step(tokens, state)
+        finally:
+            for k, v in old.items():
+                setattr(kc, k, v)
+    return run
+
+
+def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
+    """Interleaved variants of one case: each removes or swaps one part of the step."""
+    a = model.args
+    lengths = row_lengths(B, ctx, layout)
+    room = args.warmup + args.steps * args.rounds + 1
+    cap = kc._round_up(ctx + room, 256)
+    no_write = lambda plane, new, cols, index=None: plane  # noqa: E731
+    no_attn = lambda q, k, v, lp, en, *, scale: q  # noqa: E731
+
+    def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    variants = {"mlx-lm": None, "compiled": ("mask", {}),
+                "compiled, no cache write": ("mask", {"write": no_write})}
+    if decoders_ok:
+        variants.update({
+            "kernel": ("kernel", {}),
+            "kernel, no cache write": ("kernel", {"write": no_write}),
+            "kernel, no attention read": ("kernel", {"ragged_attention": no_attn}),
+            "kernel -> fused SDPA, no mask (wrong, timing)": ("kernel",
+                                                             {"ragged_attention": fused_nomask}),
+        })
+    runs = {}
+    for name, v in variants.items():
+        kvs = random_kv(model, B, cap, dtype, seed=3)
+        tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
+        if v is None:
+            runs[name] = [impl_step("mlx-lm", model, {}), tokens,
+                          mlx_lm_caches(kvs, lengths, ctx)]
+        else:
+            mode, names = v
+            runs[name] = [patched(kc.Decoder(model, attention=mode), **names), tokens,
+                          kv_states(kvs, lengths, ctx)]
+        del kvs
+    runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
+    times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
+    print(f"ablation B={B} ctx={ctx} {layout}:")
+    for name, t in times.items():
+        print(f"  {name:<48} {t * 1e3:8.2f} ms")
+    return {name: t * 1e3 for name, t in times.items()}
+
+
+# --- the run ---------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", help="comma list of batch sizes")
+    p.add_argument("--context", help="comma list of context lengths")
+    p.add_argument("--layout", default="aligned,ragged")
+    p.add_argument("--impl", help=f"comma list of {','.join(IMPLS)}")
+    p.add_argument("--steps", type=int, default=16, help="steps per timed round (16)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (5)")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (4)")
+    p.add_argument("--copy-mb", type=int)
+    p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
+    p.add_argument("--ablate", default="", help="cases B:ctx:layout,... to take apart "
+                   "(e.g. 1:2048:aligned,32:2048:ragged)")
+    p.add_argument("--out", default=None, help="folder for results.csv/json and the PNG")
+    args = p.parse_args(argv)
+    pre = PRESETS[args.preset]
+    model_name = args.model or pre["model"]
+    dtype = getattr(mx, args.dtype or pre["dtype"])
+    batches = [int(x) for x in (args.batch or pre["batch"]).split(",")]
+    contexts = [int(x) for x in (args.context or pre["context"]).split(",")]
+    layouts = args.layout.split(",")
+    impls = (args.impl or pre["impl"]).split(",")
+    for i in impls:
+        if i not in IMPLS:
+            p.error(f"--impl: unknown {i!r}")
+    if "kernel" in impls and not kc.kernel_available():
+        print("note: kernel rows skipped (no MLX CUDA backend here; it would equal 'compiled')")
+        impls = [i for i in impls if i != "kernel"]
+
+    device = str(mx.default_device())
+    machine = platform.machine() + " " + platform.node()
+    print(f"mlx {mx.__version__} on {device}; model {model_name} {dtype}")
+    t0 = time.perf_counter()
+    model = build_model(model_name, dtype)
+    wbytes = weight_bytes(model)
+    bw = copy_bandwidth(args.copy_mb or pre["copy_mb"], dtype)
+    print(f"weights {wbytes / 1e9:.3f} GB; copy bandwidth {bw / 1e12:.3f} TB/s "
+          f"(setup {time.perf_counter() - t0:.1f} s)")
+    a = model.args
+    meta = dict(model=model_name, dtype=str(dtype), device=device, machine=machine,
+                mlx=mx.__version__, weight_bytes=wbytes, copy_bandwidth=bw,
+                steps=args.steps, rounds=args.rounds, warmup=args.warmup,
+                command=" ".join(sys.argv))
+
+    checks = {}
+    if "kernel" in impls:
+        try:
+            checks = kernel_check(model, dtype)
+            print("kernel check (max abs err, rel l2) vs masked SDPA in float32:", checks)
+            bad = checks["float32"][1] > 1e-4 or checks[str(dtype).replace("mlx.core.", "")][1] > 2e-2
+            if bad:
+                print("kernel check FAILED: kernel rows skipped")
+                impls = [i for i in impls if i != "kernel"]
+        except Exception as e:  # report and carry on without the kernel
+            print(f"kernel unavailable: {type(e).__name__}: {e}")
+            checks = {"error": f"{type(e).__name__}: {e}"}
+            impls = [i for i in impls if i != "kernel"]
+    meta["kernel_check"] = checks
+
+    decoders = {"compiled": kc.Decoder(model, attention="mask")}
+    if "kernel" in impls:
+        decoders["kernel"] = kc.Decoder(model, attention="kernel")
+    room = args.warmup + args.steps * args.rounds + 1
+
+    rows, floors = [], {}
+    for B in batches:
+        for ctx in contexts:
+            for layout in layouts:
+                if layout == "ragged" and B == 1:
+                    continue
+                lengths = row_lengths(B, ctx, layout)
+                cap = kc._round_up(ctx + room, 256)
+                kv_valid = (sum(lengths) + B * (args.warmup + args.steps * args.rounds / 2)) \
+                    * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2 * dtype.size
+                runs = {}
+                for name in impls:
+                    kvs = random_kv(model, B, cap, dtype, seed=B * 7 + ctx)
+                    state = (mlx_lm_caches(kvs, lengths, ctx) if name == "mlx-lm"
+                             else kv_states(kvs, lengths, ctx))
+                    del kvs
+                    tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
+                    runs[name] = [impl_step(name, model, decoders), tokens, state]
+                for name in list(runs):  # a failing implementation is dropped, not the case
+                    try:
+                        runs[name][1], runs[name][2] = run_steps(runs[name][0], 1, *runs[name][1:])
+                    except Exception as e:
+                        print(f"  {name} B={B} ctx={ctx} {layout}: FAILED "
+                              f"{type(e).__name__}: {e}")
+                        del runs[name]
+                runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
+                try:
+                    times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
+                except Exception as e:
+                    print(f"  B={B} ctx={ctx} {layout}: FAILED {type(e).__name__}: {e}")
+                    continue
+                del runs
+                fl = floors.setdefault(B, {})[(ctx, layout)] = times.pop("floor")
+                base = times.get("mlx-lm")
+                for name, t in times.items():
+                    row = dict(B=B, context=ctx, layout=layout, impl=name, ms=t * 1e3,
+                               tok_s=B / t, roofline=(wbytes + kv_valid) / bw / t,
+                               floor_ms=fl * 1e3, vs_mlx_lm=(base / t) if base else float("nan"))
+                    rows.append(row)
+                    print(f"  B={B:<3} ctx={ctx:<5} {layout:<8} {name:<9} {t * 1e3:8.2f} ms"
+                          f" {B / t:9.0f} tok/s  roofline {row['roofline']:6.1%}"
+                          f"  x{row['vs_mlx_lm']:.2f} vs mlx-lm  (floor {fl * 1e3:.2f} ms)")
+                mx.clear_cache()
+    micro = {}
+    if args.micro:
+        for B in batches:
+            ctx = 2048 if 2048 in contexts else contexts[-1]
+            res, kvb = attention_micro(model, dtype, B, ctx)
+            micro[f"B={B} ctx={ctx}"] = dict(us=res, kv_bytes=kvb)
+            print(f"attention per layer, B={B}, ragged ctx {ctx} ({kvb / 1e6:.1f} MB valid KV):")
+            for n, us in res.items():
+                print(f"  {n:<40} {us:8.1f} us  ({kvb / (us * 1e-6) / 1e12:.2f} TB/s on valid KV)")
+    meta["micro"] = micro
+    abl = {}
+    for case in filter(None, args.ablate.split(",")):
+        B, ctx, layout = case.split(":")
+        abl[case] = ablation(model, dtype, int(B), int(ctx), layout, args, "kernel" in impls)
+    meta["ablation"] = abl
+    print_table(rows, floors, meta)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        png = plot(rows, meta, os.path.join(args.out, "suite.png"))
+        print(f"wrote {args.out}/results.csv, results.json" + (f", {png}" if png else ""))
+    return rows
+
+
+def print_table(rows, floors, meta):
+    print()
+    print(f"model {meta['model']} {meta['dtype']} on {meta['device']}; copy bandwidth "
+          f"{meta['copy_bandwidth'] / 1e12:.3f} TB/s; weights {meta['weight_bytes'] / 1e9:.3f} GB")
+    print(f"{'B':>3} {'ctx':>5} {'layout':<8} {'impl':<9} {'ms/step':>8} {'tok/s':>8} "
+          f"{'roofline':>8} {'floor ms':>8} {'vs mlx-lm':>9}")
+    for r in rows:
+        print(f"{r['B']:>3} {r['context']:>5} {r['layout']:<8} {r['impl']:<9} {r['ms']:8.2f} "
+              f"{r['tok_s']:8.0f} {r['roofline']:8.1%} {r['floor_ms']:8.2f} "
+              f"{r['vs_mlx_lm']:9.2f}")
+
+
+def plot(rows, meta, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG (plot results.csv elsewhere with --plot)")
+        return None
+    layouts = [lay for lay in ("aligned", "ragged") if any(r["layout"] == lay for r in rows)]
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    fig, axes = plt.subplots(1, len(layouts), figsize=(7 * len(layouts), 4.5), squeeze=False)
+    for ax, lay in zip(axes[0], layouts):
+        cases = sorted({(r["B"], r["context"]) for r in rows if r["layout"] == lay})
+        width = 0.8 / (len(impls) + 1)
+        for j, impl in enumerate(impls):
+            ys = []
+            for c in cases:
+                m = [r for r in rows if r["layout"] == lay and (r["B"], r["context"]) == c
+                     and r["impl"] == impl]
+                ys.append(m[0]["tok_s"] if m else 0)
+            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
+        fl = []
+        for c in cases:
+            m = [r for r in rows if r["layout"] == lay and (r["B"], r["context"]) == c]
+            fl.append(c[0] / (m[0]["floor_ms"] / 1e3))
+        ax.bar([i + len(impls) * width for i in range(len(cases))], fl, width,
+               label="floor (no cache)", color="lightgrey")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels([f"B={b}\n{c}" for b, c in cases], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{lay} rows")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"decode, {meta['model']} {meta['dtype'].replace('mlx.core.', '')} on "
+                 f"{meta['device']} (mlx {meta['mlx']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def replot(folder):
+    with open(os.path.join(folder, "results.json")) as f:
+        data = json.load(f)
+    return plot(data["rows"], data["meta"], os.path.join(folder, "suite.png"))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":
+        print(replot(sys.argv[2]))
+    else:
+        main()
