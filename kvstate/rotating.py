@@ -263,6 +263,8 @@ def read(state: RotatingState):
 
     This is what ``next_mask`` (before an append) and ``attend`` lay their
     masks over. mlx-lm's ring also hands the model its buffer in ring order.
+    These may be the record's own arrays: read them, never hand them to code
+    that assigns into arrays (mlx-lm's caches do: use ``fetch`` there).
     """
     check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
     w = read_width(state)
@@ -288,7 +290,11 @@ def update_and_read(state: RotatingState, k, v):
 @ops.fetch.register
 def _(state: RotatingState):
     """``(keys, values)`` ``[B, H, width, D]``: each row's held entries in temporal
-    order; rows holding fewer are left-padded with zeros so every row ends at ``width``."""
+    order; rows holding fewer are left-padded with zeros so every row ends at ``width``.
+
+    Always new arrays (a gather), never the record's buffers, so they can be
+    handed to an mlx-lm cache, which writes into the arrays it holds.
+    """
     check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
     W = state.width
     ln, hd = np.array(state.lengths, np.int64), np.array(state.held, np.int64)

@@ -30,6 +30,13 @@ H, HQ, D = 2, 4, 8
 SCALE = D ** -0.5
 
 
+def own(x):
+    """A private copy for mlx-lm: its ring keeps the array a block append passes it and
+    later writes into it in place (measured: ``test_mlx_lm_writes_into_the_callers_array``),
+    which would reach any lazy kvstate graph still reading that array."""
+    return mx.array(np.array(x))
+
+
 def mlx_temporal(cache):
     """The entries an mlx-lm ring holds, in temporal order (its own reordering)."""
     k = cache._temporal_order(cache.keys)
@@ -57,7 +64,7 @@ def test_one_row_equals_rotating_kv_cache(ring, sizes, window, step, seed):
     for n in sizes:
         k, v, q = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D), rand(rng, 1, HQ, n, D)
         mask = cache.make_mask(n, window_size=window)
-        ck, cv = cache.update_and_fetch(mx.array(k), mx.array(v))
+        ck, cv = cache.update_and_fetch(own(k), own(v))
         want = mx.fast.scaled_dot_product_attention(mx.array(q), ck, cv, scale=SCALE, mask=mask)
         ref.append(k[0], v[0])
         s = kv.append(s, mx.array(k), mx.array(v))
@@ -85,9 +92,9 @@ def test_trim_equals_rotating_kv_cache_where_mlx_lm_can_trim(ring, sizes, cut, s
     cache = RotatingKVCache(max_size, keep)
     s = kv.rotating(1, max_size=max_size, keep=keep)
     for n in sizes:
-        k = rand(rng, 1, H, n, D)
-        cache.update_and_fetch(mx.array(k), mx.array(k))
-        s = kv.append(s, mx.array(k), mx.array(k))
+        k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
+        cache.update_and_fetch(own(k), own(v))
+        s = kv.append(s, mx.array(k), mx.array(v))
         if cache.is_trimmable() and cut:
             m = min(cut, cache.offset)
             assert cache.trim(m) == m
@@ -119,7 +126,7 @@ def test_shell_protocol_next_mask_then_update_and_read(ring, sizes, window, seed
                                    np.array(kv.attend(s, q, scale=SCALE, window=window)),
                                    atol=1e-6)
         mmask = cache.make_mask(n, window_size=window)
-        ck, cv = cache.update_and_fetch(k, v)
+        ck, cv = cache.update_and_fetch(own(k), own(v))
         if not mlx_buggy(n, keep, window, max_size):
             want = mx.fast.scaled_dot_product_attention(q, ck, cv, scale=SCALE, mask=mmask)
             np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5)
@@ -133,7 +140,7 @@ def test_mlx_lm_window_mask_ignores_keep():
     for p in range(7):
         mask = cache.make_mask(1, window_size=3)
         x = mx.full((1, 1, 1, 1), float(p))
-        k, _ = cache.update_and_fetch(x, x)
+        k, _ = cache.update_and_fetch(own(x), own(x))
         s = kv.append(s, x, x)
     # The 7th token (position 6) went to column 2; mlx-lm's mask hides column 2.
     assert np.array(k).reshape(-1).tolist()[2] == 6.0
@@ -169,18 +176,19 @@ def test_conversion_both_ways_continues_identically(ring, before, after, seed):
     cache = RotatingKVCache(max_size, keep)
     s = kv.rotating(1, max_size=max_size, keep=keep)
     for n in before:
-        k = mx.array(rand(rng, 1, H, n, D))
-        cache.update_and_fetch(k, k)
-        s = kv.append(s, k, k)
+        k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
+        cache.update_and_fetch(own(k), own(v))
+        s = kv.append(s, mx.array(k), mx.array(v))
     pairs = [(cache, from_mlx(cache)), (to_mlx(s), s)]
     for n in after:
-        k = mx.array(rand(rng, 1, H, n, D))
+        k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
         for i, (c, r) in enumerate(pairs):
-            c.update_and_fetch(k, k)
-            r = kv.append(r, k, k)
+            c.update_and_fetch(own(k), own(v))
+            r = kv.append(r, mx.array(k), mx.array(v))
             pairs[i] = (c, r)
-            (gk, _), = rows_of(r)
+            (gk, gv), = rows_of(r)
             np.testing.assert_array_equal(gk, mlx_temporal(c)[0])
+            np.testing.assert_array_equal(gv, mlx_temporal(c)[1])
             assert r.lengths == (c.offset,)
 
 
@@ -198,9 +206,9 @@ def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(ring, prefixe
     for c, sizes in zip(caches, prefixes):
         r = kv.rotating(1, max_size=max_size, keep=keep)
         for n in sizes:
-            k = mx.array(rand(rng, 1, H, n, D))
-            c.update_and_fetch(k, k)
-            r = kv.append(r, k, k)
+            k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
+            c.update_and_fetch(own(k), own(v))
+            r = kv.append(r, mx.array(k), mx.array(v))
         rows.append(r)
     s = kv.merge_rows(rows)
     B = len(caches)
@@ -211,9 +219,27 @@ def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(ring, prefixe
         held = rows_of(s)
         for b, c in enumerate(caches):
             mask = c.make_mask(n, window_size=window)
-            ck, cv = c.update_and_fetch(mx.array(k[b:b + 1]), mx.array(v[b:b + 1]))
+            ck, cv = c.update_and_fetch(own(k[b:b + 1]), own(v[b:b + 1]))
             np.testing.assert_array_equal(held[b][0], mlx_temporal(c)[0])
+            np.testing.assert_array_equal(held[b][1], mlx_temporal(c)[1])
             if not mlx_buggy(n, keep, window, max_size):
                 want = mx.fast.scaled_dot_product_attention(mx.array(q[b:b + 1]), ck, cv,
                                                             scale=SCALE, mask=mask)
                 np.testing.assert_allclose(got[b], np.array(want)[0], atol=2e-5)
+
+
+def test_mlx_lm_writes_into_the_callers_array():
+    """Why the tests hand mlx-lm private copies (measured): after a block append its
+    ring buffer *is* the caller's array, and the next single token is written into it."""
+    k = mx.array(np.array([10.0, 11.0], np.float32).reshape(1, 1, 2, 1))
+    cache = RotatingKVCache(2)
+    cache.update_and_fetch(k, own(k))
+    x = mx.full((1, 1, 1, 1), 12.0)
+    cache.update_and_fetch(x, own(x))
+    assert np.array(k).ravel().tolist() == [12.0, 11.0]
+    # kvstate never writes into an array it was given.
+    k = mx.array(np.array([10.0, 11.0], np.float32).reshape(1, 1, 2, 1))
+    s = kv.append(kv.rotating(max_size=2), k, k)
+    s = kv.append(s, x, x)
+    mx.eval(s.keys)
+    assert np.array(k).ravel().tolist() == [10.0, 11.0]
