@@ -189,9 +189,13 @@ def _range(text: str):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="kvstate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvstate", description="KV-cache state for MLX models: "
+                                "continuous batched generation on kvstate records.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continuous batched generation on kvstate records")
+    g = sub.add_parser("generate", help="continuous batched generation on kvstate records",
+                       description="Requests arrive and finish at different times; rows join "
+                       "the batch with extend and leave with filter_rows. Prints a table of "
+                       "requests, tokens, tokens/s, peak memory and cache bytes per token.")
     g.add_argument("--model", type=Path, help="a local mlx-lm model directory "
                    "(default: a built-in tiny llama with seeded random weights)")
     g.add_argument("--requests", type=int, default=16, help="number of requests (16)")
