@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import mlx.core as mx
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, note, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
 from kvstate.errors import KVStateError
@@ -310,3 +311,139 @@ def test_bad_input_names_the_argument_and_changes_nothing():
         kv.trim(s, 4)
     assert_same_bytes(fetched(s), before, "state after failed calls")
     assert s.lengths == (3,)
+
+
+# --- model-based: a numpy model of the rows' quantized bytes ----------------------------
+
+
+class QuantizedRows(RuleBasedStateMachine):
+    """Every rule applies one kvstate function and the obvious edit to a model
+    that holds, per row, the six planes ``[H, L, *]`` as numpy: appended
+    tokens are ``mx.quantize``'d once, on their own, and then only ever
+    concatenated or sliced. After every rule the record's row bytes equal the
+    model's, and ``kv.attend`` equals mlx-lm's quantized SDPA on each model
+    row alone."""
+
+    D = 32
+
+    def __init__(self):
+        super().__init__()
+        self.rng = np.random.default_rng(0)
+        self.state, self.rows = None, []
+
+    def quantize(self, x):
+        return quantize_np(x, self.gs, self.bits)
+
+    def fresh(self, lengths):
+        singles, rows = [], []
+        for n in lengths:
+            s = kv.quantized(1, group_size=self.gs, bits=self.bits, step=4)
+            k, v = rand(self.rng, 1, H, n, self.D), rand(self.rng, 1, H, n, self.D)
+            if n:
+                s = kv.append(s, k, v)
+            singles.append(s)
+            rows.append(tuple(p[0] for p in (*self.quantize(k), *self.quantize(v))))
+        return kv.merge_rows(singles), rows
+
+    def show(self, what):
+        s = self.state
+        note(f"{what} -> lengths={s.lengths} left_pad={s.left_pad} capacity={s.capacity}")
+
+    @initialize(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+                geometry=st.sampled_from([(4, 32), (8, 32), (3, 32), (2, 32)]))
+    def start(self, lengths, geometry):
+        self.bits, self.gs = geometry
+        self.state, self.rows = self.fresh(lengths)
+        self.show(f"start {lengths} bits={self.bits}")
+
+    @rule(n=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def append(self, n, seed):
+        rng = np.random.default_rng(seed)
+        B = self.state.batch_size
+        k, v = rand(rng, B, H, n, self.D), rand(rng, B, H, n, self.D)
+        self.state = kv.append(self.state, k, v)
+        new = (*self.quantize(k), *self.quantize(v))
+        self.rows = [tuple(np.concatenate([r, p[b]], axis=1) for r, p in zip(row, new))
+                     for b, row in enumerate(self.rows)]
+        self.show(f"append {n}")
+
+    @rule(data=st.data())
+    def trim(self, data):
+        n = [data.draw(st.integers(0, m), label=f"n[{b}]")
+             for b, m in enumerate(self.state.lengths)]
+        self.state = kv.trim(self.state, n)
+        self.rows = [tuple(p[:, :p.shape[1] - t] for p in row) for row, t in zip(self.rows, n)]
+        self.show(f"trim {n}")
+
+    @rule(data=st.data(), n=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def speculate(self, data, n, seed):
+        rng = np.random.default_rng(seed)
+        B = self.state.batch_size
+        keep = data.draw(st.lists(st.integers(0, n), min_size=B, max_size=B), label="keep")
+        k, v = rand(rng, B, H, n, self.D), rand(rng, B, H, n, self.D)
+        cp = kv.checkpoint(self.state)
+        self.state = kv.rollback(kv.append(self.state, k, v), cp, keep)
+        new = (*self.quantize(k), *self.quantize(v))
+        self.rows = [tuple(np.concatenate([r, p[b][:, :keep[b]]], axis=1)
+                           for r, p in zip(row, new)) for b, row in enumerate(self.rows)]
+        self.show(f"draft {n} keep {keep}")
+
+    @precondition(lambda self: self.state.batch_size < 5)
+    @rule(lengths=st.lists(st.integers(0, 7), min_size=1, max_size=2), first=st.booleans())
+    def merge(self, lengths, first):
+        other, rows = self.fresh(lengths)
+        if first:
+            self.state, self.rows = kv.merge_rows([other, self.state]), rows + self.rows
+        else:
+            self.state, self.rows = kv.extend(self.state, other), self.rows + rows
+        self.show(f"merge {lengths}")
+
+    @rule(data=st.data())
+    def filter(self, data):
+        B = self.state.batch_size
+        keep = data.draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B), label="keep")
+        self.state = kv.filter_rows(self.state, keep)
+        self.rows = [self.rows[r] for r in keep]
+        self.show(f"filter {keep}")
+
+    @rule(data=st.data())
+    def extract(self, data):
+        i = data.draw(st.integers(0, self.state.batch_size - 1), label="row")
+        row = kv.extract_row(self.state, i)
+        if row.keys is not None:
+            assert_same_bytes(row_planes(row, 0), self.rows[i], "extracted row")
+        if data.draw(st.booleans(), label="continue with the row alone"):
+            self.state, self.rows = row, [self.rows[i]]
+        self.show(f"extract {i}")
+
+    @invariant()
+    def bytes_match(self):
+        s = self.state
+        if s is None:
+            return
+        assert s.lengths == tuple(r[0].shape[1] for r in self.rows)
+        if s.keys is None:
+            return
+        for b, row in enumerate(self.rows):
+            assert_same_bytes(row_planes(s, b), row, f"row {b}")
+
+    @invariant()
+    def attention_matches(self):
+        s = self.state
+        if s is None or s.keys is None or min(s.lengths) == 0:
+            return
+        n = min(2, min(s.lengths))
+        q = rand(self.rng, s.batch_size, 2 * H, n, self.D)
+        got = np_of(kv.attend(s, q, scale=SCALE))
+        for b, row in enumerate(self.rows):
+            keys = tuple(mx.array(p[None]) for p in row[:3])
+            values = tuple(mx.array(p[None]) for p in row[3:])
+            want = mlx_qsdpa(q[b:b + 1], keys, values, scale=SCALE,
+                             mask=None if n == 1 else "causal", group_size=self.gs,
+                             bits=self.bits)
+            np.testing.assert_allclose(got[b:b + 1], np_of(want), atol=1e-5, rtol=1e-5,
+                                       err_msg=f"row {b}")
+
+
+QuantizedRows.TestCase.settings = settings(stateful_step_count=12)
+TestQuantizedRows = QuantizedRows.TestCase
