@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from .errors import LeaseError, bad
 
@@ -137,6 +138,9 @@ def lease(memo: Optional[MaskMemo], key: MaskKey, build: Callable[[], object]) -
 # --- builders -------------------------------------------------------------
 
 
+_HOST_MASK_MAX = 1 << 16  # bools; larger masks (prefill blocks) are built by MLX
+
+
 def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     """The per-row batched mask ``[B, 1, n, width]``.
 
@@ -146,6 +150,16 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     ``ends`` may be host sequences or int32 arrays ``[B]`` (inside compiled
     code); ``window`` likewise an int or a scalar array.
     """
+    host = not any(isinstance(x, mx.array) for x in (left_pad, ends, window))
+    if host and len(ends) * n * width <= _HOST_MASK_MAX:
+        # Decode-sized masks from host ints: numpy and one copy, no kernel
+        # launches (about 4x cheaper than the graph below on the CPU).
+        cols = np.arange(width)[None, None, None, :]
+        qpos = (np.asarray(ends) - n)[:, None, None, None] + np.arange(n)[None, None, :, None]
+        m = (cols >= np.asarray(left_pad)[:, None, None, None]) & (cols <= qpos)
+        if window is not None:
+            m &= qpos - cols < window
+        return mx.array(m)
     lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
     en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends
     cols = mx.arange(width, dtype=mx.int32)[None, None, None, :]

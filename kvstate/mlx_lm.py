@@ -50,12 +50,16 @@ class _Forward:
         self._positions = {}
 
     def offset(self, state):
-        """An int when the rows are aligned, else the per-row int32 ``[B]`` array."""
-        pos = ops.positions(state)
-        if pos is None:
-            return int(state.lengths[0]) if state.lengths else 0
+        """An int when the rows are aligned, else the per-row int32 ``[B]`` array.
+
+        Layers with one layout share one array (one per forward, not per layer).
+        """
         key = (type(state), state.lengths, state.left_pad)
-        return self._positions.setdefault(key, pos)  # one array per layout, not per layer
+        off = self._positions.get(key)
+        if off is None:
+            pos = ops.positions(state)
+            off = self._positions[key] = int(state.lengths[0]) if pos is None else pos
+        return off
 
     def release(self):
         for held in self.leases:
