@@ -48,6 +48,7 @@ LLAMA_1B = dict(  # meta-llama/Llama-3.2-1B config.json (geometry fields)
                   "original_max_position_embeddings": 8192, "rope_type": "llama3"},
 )
 GROUP = 64
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 # --- (a) bytes per token --------------------------------------------------------------
@@ -94,30 +95,37 @@ def bytes_per_token(tokens: int, chunk: int = 64):
 
 
 def small_model(args):
+    """The ``--model`` llama with seeded random weights in ``--dtype``."""
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
-        intermediate_size=2 * args.hidden, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.kv_heads, head_dim=64, rms_norm_eps=1e-5,
-        vocab_size=args.vocab, tie_word_embeddings=False))
+    if args.model == "1b":
+        config = LLAMA_1B
+    else:
+        config = dict(
+            model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
+            intermediate_size=2 * args.hidden, num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.kv_heads, head_dim=64, rms_norm_eps=1e-5,
+            vocab_size=args.vocab, tie_word_embeddings=False)
+    model = llama.Model(llama.ModelArgs(**config))
+    model.set_dtype(DTYPES[args.dtype])
     mx.eval(model.parameters())
     return model
 
 
 def random_rows(model, lengths, seed=0):
-    """Per layer, per row: random float32 ``(k, v)`` ``[1, H, n, D]`` standing for a
+    """Per layer, per row: random ``(k, v)`` in the model's dtype, ``[1, H, n, D]`` standing for a
     prefilled prompt (a step's cost does not depend on the cached values, and a
     real 512-token prefill of 8 rows takes minutes on this CPU)."""
     a = model.args
     H, D = a.num_key_value_heads, a.head_dim
+    dtype = model.layers[0].self_attn.q_proj.weight.dtype
     key = mx.random.key(seed)
     out = []
     for _ in model.layers:
         layer = []
         for n in lengths:
             key, k1, k2 = mx.random.split(key, 3)
-            layer.append((mx.random.normal((1, H, n, D), key=k1),
-                          mx.random.normal((1, H, n, D), key=k2)))
+            layer.append((mx.random.normal((1, H, n, D), key=k1).astype(dtype),
+                          mx.random.normal((1, H, n, D), key=k2).astype(dtype)))
         out.append(layer)
     mx.eval(out)
     return out
@@ -191,9 +199,10 @@ def decode_step(args):
     B = args.batch
     lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1)
                for i in range(B)]
-    geo = (f"llama {args.layers} layers, hidden {args.hidden}, {args.hidden // 64} q heads, "
-           f"{args.kv_heads} KV heads, head dim 64, vocab {args.vocab}, float32, "
-           f"{mx.default_device()}")
+    a = model.args
+    geo = (f"llama {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+           f"{a.num_attention_heads} q heads, {a.num_key_value_heads} KV heads, head dim "
+           f"{a.head_dim}, vocab {a.vocab_size}, {args.dtype}, {mx.default_device()}")
 
     first = mx.random.randint(1, args.vocab, (B,), key=mx.random.key(99))
     rows = random_rows(model, lengths)
@@ -256,6 +265,7 @@ def attention_step(args):
     lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1)
                for i in range(B)]
     key = mx.random.key(1)
+    dt = DTYPES[args.dtype]
 
     def rows(bits):
         out = []
@@ -264,8 +274,8 @@ def attention_step(args):
             for n in lengths:
                 s = kv.empty(1) if bits is None else kv.quantized(1, group_size=GROUP, bits=bits)
                 k1, k2 = mx.random.split(mx.random.key(layer * 1000 + n))
-                per_row.append(kv.append(s, mx.random.normal((1, H, n, D), key=k1),
-                                         mx.random.normal((1, H, n, D), key=k2)))
+                per_row.append(kv.append(s, mx.random.normal((1, H, n, D), key=k1).astype(dt),
+                                         mx.random.normal((1, H, n, D), key=k2).astype(dt)))
             out.append(kv.merge_rows(per_row))
         mx.eval([s.planes for s in out])
         return out
@@ -274,9 +284,9 @@ def attention_step(args):
         def __init__(self, bits):
             self.states = rows(bits)
             k1, k2, k3 = mx.random.split(key, 3)
-            self.k = mx.random.normal((B, H, 1, D), key=k1)
-            self.v = mx.random.normal((B, H, 1, D), key=k2)
-            self.q = mx.random.normal((B, Hq, 1, D), key=k3)
+            self.k = mx.random.normal((B, H, 1, D), key=k1).astype(dt)
+            self.v = mx.random.normal((B, H, 1, D), key=k2).astype(dt)
+            self.q = mx.random.normal((B, Hq, 1, D), key=k3).astype(dt)
 
         def step(self):
             memo, outs, new = kv.MaskMemo(), [], []
@@ -291,7 +301,7 @@ def attention_step(args):
     t = race(sides, args.steps)
     print(f"(c) attention only, Llama-3.2-1B geometry: {L} layers x (append 1 token + attend), "
           f"B={B} ragged rows {lengths[0]}..{lengths[-1]}, {Hq} q / {H} KV heads, head dim {D}, "
-          f"float32, {mx.default_device()}, median of {args.steps}")
+          f"{args.dtype}, {mx.default_device()}, median of {args.steps}")
     for n, v in t.items():
         print(f"    {n:<6} {v * 1e3:8.3f} ms/step   {v / t['dense']:6.3f}x dense")
 
@@ -308,7 +318,12 @@ def main():
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--only", choices=["a", "b", "c"], default=None)
+    p.add_argument("--model", choices=["small", "1b"], default="small",
+                   help="(b) the small llama (--layers/--hidden/...) or the Llama-3.2-1B shape")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(b, c)")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     args = p.parse_args()
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     print(f"mlx {mx.__version__}, load average at start {os.getloadavg()[0]:.2f} "
           f"({os.cpu_count()} cores)")
     if args.only in (None, "a"):
