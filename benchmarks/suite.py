@@ -156,12 +156,13 @@ def kv_states(kvs, lengths, ctx):
 # --- timing ----------------------------------------------------------------------
 
 
-def run_steps(step, n, tokens, state):
-    """``n`` greedy steps, each token fed back lazily; returns the last tokens and state."""
+def run_steps(step, n, tokens, state, sync=False):
+    """``n`` greedy steps, each token fed back lazily (``sync``: waited for);
+    returns the last tokens and state."""
     for _ in range(n):
         logits, state = step(tokens, state)
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-        mx.async_eval(tokens)
+        (mx.eval if sync else mx.async_eval)(tokens)
     mx.eval(tokens)
     return tokens, state
 
@@ -172,13 +173,13 @@ def time_interleaved(runs, warmup, steps, rounds):
     Every round times each implementation once, one after another, so a
     load change on a shared machine touches all of them alike.
     """
-    for r in runs.values():
-        r[1], r[2] = run_steps(r[0], warmup, r[1], r[2])
+    for name, r in runs.items():
+        r[1], r[2] = run_steps(r[0], warmup, r[1], r[2], "sync" in name)
     per = {name: [] for name in runs}
     for _ in range(rounds):
         for name, r in runs.items():
             t0 = time.perf_counter()
-            r[1], r[2] = run_steps(r[0], steps, r[1], r[2])
+            r[1], r[2] = run_steps(r[0], steps, r[1], r[2], "sync" in name)
             per[name].append((time.perf_counter() - t0) / steps)
     return {name: statistics.median(v) for name, v in per.items()}
 
@@ -292,20 +293,24 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     room = args.warmup + args.steps * args.rounds + 1
     cap = kc._round_up(ctx + room, 256)
     no_write = lambda plane, new, cols, index=None: plane  # noqa: E731
-    no_attn = lambda q, k, v, lp, en, *, scale: q  # noqa: E731
 
     def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
-    variants = {"mlx-lm": None, "compiled": ("mask", {}),
-                "compiled, no cache write": ("mask", {"write": no_write})}
+    variants = {"mlx-lm": None, "mlx-lm, sync each step": None,
+                "compiled": ("mask", {}, "scatter"),
+                "compiled, no cache write": ("mask", {"write": no_write}, "scatter")}
     if decoders_ok:
         variants.update({
-            "kernel": ("kernel", {}),
-            "kernel, no cache write": ("kernel", {"write": no_write}),
-            "kernel, no attention read": ("kernel", {"ragged_attention": no_attn}),
+            "kernel, scatter writes": ("kernel", {}, "scatter"),
+            "kernel, slice_update writes": ("kernel", {}, "slice"),
+            "kernel, scatter writes, wait": ("kernel", {}, "scatter"),
+            "kernel, slice_update writes, wait": ("kernel", {}, "slice"),
+            "kernel, scatter writes, sync each step": ("kernel", {}, "scatter"),
+            "kernel, no cache write": ("kernel", {"write": no_write}, "scatter"),
             "kernel -> fused SDPA, no mask (wrong, timing)": ("kernel",
-                                                             {"ragged_attention": fused_nomask}),
+                                                             {"ragged_attention": fused_nomask},
+                                                             "scatter"),
         })
     runs = {}
     for name, v in variants.items():
@@ -315,9 +320,9 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
             runs[name] = [impl_step("mlx-lm", model, {}), tokens,
                           mlx_lm_caches(kvs, lengths, ctx)]
         else:
-            mode, names = v
-            runs[name] = [patched(kc.Decoder(model, attention=mode), **names), tokens,
-                          kv_states(kvs, lengths, ctx)]
+            mode, names, write = v
+            dec = kc.Decoder(model, attention=mode, write=write, wait=name.endswith(", wait"))
+            runs[name] = [patched(dec, **names), tokens, kv_states(kvs, lengths, ctx)]
         del kvs
     runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
     times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
@@ -344,6 +349,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (4)")
     p.add_argument("--copy-mb", type=int)
     p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
+    p.add_argument("--write", choices=["scatter", "slice", "auto"], default="scatter",
+                   help="compiled decoders' cache writes; auto: the fastest kernel variant "
+                   "of the first --ablate case (scatter)")
+    p.add_argument("--wait", choices=["no", "yes", "auto"], default="no",
+                   help="Decoder(wait=...); auto: as --write auto (no)")
     p.add_argument("--ablate", default="", help="cases B:ctx:layout,... to take apart "
                    "(e.g. 1:2048:aligned,32:2048:ragged)")
     p.add_argument("--out", default=None, help="folder for results.csv/json and the PNG")
@@ -392,9 +402,31 @@ def main(argv=None):
             impls = [i for i in impls if i != "kernel"]
     meta["kernel_check"] = checks
 
-    decoders = {"compiled": kc.Decoder(model, attention="mask")}
+    abl = {}
+    for case in filter(None, args.ablate.split(",")):
+        B, ctx, layout = case.split(":")
+        abl[case] = ablation(model, dtype, int(B), int(ctx), layout, args, "kernel" in impls)
+    meta["ablation"] = abl
+    write, wait = args.write, args.wait == "yes"
+    if "auto" in (args.write, args.wait):
+        first = abl[args.ablate.split(",")[0]] if abl else {}
+        options = {(w, x): first[n] for (w, x), n in {
+            ("scatter", False): "kernel, scatter writes",
+            ("slice", False): "kernel, slice_update writes",
+            ("scatter", True): "kernel, scatter writes, wait",
+            ("slice", True): "kernel, slice_update writes, wait"}.items() if n in first}
+        options = {k: v for k, v in options.items()
+                   if (args.write == "auto" or k[0] == args.write)
+                   and (args.wait == "auto" or k[1] == (args.wait == "yes"))}
+        if options:
+            write, wait = min(options, key=options.get)
+        else:
+            write = "scatter" if args.write == "auto" else args.write
+        print(f"compiled decoders: write={write!r} wait={wait} (chosen from {options})")
+    meta["decoder"] = dict(write=write, wait=wait)
+    decoders = {"compiled": kc.Decoder(model, attention="mask", write=write, wait=wait)}
     if "kernel" in impls:
-        decoders["kernel"] = kc.Decoder(model, attention="kernel")
+        decoders["kernel"] = kc.Decoder(model, attention="kernel", write=write, wait=wait)
     room = args.warmup + args.steps * args.rounds + 1
 
     rows, floors = [], {}
@@ -450,11 +482,6 @@ def main(argv=None):
             for n, us in res.items():
                 print(f"  {n:<40} {us:8.1f} us  ({kvb / (us * 1e-6) / 1e12:.2f} TB/s on valid KV)")
     meta["micro"] = micro
-    abl = {}
-    for case in filter(None, args.ablate.split(",")):
-        B, ctx, layout = case.split(":")
-        abl[case] = ablation(model, dtype, int(B), int(ctx), layout, args, "kernel" in impls)
-    meta["ablation"] = abl
     print_table(rows, floors, meta)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

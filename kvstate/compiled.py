@@ -255,8 +255,9 @@ class _Step:
     kernels in the compiled graph).
     """
 
-    def __init__(self, attention: str):
+    def __init__(self, attention: str, write: str = "scatter"):
         self.attention = attention
+        self.write = write
         self.memo = {}
 
     def shared(self, key, arrays, build):
@@ -299,7 +300,7 @@ class Shell:
         ends, lp = self.flat.positions
         N = keys.shape[2]
         new = self._new_planes(keys, values)
-        if self.spec.same_end:
+        if self.spec.same_end and self._ctx.write == "slice":
             index = "same"
         else:
             index = self._ctx.shared(("index", N), (ends,), lambda: write_index(ends, N))
@@ -668,27 +669,42 @@ class Decoder:
             dense full-attention decode reads go to ``ragged_attention`` (a
             mask-free split-K CUDA kernel; the masked SDPA elsewhere).
             ``"auto"``: ``"kernel"`` on MLX's CUDA backend, else ``"mask"``.
+        write: how dense rows take their new tokens: ``"scatter"`` (one
+            ``put_along_axis`` per plane, per-row ends) or ``"slice"`` (a
+            dynamic-start ``slice_update`` when every row ends at one column).
+            Both write in place when the old buffer is free; which is faster
+            depends on the backend (``notes/compile.md``).
+        wait: before dispatching a step, wait until the previous step has
+            finished. A buffer that an in-flight read still holds cannot be
+            written in place, so without the wait a pipelined loop may copy
+            every plane each step on a GPU (``notes/compile.md``).
     """
 
-    def __init__(self, model, *, attention: str = "auto"):
+    def __init__(self, model, *, attention: str = "auto", write: str = "scatter",
+                 wait: bool = False):
         if attention not in ATTENTION:
             raise bad("attention", f"one of {ATTENTION}", repr(attention))
+        if write not in ("scatter", "slice"):
+            raise bad("write", "'scatter' or 'slice'", repr(write))
+        self.write = write
         if attention == "auto":
             attention = "kernel" if kernel_available() else "mask"
         self.model = model
         self.attention = attention
+        self.wait = bool(wait)
         self.traces = 0
         self._fns = {}
         self._mods = None
+        self._pending = None
 
     def _compiled(self, key):
         fn = self._fns.get(key)
         if fn is None:
-            specs, squeeze = key
+            specs, squeeze, _ = key
 
             def step(tokens, flats):
                 self.traces += 1  # Python runs only while tracing
-                ctx = _Step(self.attention)
+                ctx = _Step(self.attention, self.write)
                 shells = [_shell(f, s, ctx) for f, s in zip(flats, specs)]
                 logits = self.model(tokens, cache=shells)
                 if squeeze:
@@ -725,7 +741,10 @@ class Decoder:
             flats.append(flat)
             specs.append(spec)
             prepared.append(s)
-        fn = self._compiled((tuple(specs), squeeze))
+        fn = self._compiled((tuple(specs), squeeze, self.write))
+        if self._pending is not None:
+            mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
+            self._pending = None
         if self.attention == "kernel":
             if self._mods is None:
                 self._mods = _attention_modules(self.model)
@@ -734,6 +753,8 @@ class Decoder:
         else:
             logits, out = fn(tokens, flats)
         del flats, states
+        if self.wait:
+            self._pending = logits
         new = [unflatten(f, s, **advanced(s, N)) for f, s in zip(out, prepared)]
         return logits, new
 

@@ -230,3 +230,14 @@ def test_make_step_matches_the_bridge_step_signature():
     assert lc.shape == le.shape and mx.abs(lc - le).max().item() <= ATOL
     with pytest.raises(kv.KVStateError, match="model"):
         step(tm.llama_model(layers=1), tok, states)
+
+
+@pytest.mark.parametrize("write,wait", [("slice", False), ("slice", True), ("scatter", True)])
+def test_write_and_wait_options_equal_eager(write, wait):
+    model = tm.llama_model(layers=2)
+    _, logits, states = prefill(model, [5, 9, 3], step=16)  # merged: rows share one end
+    decode = kc.Decoder(model, attention="mask", write=write, wait=wait)
+    worst, _, sc = loops(model, logits, states, 10, decode)
+    assert worst <= ATOL and decode.traces == 2
+    with pytest.raises(kv.KVStateError, match="write"):
+        kc.Decoder(model, write="poke")
