@@ -195,10 +195,14 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
     ``"causal"`` (the fused kernel's bottom-right mode) for several. Returns
     ``(mask, lease_or_None)``; release the lease once the read is built.
     """
-    if state.aligned and window is None:
-        return (None if n == 1 else "causal"), None
-    key = rows_key(n, state.left_pad, state.ends, window)
-    held = lease(memo, key, lambda: rows_mask(n, state.left_pad, state.ends, state.width, window))
+    return _rows_read_mask(n, state.left_pad, state.ends, memo, window)
+
+
+def _rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window):
+    if window is None and ends.count(ends[0]) == len(ends) and not any(left_pad):
+        return (None if n == 1 else "causal"), None  # aligned
+    key = rows_key(n, left_pad, ends, window)
+    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends), window))
     return held.mask, held
 
 
@@ -206,8 +210,8 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
 def _(state: _Rows, n, *, memo=None, window=None):
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
-    after = attrs.evolve(state, lengths=tuple(m + n for m in state.lengths))
-    return read_mask(after, n, memo, window)
+    # The rows after n more tokens, from host ints alone (no record is built).
+    return _rows_read_mask(n, state.left_pad, tuple(e + n for e in state.ends), memo, window)
 
 
 def validate_queries(state: _Rows, q, window, dk: int, H: int):
