@@ -407,26 +407,39 @@ def main(argv=None):
         B, ctx, layout = case.split(":")
         abl[case] = ablation(model, dtype, int(B), int(ctx), layout, args, "kernel" in impls)
     meta["ablation"] = abl
-    write, wait = args.write, args.wait == "yes"
-    if "auto" in (args.write, args.wait):
-        first = abl[args.ablate.split(",")[0]] if abl else {}
-        options = {(w, x): first[n] for (w, x), n in {
-            ("scatter", False): "kernel, scatter writes",
-            ("slice", False): "kernel, slice_update writes",
-            ("scatter", True): "kernel, scatter writes, wait",
-            ("slice", True): "kernel, slice_update writes, wait"}.items() if n in first}
-        options = {k: v for k, v in options.items()
-                   if (args.write == "auto" or k[0] == args.write)
+    def choose(B):
+        """(write, wait) for batch size B: fixed by flags, or the fastest kernel variant
+        of the ablation case whose batch size is nearest B."""
+        write, wait = args.write, args.wait == "yes"
+        if "auto" not in (args.write, args.wait):
+            return write, wait, {}
+        write = "scatter" if args.write == "auto" else args.write
+        if not abl:
+            return write, wait, {}
+        case = min(abl, key=lambda c: abs(int(c.split(":")[0]) - B))
+        names = {("scatter", False): "kernel, scatter writes",
+                 ("slice", False): "kernel, slice_update writes",
+                 ("scatter", True): "kernel, scatter writes, wait",
+                 ("slice", True): "kernel, slice_update writes, wait"}
+        options = {k: abl[case][n] for k, n in names.items() if n in abl[case]
+                   and (args.write == "auto" or k[0] == args.write)
                    and (args.wait == "auto" or k[1] == (args.wait == "yes"))}
         if options:
             write, wait = min(options, key=options.get)
-        else:
-            write = "scatter" if args.write == "auto" else args.write
-        print(f"compiled decoders: write={write!r} wait={wait} (chosen from {options})")
-    meta["decoder"] = dict(write=write, wait=wait)
-    decoders = {"compiled": kc.Decoder(model, attention="mask", write=write, wait=wait)}
-    if "kernel" in impls:
-        decoders["kernel"] = kc.Decoder(model, attention="kernel", write=write, wait=wait)
+        return write, wait, {case: {f"{k[0]}, wait={k[1]}": round(v, 3)
+                                    for k, v in options.items()}}
+
+    chosen, all_decoders = {}, {}
+    for B in batches:
+        write, wait, why = choose(B)
+        chosen[B] = dict(write=write, wait=wait, from_ablation=why)
+        print(f"compiled decoders for B={B}: write={write!r} wait={wait} {why}")
+        if (write, wait) not in all_decoders:
+            d = {"compiled": kc.Decoder(model, attention="mask", write=write, wait=wait)}
+            if "kernel" in impls:
+                d["kernel"] = kc.Decoder(model, attention="kernel", write=write, wait=wait)
+            all_decoders[(write, wait)] = d
+    meta["decoder"] = {str(B): v for B, v in chosen.items()}
     room = args.warmup + args.steps * args.rounds + 1
 
     rows, floors = [], {}
@@ -446,7 +459,9 @@ def main(argv=None):
                              else kv_states(kvs, lengths, ctx))
                     del kvs
                     tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
-                    runs[name] = [impl_step(name, model, decoders), tokens, state]
+                    c = chosen[B]
+                    runs[name] = [impl_step(name, model, all_decoders[(c["write"], c["wait"])]),
+                                  tokens, state]
                 for name in list(runs):  # a failing implementation is dropped, not the case
                     try:
                         runs[name][1], runs[name][2] = run_steps(runs[name][0], 1, *runs[name][1:])
