@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+import kvstate as kv
 from kvstate import mlx_lm as br
 
 import tiny_models as tm
@@ -116,3 +117,38 @@ def test_continuous_batching_qwen3_max_kv_size():
     model = tm.qwen3_model()  # no make_cache: max_kv_size gives rings with keep=4
     make_cache = lambda: make_prompt_cache(model, max_kv_size=10)
     check_parity(model, make_cache, {"max_kv_size": 10})
+
+
+def solo_logits(model, make_cache, *blocks):
+    """Each block of tokens fed in turn to ``prompt``'s own mlx-lm caches; the last logits."""
+    cache = make_cache()
+    for block in blocks:
+        out = model(mx.array([block]), cache=cache)
+    return out[0]
+
+
+@pytest.mark.parametrize("build", [tm.llama_model, tm.gemma3_model], ids=["llama", "gemma3"])
+def test_speculative_block_then_per_row_rollback(build):
+    """Ragged rows verify a 3-token draft as one block, keep 3, 1 and 0 of it
+    (``kv.rollback`` per row), then decode on: each row equals the prompt run
+    alone on only the tokens it kept."""
+    model = build()
+    make_cache = (model.make_cache if hasattr(model, "make_cache")
+                  else lambda: [KVCache() for _ in model.layers])
+    prompts = [tm.prompt(70 + i, n) for i, n in enumerate((5, 12, 3))]
+    drafts = [tm.prompt(80 + i, 3) for i in range(3)]
+    kept = [3, 1, 0]
+    _, states = br.prefill(model, prompts)
+    cps = [kv.checkpoint(s) for s in states]
+    logits, states = br.forward(model, mx.array(drafts), states)
+    for i, (p, d) in enumerate(zip(prompts, drafts)):
+        np.testing.assert_allclose(np.array(logits[i]), np.array(solo_logits(model, make_cache,
+                                   p, d)), atol=ATOL, rtol=0, err_msg=f"row {i} block")
+    states = [kv.rollback(s, cp, kept) for s, cp in zip(states, cps)]
+    nxt = [7, 8, 9]
+    logits, states = br.step(model, mx.array(nxt), states)
+    for i, (p, d, k) in enumerate(zip(prompts, drafts, kept)):
+        blocks = [p] + ([d[:k]] if k else []) + [[nxt[i]]]
+        np.testing.assert_allclose(np.array(logits[i]),
+                                   np.array(solo_logits(model, make_cache, *blocks)[-1]),
+                                   atol=ATOL, rtol=0, err_msg=f"row {i} after rollback")
