@@ -21,7 +21,9 @@
 
     (c) The same step at the attention level for the 1B geometry (append one
     token + attend, per layer, 16 layers, B rows, 32 query heads), dense
-    versus quantized, so the cache's share is visible without the MLPs.
+    versus quantized, so the cache's share is visible without the MLPs; and
+    the quantized rows read by mlx-lm's ``quantized_scaled_dot_product_attention``
+    instead of ``kv.attend`` (same planes, same mask), side by side.
 
     python benchmarks/quantized.py
 """
@@ -35,10 +37,12 @@ import time
 
 import mlx.core as mx
 from mlx_lm.models import llama
+from mlx_lm.models.base import quantized_scaled_dot_product_attention as lm_qsdpa
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
+from kvstate.dense import read_mask
 
 LLAMA_1B = dict(  # meta-llama/Llama-3.2-1B config.json (geometry fields)
     model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
@@ -281,7 +285,8 @@ def attention_step(args):
         return out
 
     class Side:
-        def __init__(self, bits):
+        def __init__(self, bits, lm_sdpa=False):
+            self.bits, self.lm_sdpa = bits, lm_sdpa
             self.states = rows(bits)
             k1, k2, k3 = mx.random.split(key, 3)
             self.k = mx.random.normal((B, H, 1, D), key=k1).astype(dt)
@@ -292,18 +297,30 @@ def attention_step(args):
             memo, outs, new = kv.MaskMemo(), [], []
             for s in self.states:
                 s = kv.append(s, self.k, self.v)
-                outs.append(kv.attend(s, self.q, scale=D ** -0.5, memo=memo))
+                if self.lm_sdpa:  # mlx-lm's function on the same planes and mask
+                    keys, values = kv.fetch(s)
+                    mask, held = read_mask(s, 1, memo)
+                    outs.append(lm_qsdpa(self.q * 1, keys, values, scale=D ** -0.5, mask=mask,
+                                         group_size=GROUP, bits=self.bits))
+                    if held is not None:
+                        held.release()
+                else:
+                    outs.append(kv.attend(s, self.q, scale=D ** -0.5, memo=memo))
                 new.append(s)
             self.states = new
             mx.eval(outs, [s.planes for s in new])
 
-    sides = {"dense": Side(None), "8-bit": Side(8), "4-bit": Side(4)}
+    sides = {"dense": Side(None), "8-bit": Side(8), "4-bit": Side(4),
+             "8-bit, mlx-lm SDPA": Side(8, True), "4-bit, mlx-lm SDPA": Side(4, True)}
     t = race(sides, args.steps)
     print(f"(c) attention only, Llama-3.2-1B geometry: {L} layers x (append 1 token + attend), "
           f"B={B} ragged rows {lengths[0]}..{lengths[-1]}, {Hq} q / {H} KV heads, head dim {D}, "
           f"{args.dtype}, {mx.default_device()}, median of {args.steps}")
     for n, v in t.items():
-        print(f"    {n:<6} {v * 1e3:8.3f} ms/step   {v / t['dense']:6.3f}x dense")
+        print(f"    {n:<19} {v * 1e3:8.3f} ms/step   {v / t['dense']:6.3f}x dense")
+    for b in ("8-bit", "4-bit"):
+        print(f"    {b} kv.attend vs mlx-lm's quantized SDPA on the same planes: "
+              f"mlx-lm / kvstate {t[b + ', mlx-lm SDPA'] / t[b]:.3f}")
 
 
 def main():
