@@ -12,7 +12,7 @@ import attrs
 import mlx.core as mx
 
 from . import dense, ops
-from .errors import as_int, bad, check
+from .errors import as_int, check
 from .records import QuantizedState
 
 GROUP_SIZES = (32, 64, 128)

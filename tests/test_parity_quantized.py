@@ -12,7 +12,6 @@ that row alone in its own QuantizedKVCache.
 from __future__ import annotations
 
 import numpy as np
-import mlx.core as mx
 from hypothesis import given, strategies as st
 from mlx_lm.models.cache import QuantizedKVCache
 
