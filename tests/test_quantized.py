@@ -7,6 +7,8 @@ on this CPU.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import mlx.core as mx
 import pytest
@@ -94,6 +96,46 @@ def test_bfloat16_tokens_keep_bfloat16_scales():
     assert keys[1].dtype == mx.bfloat16 and keys[2].dtype == mx.bfloat16
     with pytest.raises(KVStateError, match="k dtype"):
         kv.append(s, x.astype(mx.float32), x.astype(mx.float32))
+
+
+def _append_peak(state, steps, keep_old):
+    """Peak memory growth over ``steps`` one-token appends."""
+    k = mx.ones((state.batch_size, H, 1, 64))
+    state = kv.append(state, k, k)  # the caller holds ``state``: this one copies
+    mx.eval(k, *state.planes)
+    kept = []
+    gc.collect()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    for _ in range(steps):
+        if keep_old:
+            kept.append(state)
+        state = kv.append(state, k, k)
+        mx.eval(*state.planes)
+    return mx.get_peak_memory() - start, state
+
+
+@pytest.mark.parametrize("ragged_ends", [False, True], ids=["slice_update", "scatter"])
+def test_append_is_in_place_when_the_old_record_is_dropped(ragged_ends):
+    rng = np.random.default_rng(11)
+    C = 8192
+    rows = [kv.append(kv.quantized(1, group_size=64, bits=8),
+                      rand(rng, 1, H, n, 64), rand(rng, 1, H, n, 64))
+            for n in ([C - 64, C - 70] if ragged_ends else [C - 64] * 2)]
+    s = kv.merge_rows(rows) if ragged_ends else kv.append(
+        kv.quantized(2, group_size=64, bits=8), rand(rng, 2, H, C - 64, 64),
+        rand(rng, 2, H, C - 64, 64))
+    del rows
+    mx.eval(*s.planes)
+    assert s.capacity == C
+    plane = s.keys[0].nbytes  # the packed keys: 1 MiB
+    grew, after = _append_peak(s, 16, keep_old=False)
+    assert after.lengths == tuple(n + 17 for n in s.lengths)
+    # O(new tokens): far less than one packed plane (a copy is all six planes)
+    assert grew < plane // 8, (grew, plane)
+    # control: holding the old records forces a copy per append
+    grew_held, _ = _append_peak(s, 2, keep_old=True)
+    assert grew_held >= plane, (grew_held, plane)
 
 
 # --- moving rows and columns never requantizes --------------------------------------------
