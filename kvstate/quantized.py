@@ -12,8 +12,8 @@ import attrs
 import mlx.core as mx
 
 from . import dense, ops
-from .errors import as_int, check
-from .records import QuantizedState
+from .errors import as_int, bad, check
+from .records import CacheState, QuantizedState
 
 GROUP_SIZES = (32, 64, 128)
 BITS = (2, 3, 4, 5, 6, 8)
@@ -28,6 +28,31 @@ def quantized(batch_size: int = 1, *, group_size: int = 64, bits: int = 8,
     base = dense.empty(batch_size, step=step)
     return QuantizedState(base.lengths, base.left_pad, base.step, group_size=group_size,
                           bits=bits)
+
+
+def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> QuantizedState:
+    """A ``QuantizedState`` holding ``state``'s rows, quantized once.
+
+    mlx-lm's ``KVCache.to_quantized`` for kvstate records (what mlx-lm's
+    ``generate`` does after ``quantized_kv_start`` tokens: prefill in float,
+    then decode on quantized rows). Columns ``[0, width)`` are quantized, so
+    the rows, their padding and their lengths carry over; the result's
+    capacity is ``width`` (the next append grows it in ``step`` multiples).
+    Because ``mx.quantize`` works token by token, the bytes equal appending
+    the same tokens to a ``kv.quantized`` record. ``state`` is unchanged.
+    """
+    if not isinstance(state, CacheState):
+        raise bad("state", "a CacheState", type(state).__name__)
+    empty = quantized(state.batch_size, group_size=group_size, bits=bits, step=state.step)
+    if state.keys is None:
+        return empty
+    for arg, x in (("state keys", state.keys), ("state values", state.values)):
+        check(x.shape[3] % group_size == 0, f"{arg} head dim (shape[3])",
+              f"a multiple of group_size={group_size}", x.shape[3])
+    keys, values = dense.columns(state.planes, state.width)
+    return attrs.evolve(empty, lengths=state.lengths, left_pad=state.left_pad,
+                        keys=tuple(mx.quantize(keys, group_size=group_size, bits=bits)),
+                        values=tuple(mx.quantize(values, group_size=group_size, bits=bits)))
 
 
 @dense.geometry.register

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, strategies as st
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
+from kvstate.quantized import to_quantized
 
 from _quant import GEOMETRIES, assert_same_bytes, mlx_qsdpa, np_of, rand, row_planes
 
@@ -69,6 +70,33 @@ def test_fetch_and_attend_equal_quantized_kv_cache(geometry, B, rep, step, ops, 
         want = mlx_qsdpa(q, want_k, want_v, scale=SCALE, mask=mask, group_size=gs, bits=bits)
         got = kv.attend(s, q, scale=SCALE, window=window)
         np.testing.assert_array_equal(np_of(got), np_of(want), err_msg=f"attend, window={window}")
+
+
+def test_to_quantized_equals_kv_cache_to_quantized():
+    """kvstate's ``to_quantized`` of a float record fetches the same bytes as
+    mlx-lm's ``KVCache.to_quantized`` of the same tokens, and both continue
+    the same way."""
+    rng = np.random.default_rng(1)
+    for bits, gs in [(4, 64), (8, 32), (3, 32)]:
+        cache, s = KVCache(), kv.empty(2)
+        for n in (5, 1, 3):
+            k, v = rand(rng, 2, H, n, 64), rand(rng, 2, H, n, 64)
+            cache.update_and_fetch(k, v)
+            s = kv.append(s, k, v)
+        qc = cache.to_quantized(group_size=gs, bits=bits)
+        qs = to_quantized(s, group_size=gs, bits=bits)
+        for step in range(3):
+            want_k, want_v = qc.keys_and_values() if step == 0 else qc.update_and_fetch(k, v)
+            got_k, got_v = kv.fetch(qs)
+            assert_same_bytes([np_of(x) for x in (*got_k, *got_v)],
+                              [np_of(x) for x in (*want_k, *want_v)], f"bits={bits} step {step}")
+            q = rand(rng, 2, 2 * H, 1, 64)
+            np.testing.assert_array_equal(
+                np_of(kv.attend(qs, q, scale=SCALE)),
+                np_of(mlx_qsdpa(q, want_k, want_v, scale=SCALE, mask=None, group_size=gs,
+                                bits=bits)))
+            k, v = rand(rng, 2, H, 1, 64), rand(rng, 2, H, 1, 64)
+            qs = kv.append(qs, k, v)
 
 
 def test_nbytes_match_at_equal_capacity():

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvstate as kv
 from kvstate.errors import KVStateError
+from kvstate.quantized import to_quantized
 
 from _quant import (
     GEOMETRIES, QuantizeCounter, assert_same_bytes, dequant_attend, fetched, mlx_qsdpa,
@@ -227,6 +228,50 @@ def test_rollback_and_trim_then_append_equal_appending_the_accepted(spec, data):
                 if keep[b] else ref
             ref = kv.append(ref, nk[b:b + 1], nv[b:b + 1])
             assert_same_bytes(row_planes(after, b), row_planes(ref, 0), f"row {b}")
+
+
+@given(quantized_rows())
+def test_to_quantized_equals_appending_to_quantized_rows(spec):
+    """Float rows quantized once (mlx-lm's ``to_quantized`` path) hold the
+    same bytes as the same tokens appended to quantized rows, chunk by
+    chunk; the float record is unchanged, and appends continue from it."""
+    bits, gs, D, step, rows, seed = spec
+    rng = np.random.default_rng(seed)
+    dense_rows, quant_rows = [], []
+    for chunks in rows:
+        d = kv.empty(1, step=step)
+        q = kv.quantized(1, group_size=gs, bits=bits, step=step)
+        for n in chunks:
+            k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
+            d, q = kv.append(d, k, v), kv.append(q, k, v)
+        dense_rows.append(d)
+        quant_rows.append(q)
+    batch = kv.merge_rows(dense_rows)
+    before = [np_of(p) for p in batch.planes]
+    got = to_quantized(batch, group_size=gs, bits=bits)
+    want = kv.merge_rows(quant_rows)
+    assert (got.lengths, got.left_pad, got.step) == (want.lengths, want.left_pad, want.step)
+    assert (got.bits, got.group_size) == (bits, gs)
+    for b in range(batch.batch_size):
+        assert_same_bytes(row_planes(got, b), row_planes(want, b), f"row {b}")
+    assert_same_bytes([np_of(p) for p in batch.planes], before, "the float record")
+    k, v = rand(rng, batch.batch_size, H, 2, D), rand(rng, batch.batch_size, H, 2, D)
+    got, want = kv.append(got, k, v), kv.append(want, k, v)
+    for b in range(batch.batch_size):
+        assert_same_bytes(row_planes(got, b), row_planes(want, b), f"row {b} after an append")
+
+
+def test_to_quantized_bad_input():
+    rng = np.random.default_rng(12)
+    assert to_quantized(kv.empty(3, step=8), bits=4).lengths == (0, 0, 0)
+    s = kv.append(kv.empty(1), rand(rng, 1, H, 2, 32), rand(rng, 1, H, 2, 32))
+    with pytest.raises(KVStateError, match=r"state keys head dim \(shape\[3\]\): expected a "
+                                           r"multiple of group_size=64, got 32"):
+        to_quantized(s)
+    with pytest.raises(KVStateError, match="bits: expected one of"):
+        to_quantized(s, group_size=32, bits=7)
+    with pytest.raises(KVStateError, match="state: expected a CacheState, got QuantizedState"):
+        to_quantized(to_quantized(s, group_size=32))
 
 
 def test_merge_refuses_other_bits_or_group_size():
