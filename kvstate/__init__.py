@@ -35,5 +35,10 @@ from .dense import empty as empty, from_arrays as from_arrays
 from .quantized import quantized as quantized
 from .rotating import rotating as rotating
 from .persist import load as load, save as save
+from .compiled import (
+    compiled_decoder as compiled_decoder,
+    flatten as flatten,
+    unflatten as unflatten,
+)
 
 __version__ = "0.1.0"
