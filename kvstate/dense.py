@@ -143,7 +143,7 @@ def write_columns(plane, new, ends):
     scatter. Both write in place when nothing else holds ``plane``.
     """
     N = new.shape[2]
-    if all(e == ends[0] for e in ends):
+    if ends.count(ends[0]) == len(ends):
         return mx.slice_update(plane, new, mx.array([ends[0]], dtype=mx.int32), (2,))
     # Column indices [B, 1, N, 1] built on the host (ends are host ints); the
     # scatter broadcasts them over heads and head dim. Fewer graph nodes than
@@ -164,7 +164,7 @@ def _(state: _Rows, k, v):
         C = _round_up(need, state.step)
         planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
     planes = tuple(write_columns(p, x, ends) for p, x in zip(planes, new))
-    return with_planes(state, planes, lengths=tuple(n + N for n in state.lengths))
+    return with_planes(state, planes, lengths=tuple([n + N for n in state.lengths]))
 
 
 def columns(planes, width: int) -> tuple:

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 import attrs
 import mlx.core as mx
-import numpy as np
 
 from .errors import LeaseError, bad
 
@@ -138,9 +137,6 @@ def lease(memo: Optional[MaskMemo], key: MaskKey, build: Callable[[], object]) -
 # --- builders -------------------------------------------------------------
 
 
-_HOST_MASK_ROWS = 64  # query rows (B * n) built on the host; prefill blocks use MLX
-
-
 def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     """The per-row batched mask ``[B, 1, n, width]``.
 
@@ -150,17 +146,17 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     ``ends`` may be host sequences or int32 arrays ``[B]`` (inside compiled
     code); ``window`` likewise an int or a scalar array.
     """
-    if len(ends) * n <= _HOST_MASK_ROWS and not any(
-            isinstance(x, mx.array) for x in (left_pad, ends, window)):
-        # Decode-sized masks from host ints: one run of True per query row,
-        # written on the host and copied once; no kernel launches (about 10x
-        # cheaper than the graph below on the CPU).
-        m = np.zeros((len(ends), 1, n, width), np.bool_)
-        for b, (lo, end) in enumerate(zip(left_pad, ends)):
-            for i in range(n):
-                q = end - n + i
-                m[b, 0, i, lo if window is None else max(lo, q - window + 1):q + 1] = True
-        return mx.array(m)
+    if not any(isinstance(x, mx.array) for x in (left_pad, ends, window)):
+        # Host ints: each query row's first and last visible column computed
+        # here, so the graph is one arange and three comparisons (built once
+        # per decode step; fewer kernels and less Python than the general
+        # graph below, which compiled code needs).
+        hi = [[e - n + i for i in range(n)] for e in ends]
+        lo = [[lp if window is None else max(lp, q - window + 1) for q in row]
+              for lp, row in zip(left_pad, hi)]
+        cols = mx.arange(width, dtype=mx.int32)
+        return ((cols >= mx.array(lo, dtype=mx.int32)[:, None, :, None])
+                & (cols <= mx.array(hi, dtype=mx.int32)[:, None, :, None]))
     lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
     en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends
     cols = mx.arange(width, dtype=mx.int32)[None, None, None, :]
