@@ -84,16 +84,22 @@ def test_make_states_bad_input(llama):
 # --- forward ---------------------------------------------------------------------
 
 
-def test_forward_leaves_input_states_unchanged(llama):
-    _, logits, states = ragged(llama)
+@pytest.mark.parametrize("kind", ["dense", "quantized", "rings"])
+def test_forward_leaves_input_states_unchanged(llama, kind):
+    model, make = llama, {}
+    if kind == "quantized":
+        make = {"kv_bits": 8, "kv_group_size": 32}
+    elif kind == "rings":
+        model = tm.gemma3_model(sliding_window=8)
+    _, logits, states = ragged(model, lengths=(5, 11, 2), **make)
     mx.eval([s.planes for s in states])
     snap = snapshot(states)
     tok = mx.argmax(logits, axis=-1)
-    out1, new1 = br.forward(llama, tok[:, None], states)
-    out3, new3 = br.forward(llama, mx.stack([tok, tok, tok], axis=1), states)
+    out1, new1 = br.forward(model, tok[:, None], states)
+    out3, new3 = br.forward(model, mx.stack([tok, tok, tok], axis=1), states)
     mx.eval(out1, out3, [s.planes for s in new1 + new3])
     assert_same(states, snap)
-    assert [s.lengths for s in new3] == [tuple(n + 3 for n in states[0].lengths)] * len(states)
+    assert [s.lengths for s in new3] == [tuple(n + 3 for n in s.lengths) for s in states]
 
 
 def test_forward_bad_input(llama):
