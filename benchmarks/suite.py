@@ -63,6 +63,10 @@ MODELS = {
                                        "low_freq_factor": 1.0,
                                        "original_max_position_embeddings": 8192,
                                        "rope_type": "llama3"}),
+    # a tiny model: per-step overhead, not matmuls, dominates a CPU step
+    "tiny": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=1024,
+                 rope_theta=10000.0, tie_word_embeddings=True),
     # a small model for CPU runs
     "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=8192,

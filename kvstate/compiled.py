@@ -11,18 +11,25 @@ the trace. So a record crosses the boundary in two parts::
                               │
     record ◀─unflatten── Flat' (arrays)  +  Spec  +  host lengths
 
-``Flat`` is a plain tuple ``(planes, ends, left_pad)``:
+``Flat`` is a tuple ``(planes, positions)``:
 
-    planes    every stored array, each ``[B, H, C, *]`` (2 dense, 6 quantized)
-    ends      int32 ``[B]``: the column the next token of each row goes to
-    left_pad  int32 ``[B]``: the first column each row holds
+    planes     every stored array, each ``[B, H, C, *]`` (2 dense, 6 quantized)
+    positions  int32 ``[B]`` arrays: ``(ends, left_pad)`` for dense and
+               quantized rows (``ends``: the column the next token goes to),
+               ``(lengths, held)`` for rings
 
 ``Spec`` is what changes the traced Python: the record kind, ``step``,
-``group_size``/``bits``. The capacity is in the arrays' shapes, so
-``mx.compile`` traces once per capacity *bucket* (a multiple of ``step``),
-never once per token. Growth to the next bucket, and every check that a
-write stays inside the bucket (MLX's dynamic scatter does not bounds-check),
-happen on the host, outside the compiled function.
+``group_size``/``bits``, ``max_size``/``keep``. The capacity is in the
+arrays' shapes, so ``mx.compile`` traces once per capacity *bucket* (a
+multiple of ``step``), never once per token. Growth to the next bucket
+(``prepare``), and every check that a write stays inside the bucket (MLX's
+dynamic scatter does not bounds-check), happen on the host, outside the
+compiled function::
+
+    state = prepare(state)                 # host: validate, move to the bucket
+    flat, spec = flatten(state)            # arrays + static key
+    planes = my_compiled_step(flat)        # traced: arrays only (one per Spec)
+    state = unflatten(planes, state, **advanced(state))   # host-side lengths
 
 A decode step for mlx-lm models built on this boundary::
 
@@ -782,7 +789,8 @@ def make_step(model, *, attention: str = "auto"):
 
 
 __all__ = [
-    "Spec", "Flat", "spec_of", "flatten", "unflatten", "with_capacity", "bucket",
-    "position_arrays", "write", "Shell", "QuantizedShell", "ragged_attention",
-    "kernel_available", "Decoder", "compiled_decoder", "make_step",
+    "Spec", "Flat", "spec_of", "flatten", "unflatten", "prepare", "advanced", "with_capacity",
+    "position_arrays", "layout_key", "write", "write_index", "Shell", "QuantizedShell",
+    "RingShell", "ragged_attention", "kernel_available", "splits_for", "Decoder",
+    "compiled_decoder", "make_step",
 ]

@@ -241,3 +241,29 @@ def test_write_and_wait_options_equal_eager(write, wait):
     assert worst <= ATOL and decode.traces == 2
     with pytest.raises(kv.KVStateError, match="write"):
         kc.Decoder(model, write="poke")
+
+
+def test_manual_compiled_step_over_flatten_equals_append():
+    """The documented boundary without the Decoder: a user's own compiled write."""
+    mx.random.seed(4)
+    k0, v0 = mx.random.normal((3, 2, 7, 8)), mx.random.normal((3, 2, 7, 8))
+    s = kv.from_arrays(k0, v0, lengths=[7, 4, 5], left_pad=[0, 2, 1], step=8)
+    traces = []
+
+    @mx.compile
+    def step(flat, k, v):
+        traces.append(1)
+        planes, (ends, _) = flat
+        return [kc.write(p, x, ends) for p, x in zip(planes, (k, v))]
+
+    want = s
+    for i in range(12):
+        k, v = mx.random.normal((3, 2, 1, 8)), mx.random.normal((3, 2, 1, 8))
+        want = kv.append(want, k, v)
+        s = kc.prepare(s)
+        flat, spec = kc.flatten(s)
+        s = kc.unflatten(step(flat, k, v), s, **kc.advanced(s))
+        assert s.lengths == want.lengths and s.left_pad == want.left_pad
+        for a, b in zip(kv.fetch(s), kv.fetch(want)):
+            assert mx.array_equal(a, b)
+    assert len(traces) == 3  # buckets 8, 16, 24: widths 7 -> 19
