@@ -45,6 +45,7 @@ the traced function. Decisions and measurements are in ``notes/compile.md``.
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
 from typing import NamedTuple, Optional, Sequence
@@ -53,7 +54,6 @@ import attrs
 import mlx.core as mx
 
 from . import dense
-from .rotating import _plan as ring_plan, _relayout as ring_relayout, column_of, ring_mask
 from .errors import as_int, bad, check
 from .masks import rows_mask
 from .records import CacheState, QuantizedState, RotatingState, _Rows
@@ -61,6 +61,31 @@ from .records import CacheState, QuantizedState, RotatingState, _Rows
 
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
+
+
+def _ring():
+    """``kvstate.rotating`` (the module; the package's ``rotating`` is the constructor).
+
+    Looked up when a ring is used, so its layout math has one source and a
+    change there cannot break importing this module.
+    """
+    return importlib.import_module(".rotating", __package__)
+
+
+def ring_plan(state, n):
+    return _ring()._plan(state, n)
+
+
+def ring_relayout(*args):
+    return _ring()._relayout(*args)
+
+
+def column_of(p, keep, capacity):
+    return _ring().column_of(p, keep, capacity)
+
+
+def ring_mask(*args, **kwargs):
+    return _ring().ring_mask(*args, **kwargs)
 
 
 # --- the boundary ---------------------------------------------------------------
