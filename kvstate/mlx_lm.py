@@ -102,8 +102,6 @@ class _Shell:
         # Models that ask return_array=True (a few hybrids) want a real array
         # even for aligned rows; same builder and memo as the ragged case.
         s = self.record
-        check(hasattr(s, "left_pad") and not isinstance(s, RotatingState), "return_array",
-              "False for a ring layer (mlx-lm's ring has no array form either)", True)
         ends = tuple(e + N for e in s.ends)
         held = lease(self._fwd.memo, rows_key(N, s.left_pad, ends, window),
                      lambda: rows_mask(N, s.left_pad, ends, max(ends), window))
@@ -163,12 +161,17 @@ class _RingShell(_Shell):
     def keys_and_values(self):
         return ring_read(self.record)
 
+    def _array_mask(self, N, window):
+        raise bad("return_array", "False for a ring layer (mlx-lm's ring has no array form)",
+                  True)
+
+    # size and is_trimmable answer as mlx-lm's RotatingKVCache does (per row,
+    # then over rows); kv.trim can give back more than mlx-lm allows.
     def size(self) -> int:
-        return max(self.record.held, default=0)
+        return max(min(n, self.record.max_size) for n in self.record.lengths)
 
     def is_trimmable(self) -> bool:
-        # mlx-lm: only before the first eviction (rings can trim more: kv.trim).
-        return self.record.held == self.record.lengths
+        return all(n < self.record.max_size for n in self.record.lengths)
 
 
 _SHELLS = {CacheState: _Shell, QuantizedState: _QuantizedShell, RotatingState: _RingShell}
@@ -179,10 +182,6 @@ def _shell(record, fwd):
 
 
 # --- states and forward -----------------------------------------------------------
-
-
-def _rotating_state(batch_size, max_size, keep):
-    return kv.rotating(batch_size, max_size=max_size, keep=keep)
 
 
 def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
@@ -210,14 +209,14 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     if not hasattr(model, "make_cache"):
         n = len(model.layers)
         if max_kv_size is not None:
-            return [_rotating_state(batch_size, max_kv_size, 4) for _ in range(n)]
+            return [kv.rotating(batch_size, max_size=max_kv_size, keep=4) for _ in range(n)]
         return [dense() for _ in range(n)]
     states = []
     for i, c in enumerate(model.make_cache()):
         if isinstance(c, lm_cache.KVCache):
             states.append(dense())
         elif isinstance(c, lm_cache.RotatingKVCache):
-            states.append(_rotating_state(batch_size, c.max_size, c.keep))
+            states.append(kv.rotating(batch_size, max_size=c.max_size, keep=c.keep))
         elif isinstance(c, lm_cache.QuantizedKVCache):
             states.append(kv.quantized(batch_size, group_size=c.group_size, bits=c.bits))
         else:

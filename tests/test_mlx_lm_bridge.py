@@ -344,3 +344,22 @@ def test_batched_ring_with_keep_has_no_mlx_lm_form():
     s = kv.rotating(2, max_size=8, keep=4)
     with pytest.raises(kv.KVStateError, match="keep"):
         br.to_prompt_cache([s])
+
+
+def test_ring_shells_answer_the_cache_protocol():
+    """``offset``, ``size()``, ``is_trimmable()`` as mlx-lm's own ring answers them."""
+    probe = Probe(1)
+    states = br.make_states(probe, 2, max_kv_size=6)  # rings, keep=4 (make_prompt_cache's)
+    assert (states[0].max_size, states[0].keep) == (6, 4)
+    ref = RotatingKVCache(6, 4)
+    for n in (3, 1, 5, 1, 1):
+        _, states = br.forward(probe, mx.zeros((2, n), mx.int32), states)
+        k = mx.zeros((1, 2, n, 32))
+        ref.update_and_fetch(k, k)
+        br.forward(probe, mx.zeros((2, 1), mx.int32), states)  # the probe looks, then appends
+        seen = probe.seen[-1]
+        assert (seen["offset"], seen["size"], seen["trimmable"]) == (
+            ref.offset, ref.size(), ref.is_trimmable())
+    fwd = br._Forward(kv.MaskMemo())  # a ring block that needs no array has no array form
+    with pytest.raises(kv.KVStateError, match="return_array"):
+        br._shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
