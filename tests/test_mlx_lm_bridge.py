@@ -128,6 +128,22 @@ def test_one_mask_build_per_forward(llama):
     assert memo.builds == 0 and memo.live == 0
 
 
+def test_a_failing_model_releases_its_leases(llama):
+    _, _, states = ragged(llama)
+
+    class Boom:
+        layers = llama.layers
+
+        def __call__(self, tokens, cache):
+            cache[0].make_mask(tokens.shape[1])
+            raise RuntimeError("model failed")
+
+    memo = kv.MaskMemo()
+    with pytest.raises(RuntimeError, match="model failed"):
+        br.forward(Boom(), mx.zeros((3, 1), mx.int32), states, memo=memo)
+    assert memo.builds == 1 and memo.live == 0
+
+
 def test_model_sees_the_same_mask_object_for_every_layer(llama):
     # The model asks one layer for the mask; with return_array every call leases
     # one memoized array.
