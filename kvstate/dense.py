@@ -61,6 +61,12 @@ def with_planes(state, planes, **changes):
 @with_planes.register
 def _(state: CacheState, planes, **changes):
     keys, values = planes if planes else (None, None)
+    if not changes.keys() - {"lengths", "left_pad"}:
+        # The hot path (every append): the constructor, not attrs.evolve,
+        # which re-reads every field through getattr.
+        return CacheState(changes.get("lengths", state.lengths),
+                          changes.get("left_pad", state.left_pad), state.step,
+                          keys=keys, values=values)
     return attrs.evolve(state, keys=keys, values=values, **changes)
 
 
@@ -111,11 +117,20 @@ def from_arrays(keys, values, *, lengths=None, left_pad=None, step: int = 256) -
 
 def validate_tokens(state, k, v):
     """Host checks of new tokens against the record's batch and geometry."""
+    geo = geometry(state)
+    # Fast path: one comparison of shapes and dtypes (this runs on every
+    # append, every layer); the detailed checks below only name the failure.
+    if geo is not None and isinstance(k, mx.array) and isinstance(v, mx.array):
+        H, Dk, Dv, dtype = geo
+        ks, vs = k.shape, v.shape
+        if (len(ks) == 4 and len(vs) == 4 and ks[0] == state.batch_size and ks[1] == H
+                and ks[2] >= 1 and ks[3] == Dk and vs[:3] == ks[:3] and vs[3] == Dv
+                and k.dtype == dtype and v.dtype == dtype):
+            return
     _check_kv("k", k, "v", v)
     (B, Hk, N, dk), dv = k.shape, v.shape[3]
     check(B == state.batch_size, "k batch size", state.batch_size, B)
     check(N >= 1, "k tokens (shape[2])", ">= 1", N)
-    geo = geometry(state)
     if geo is not None:
         H, Dk, Dv, dtype = geo
         check(Hk == H, "k heads (shape[1])", H, Hk)
@@ -136,20 +151,30 @@ def _grow(planes, need: int, step: int, B: int):
     )
 
 
-def write_columns(plane, new, ends):
-    """Write ``new`` ``[B, H, N, D]`` into ``plane`` at each row's end.
+def column_index(ends, N: int):
+    """Where ``N`` new tokens go: an int32 start ``[1]`` when every row ends
+    at the same column (for ``slice_update``), else the per-row column indices
+    ``[B, 1, N, 1]`` (for a scatter that broadcasts over heads and head dim).
+    Built on the host from host ints: fewer graph nodes than arange + broadcast.
+
+    On a GPU every write is a scatter: MLX 0.32's CUDA backend copies the
+    whole plane for a dynamic-start ``slice_update`` (the step grows with the
+    capacity), while its scatter writes in place (``notes/compile.md``).
+    """
+    if ends.count(ends[0]) == len(ends) and mx.default_device().type != mx.DeviceType.gpu:
+        return mx.array([ends[0]], dtype=mx.int32)
+    return mx.array([[[[e + i] for i in range(N)]] for e in ends], dtype=mx.int32)
+
+
+def write_columns(plane, new, index):
+    """Write ``new`` ``[B, H, N, D]`` into ``plane`` at ``index`` (``column_index``).
 
     One shared end is a single ``slice_update``; differing ends a per-row
     scatter. Both write in place when nothing else holds ``plane``.
     """
-    N = new.shape[2]
-    if ends.count(ends[0]) == len(ends):
-        return mx.slice_update(plane, new, mx.array([ends[0]], dtype=mx.int32), (2,))
-    # Column indices [B, 1, N, 1] built on the host (ends are host ints); the
-    # scatter broadcasts them over heads and head dim. Fewer graph nodes than
-    # arange + broadcast_to: about 25% faster per ragged decode append.
-    idx = mx.array([[[[e + i] for i in range(N)]] for e in ends], dtype=mx.int32)
-    return mx.put_along_axis(plane, idx, new, axis=2)
+    if index.ndim == 1:
+        return mx.slice_update(plane, new, index, (2,))
+    return mx.put_along_axis(plane, index, new, axis=2)
 
 
 @ops.append.register
@@ -163,7 +188,8 @@ def _(state: _Rows, k, v):
     else:
         C = _round_up(need, state.step)
         planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
-    planes = tuple(write_columns(p, x, ends) for p, x in zip(planes, new))
+    index = column_index(ends, N)
+    planes = tuple([write_columns(p, x, index) for p, x in zip(planes, new)])
     return with_planes(state, planes, lengths=tuple([n + N for n in state.lengths]))
 
 

@@ -276,7 +276,8 @@ def test_extract_row_does_not_pin_the_batch_buffer(eval_first):
     del k
     mx.eval(*s.planes)
     batch_bytes = s.nbytes
-    assert mx.get_active_memory() - base >= batch_bytes
+    # (small arrays freed by earlier tests may leave the baseline by a few bytes)
+    assert mx.get_active_memory() - base >= batch_bytes - 4096
     r = kv.extract_row(s, 3)
     if eval_first:
         mx.eval(*r.planes)
@@ -286,7 +287,7 @@ def test_extract_row_does_not_pin_the_batch_buffer(eval_first):
     held = mx.get_active_memory() - base
     # what is left is the row (1/8 of the batch), not the batch buffer
     assert held < batch_bytes // 4, (held, batch_bytes)
-    assert held >= r.nbytes
+    assert held >= r.nbytes - 4096
     # and the row is a fresh, independent copy: equal data
     assert r.lengths == (C - 7,)
 
