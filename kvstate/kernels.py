@@ -1,0 +1,203 @@
+"""A mask-free decode attention kernel for MLX's CUDA backend.
+
+``ragged_attention(q, k, v, left_pad, ends, scale=...)`` reads, for each row,
+only its own columns ``[left_pad[b], ends[b])`` of a fixed-capacity cache:
+a split-K kernel (``mx.fast.cuda_kernel``) computes partial softmax sums
+over column chunks, a second kernel merges them. No mask array is built,
+which is what makes ragged decode on the H200 about as cheap as aligned
+decode (``notes/compile.md``, ``notes/benchmarks.md``). Elsewhere (CPU,
+Metal, shapes the kernel does not cover) it is the masked fused SDPA, with
+the same result. ``kvstate.compiled.Decoder(attention="kernel")`` routes a
+compiled step's dense decode reads here.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .masks import rows_mask
+
+
+_KERNEL_SRC = r"""
+    constexpr int NT = 128;
+    constexpr int ELEMS = 16 / sizeof(T);
+    constexpr int LPK = D / ELEMS;
+    constexpr int G = NT / LPK;
+    constexpr int U = 2;
+    __shared__ float sm_m[G][REP];
+    __shared__ float sm_l[G][REP];
+    __shared__ float sm_o[G][REP][D];
+
+    const int split = blockIdx.x;
+    const int bh = blockIdx.y;
+    const int b = bh / HKV;
+    const int h = bh % HKV;
+    const int tid = threadIdx.x;
+    const int g = tid / LPK;
+    const int lane = tid % LPK;
+    const int lo = lp[b];
+    const int hi = en[b];
+    const int chunk = (hi - lo + S - 1) / S;
+    const int start = lo + split * chunk;
+    const int stop = min(start + chunk, hi);
+
+    const float qs = scale[0];
+    float qf[REP][ELEMS];
+    float m[REP], l[REP], o[REP][ELEMS];
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        uint4 raw = *reinterpret_cast<const uint4*>(
+            q + ((size_t)(b * HKV + h) * REP + r) * D + lane * ELEMS);
+        const T* t = reinterpret_cast<const T*>(&raw);
+        #pragma unroll
+        for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]) * qs; o[r][e] = 0.f; }
+        m[r] = -1e30f;
+        l[r] = 0.f;
+    }
+    const T* kb = k + (size_t)bh * CAP * D + lane * ELEMS;
+    const T* vb = v + (size_t)bh * CAP * D + lane * ELEMS;
+    // U keys per group per iteration: all loads first, for more bytes in flight.
+    for (int base = start; base < stop; base += U * G) {
+        float kf[U][ELEMS], vf[U][ELEMS];
+        bool ok[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * G + g;
+            ok[u] = j < stop;
+            if (ok[u]) {
+                uint4 rk = *reinterpret_cast<const uint4*>(kb + (size_t)j * D);
+                uint4 rv = *reinterpret_cast<const uint4*>(vb + (size_t)j * D);
+                const T* tk = reinterpret_cast<const T*>(&rk);
+                const T* tv = reinterpret_cast<const T*>(&rv);
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) {
+                    kf[u][e] = static_cast<float>(tk[e]);
+                    vf[u][e] = static_cast<float>(tv[e]);
+                }
+            } else {
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) { kf[u][e] = 0.f; vf[u][e] = 0.f; }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            #pragma unroll
+            for (int r = 0; r < REP; ++r) {
+                float s = 0.f;
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) s += qf[r][e] * kf[u][e];
+                #pragma unroll
+                for (int off = LPK / 2; off > 0; off >>= 1)
+                    s += __shfl_xor_sync(0xffffffff, s, off, LPK);
+                if (ok[u]) {
+                    const float mn = fmaxf(m[r], s);
+                    const float a = expf(m[r] - mn);
+                    const float p = expf(s - mn);
+                    l[r] = l[r] * a + p;
+                    #pragma unroll
+                    for (int e = 0; e < ELEMS; ++e) o[r][e] = o[r][e] * a + p * vf[u][e];
+                    m[r] = mn;
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        if (lane == 0) { sm_m[g][r] = m[r]; sm_l[g][r] = l[r]; }
+        #pragma unroll
+        for (int e = 0; e < ELEMS; ++e) sm_o[g][r][lane * ELEMS + e] = o[r][e];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < REP * D; idx += NT) {
+        const int r = idx / D;
+        const int d = idx % D;
+        float M = -1e30f;
+        for (int gg = 0; gg < G; ++gg) M = fmaxf(M, sm_m[gg][r]);
+        float L = 0.f, O = 0.f;
+        for (int gg = 0; gg < G; ++gg) {
+            const float w = expf(sm_m[gg][r] - M);
+            L += w * sm_l[gg][r];
+            O += w * sm_o[gg][r][d];
+        }
+        const size_t row = ((size_t)(b * HKV + h) * REP + r) * S + split;
+        po[row * D + d] = O;
+        if (d == 0) { pm[row] = M; pl[row] = L; }
+    }
+"""
+
+_MERGE_SRC = r"""
+    const int row = blockIdx.y;
+    const int d = threadIdx.x;
+    const float* m = pm + (size_t)row * S;
+    const float* l = pl + (size_t)row * S;
+    float M = -1e30f;
+    for (int s = 0; s < S; ++s) M = fmaxf(M, m[s]);
+    float L = 0.f, O = 0.f;
+    for (int s = 0; s < S; ++s) {
+        const float w = expf(m[s] - M);
+        L += w * l[s];
+        O += w * po[((size_t)row * S + s) * D + d];
+    }
+    out[(size_t)row * D + d] = static_cast<T>(O / L);
+"""
+
+_kernels = {}
+
+
+def _get_kernels():
+    if not _kernels:
+        _kernels["split"] = mx.fast.cuda_kernel(
+            name="kvstate_ragged_decode", input_names=["q", "k", "v", "lp", "en", "scale"],
+            output_names=["po", "pm", "pl"], source=_KERNEL_SRC)
+        _kernels["merge"] = mx.fast.cuda_kernel(
+            name="kvstate_ragged_merge", input_names=["po", "pm", "pl"],
+            output_names=["out"], source=_MERGE_SRC)
+    return _kernels
+
+
+def splits_for(B: int, H: int, C: int) -> int:
+    """Key splits per (row, head): about 4096 blocks in all (several waves on a
+    large GPU, so the last one is a small share), at least 64 columns each."""
+    return max(1, min(64, 4096 // max(1, B * H), max(1, C // 64)))
+
+
+def kernel_available(dtype=None) -> bool:
+    """Whether the mask-free decode kernel runs here (MLX's CUDA backend, GPU stream)."""
+    try:
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    except AttributeError:
+        return False
+
+
+def ragged_attention(q, k, v, left_pad, ends, *, scale: float):
+    """Decode attention over each row's own columns ``[left_pad[b], ends[b])``.
+
+    ``q`` ``[B, Hq, 1, D]``, ``k``/``v`` ``[B, H, C, D]`` (``Hq`` a multiple of
+    ``H``), ``left_pad``/``ends`` int32 ``[B]`` arrays (traceable). No mask
+    array is built: on MLX's CUDA backend a split-K kernel reads only the
+    valid columns; elsewhere this is the masked fused SDPA (same result).
+    The caller guarantees ``0 <= left_pad < ends <= C``.
+    """
+    B, Hq, N, D = q.shape
+    H, C = k.shape[1], k.shape[2]
+    lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
+    if (not kernel_available() or N != 1 or (D * k.dtype.size) % 16 or lanes > 32
+            or lanes & (lanes - 1) or k.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
+        mask = rows_mask(N, left_pad, ends, C)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    rep = Hq // H
+    S = splits_for(B, H, C)
+    kern = _get_kernels()
+    if q.dtype != k.dtype:
+        q = q.astype(k.dtype)
+    po, pm, pl = kern["split"](
+        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32)],
+        template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C)],
+        grid=(128 * S, B * H, 1), threadgroup=(128, 1, 1),
+        output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    (out,) = kern["merge"](
+        inputs=[po, pm, pl], template=[("T", k.dtype), ("D", D), ("S", S)],
+        grid=(D, B * Hq, 1), threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, 1, D)], output_dtypes=[k.dtype])
+    return out
