@@ -21,18 +21,6 @@ import tiny_models as tm
 
 
 
-def _bridge_converts_rings():
-    try:
-        br.from_prompt_cache([lm_cache.RotatingKVCache(max_size=4)])
-        return True
-    except kv.KVStateError:
-        return False
-
-
-RING_FILES = _bridge_converts_rings()
-NO_RING_FILES = "kvstate.mlx_lm.from_prompt_cache does not convert RotatingKVCache yet"
-
-
 # --- helpers -------------------------------------------------------------------------
 
 
@@ -219,7 +207,6 @@ def test_mlx_lm_batch_file_continues_identically(tmp_path):
     assert states[0].left_pad == (0, 5, 3) and states[0].lengths == (10, 5, 7)
 
 
-@pytest.mark.skipif(not RING_FILES, reason=NO_RING_FILES)
 def test_mlx_lm_rotating_file_continues_identically(tmp_path):
     model = tm.gemma3_model(seed=7, sliding_window=8)
     caches = lm_cache.make_prompt_cache(model)
