@@ -291,8 +291,8 @@ def _(state: _Rows):
     return Checkpoint(state.lengths, state.left_pad)
 
 
-def check_checkpoint(state, cp, keep):
-    """Validated target lengths for ``rollback`` (shared by every record kind)."""
+def checkpoint_target(state, cp, keep):
+    """The rows' target lengths for ``rollback`` (every record kind checks this way)."""
     if not isinstance(cp, Checkpoint):
         raise bad("checkpoint", "a Checkpoint", type(cp).__name__)
     check(cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
@@ -300,7 +300,12 @@ def check_checkpoint(state, cp, keep):
     check(cp.left_pad == state.left_pad, "checkpoint left_pad",
           f"{state.left_pad} (the state's row layout)", cp.left_pad)
     keep = per_row(keep, state.batch_size, "keep")
-    target = tuple(c + k for c, k in zip(cp.lengths, keep))
+    return tuple(c + k for c, k in zip(cp.lengths, keep))
+
+
+def check_checkpoint(state, cp, keep):
+    """Validated target lengths for a dense ``rollback``: within what each row holds."""
+    target = checkpoint_target(state, cp, keep)
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
     return target

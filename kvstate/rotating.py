@@ -465,15 +465,7 @@ def _(state: RotatingState):
 
 @ops.rollback.register
 def _(state: RotatingState, checkpoint, keep=0):
-    if not isinstance(checkpoint, Checkpoint):
-        raise bad("checkpoint", "a Checkpoint", type(checkpoint).__name__)
-    check(checkpoint.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
-          checkpoint.batch_size)
-    check(checkpoint.left_pad == state.left_pad, "checkpoint left_pad",
-          f"{state.left_pad} (a ring's rows never pad)", checkpoint.left_pad)
-    keep = per_row(keep, state.batch_size, "keep")
-    target = tuple(c + k for c, k in zip(checkpoint.lengths, keep))
-    return _trim_to(state, target, "checkpoint + keep")
+    return _trim_to(state, dense.checkpoint_target(state, checkpoint, keep), "checkpoint + keep")
 
 
 # --- rows: merge, filter, extract --------------------------------------------------------

@@ -9,6 +9,8 @@ disagreement points at kvstate, not at the reference.
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import mlx.core as mx
 
@@ -106,3 +108,25 @@ def state_of_rows(rows, step=256):
             s = kv.from_arrays(mx.array(k[None]), mx.array(v[None]), step=step)
         states.append(s)
     return kv.merge_rows(states)
+
+
+def append_peak(state, k, steps: int, keep_old: bool):
+    """Peak memory growth over ``steps`` appends of ``k`` (as keys and values).
+
+    The caller still holds ``state``, so the first append (untimed) copies;
+    from there on only this loop holds the newest record, unless
+    ``keep_old`` keeps every old record alive (the control: then each
+    append must copy the planes).
+    """
+    state = kv.append(state, k, k)
+    mx.eval(k, *state.planes)
+    kept = []
+    gc.collect()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    for _ in range(steps):
+        if keep_old:
+            kept.append(state)
+        state = kv.append(state, k, k)
+        mx.eval(*state.planes)
+    return mx.get_peak_memory() - start, state

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvstate as kv
-from _rows import assert_rows_equal, assert_unchanged, np_of, rand, ref_attend, snapshot, visible
+from _rows import append_peak, assert_rows_equal, assert_unchanged, np_of, rand, ref_attend, snapshot, visible
 
 H, D = 2, 8
 
@@ -320,23 +320,8 @@ def test_attend_matches_numpy(rng, lengths, n, hq, window):
 
 
 def _append_peak(state, steps, keep_old):
-    """Peak memory growth over ``steps`` one-token appends."""
-    B = state.batch_size
-    k = mx.ones((B, state.keys.shape[1], 1, state.keys.shape[3]))
-    # the caller still holds ``state``, so this first append must copy; from
-    # here on only this loop holds the newest record
-    state = kv.append(state, k, k)
-    mx.eval(k, *state.planes)
-    kept = []
-    gc.collect()
-    mx.reset_peak_memory()
-    start = mx.get_active_memory()
-    for _ in range(steps):
-        if keep_old:
-            kept.append(state)
-        state = kv.append(state, k, k)
-        mx.eval(*state.planes)
-    return mx.get_peak_memory() - start, state
+    k = mx.ones((state.batch_size, state.keys.shape[1], 1, state.keys.shape[3]))
+    return append_peak(state, k, steps, keep_old)
 
 
 @pytest.mark.parametrize("ragged_ends", [False, True], ids=["slice_update", "scatter"])

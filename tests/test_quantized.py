@@ -7,7 +7,6 @@ on this CPU.
 
 from __future__ import annotations
 
-import gc
 
 import numpy as np
 import mlx.core as mx
@@ -19,6 +18,7 @@ import kvstate as kv
 from kvstate.errors import KVStateError
 from kvstate.quantized import to_quantized
 
+from _rows import append_peak
 from _quant import (
     GEOMETRIES, QuantizeCounter, assert_same_bytes, dequant_attend, fetched, mlx_qsdpa,
     np_of, np_rows_mask, quantize_np, rand, row_planes,
@@ -100,20 +100,7 @@ def test_bfloat16_tokens_keep_bfloat16_scales():
 
 
 def _append_peak(state, steps, keep_old):
-    """Peak memory growth over ``steps`` one-token appends."""
-    k = mx.ones((state.batch_size, H, 1, 64))
-    state = kv.append(state, k, k)  # the caller holds ``state``: this one copies
-    mx.eval(k, *state.planes)
-    kept = []
-    gc.collect()
-    mx.reset_peak_memory()
-    start = mx.get_active_memory()
-    for _ in range(steps):
-        if keep_old:
-            kept.append(state)
-        state = kv.append(state, k, k)
-        mx.eval(*state.planes)
-    return mx.get_peak_memory() - start, state
+    return append_peak(state, mx.ones((state.batch_size, H, 1, 64)), steps, keep_old)
 
 
 @pytest.mark.parametrize("ragged_ends", [False, True], ids=["slice_update", "scatter"])
