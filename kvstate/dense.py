@@ -10,6 +10,7 @@ a small ``singledispatch`` hook below, overridden in ``kvstate.quantized``.
 
 from __future__ import annotations
 
+import operator
 from functools import singledispatch
 
 import attrs
@@ -178,7 +179,30 @@ def write_columns(plane, new, index):
 
 
 @ops.append.register
-def _(state: _Rows, k, v):
+def _(state: CacheState, k, v):
+    # The decode hot path (every layer, every step), written out for dense
+    # rows that already hold keys: same checks, same writes as below, without
+    # the per-kind hooks. Anything else takes the general path.
+    keys, values = state.keys, state.values
+    if keys is None or type(k) is not mx.array or type(v) is not mx.array:
+        return _append_rows(state, k, v)
+    ks, vs, kshape = k.shape, v.shape, keys.shape
+    if not (len(ks) == 4 and len(vs) == 4 and ks[0] == kshape[0] and ks[1] == kshape[1]
+            and ks[2] >= 1 and ks[3] == kshape[3] and vs[:3] == ks[:3]
+            and vs[3] == values.shape[3] and k.dtype == keys.dtype and v.dtype == keys.dtype):
+        return _append_rows(state, k, v)  # (which names what is wrong)
+    lengths, N = state.lengths, ks[2]
+    ends = tuple(map(operator.add, state.left_pad, lengths))
+    need = max(ends) + N
+    if need > kshape[2]:
+        keys, values = _grow((keys, values), need, state.step, kshape[0])
+    index = column_index(ends, N)
+    return CacheState(tuple([n + N for n in lengths]), state.left_pad, state.step,
+                      keys=write_columns(keys, k, index), values=write_columns(values, v, index))
+
+
+@ops.append.register
+def _append_rows(state: _Rows, k, v):
     validate_tokens(state, k, v)
     new = to_planes(state, k, v)
     B, N, ends = state.batch_size, k.shape[2], state.ends
@@ -202,8 +226,12 @@ def columns(planes, width: int) -> tuple:
 
 @ops.fetch.register
 def _(state: CacheState):
-    check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
-    return columns(state.planes, state.width)
+    keys = state.keys
+    check(keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    width = state.width
+    if width == keys.shape[2]:
+        return keys, state.values
+    return keys[:, :, :width, :], state.values[:, :, :width, :]
 
 
 @ops.positions.register
