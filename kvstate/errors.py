@@ -40,8 +40,41 @@ def as_int(value, arg: str) -> int:
     return value
 
 
+def _int_vector(value, arg: str):
+    """A 1-D integer ``np.ndarray`` / ``mx.array`` as a list of ints, else ``value``.
+
+    Per-row counts often come from the device (accepted draft tokens, a
+    ``sum`` over a verify mask), so one-per-row arrays are taken as readily
+    as lists; anything but a 1-D integer array is refused by name.
+    """
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        kind, ndim, shape = value.dtype.kind, value.ndim, list(value.shape)
+    else:
+        import mlx.core as mx
+
+        if not isinstance(value, mx.array):
+            return value
+        dt = value.dtype
+        kind = "b" if dt == mx.bool_ else ("i" if mx.issubdtype(dt, mx.integer) else "f")
+        ndim, shape = value.ndim, list(value.shape)
+    if ndim == 0 and kind in "iu":
+        return value.item()
+    if ndim != 1 or kind not in "iu":
+        raise bad(arg, "an int or one int per row (a list, or a 1-D integer array)",
+                  f"{type(value).__name__} {value.dtype} {shape}")
+    return value.tolist()
+
+
 def per_row(value, batch_size: int, arg: str, *, low: int = 0) -> tuple:
-    """Normalise an int-or-sequence argument to one int per row, each >= low."""
+    """Normalise an int-or-sequence argument to one int per row, each >= low.
+
+    ``value``: an int (every row), or one int per row as a list, a tuple or
+    a 1-D integer ``np.ndarray`` / ``mx.array``.
+    """
+    if not isinstance(value, (int, list, tuple)):
+        value = _int_vector(value, arg)
     if isinstance(value, (list, tuple)):
         if len(value) != batch_size:
             raise bad(arg, f"{batch_size} values (one per row)", f"{len(value)} values")

@@ -197,3 +197,43 @@ def test_bad_arguments_elsewhere():
             "left_pad[0] + lengths[0]", "<= 4", "got 5")
     refused(lambda: kv.append(kv.empty(1), np.zeros((1, 1, 1, 1)), z(1, 1, 1, 1)), [],
             "k", "mx.array", "ndarray")
+
+
+# --- per-row arguments as arrays ----------------------------------------------------------
+
+
+def _three_kinds():
+    """One ragged two-row record of each kind (rows hold 5 and 3 tokens)."""
+    rng = np.random.default_rng(5)
+    out = []
+    for make in (lambda: kv.empty(1, step=8), lambda: kv.quantized(1, group_size=32),
+                 lambda: kv.rotating(1, max_size=16, keep=1)):
+        rows = [kv.append(make(), mx.array(rand(rng, 1, H, n, 32)),
+                          mx.array(rand(rng, 1, H, n, 32))) for n in (5, 3)]
+        out.append(kv.merge_rows(rows))
+    return out
+
+
+@pytest.mark.parametrize("as_array", [np.array, mx.array], ids=["numpy", "mlx"])
+def test_per_row_counts_as_integer_arrays(as_array):
+    # Accepted draft counts usually come from the device (a sum over a
+    # verify mask): trim and rollback take a 1-D integer array like a list.
+    for s in _three_kinds():
+        assert kv.trim(s, as_array([1, 2])).lengths == kv.trim(s, [1, 2]).lengths == (4, 1)
+        cp = kv.checkpoint(s)
+        drafted = kv.append(s, *(mx.zeros((2, H, 3, 32)),) * 2)
+        got = kv.rollback(drafted, cp, as_array([1, 3]))
+        assert got.lengths == kv.rollback(drafted, cp, [1, 3]).lengths == (6, 6)
+        refused(lambda: kv.trim(s, as_array([6, 0])), [s], "n for row 0",
+                "<= 5", "got 6")
+        refused(lambda: kv.rollback(drafted, cp, as_array([-1, 0])), [drafted], "keep[0]",
+                ">= 0", "-1")
+
+
+def test_per_row_arrays_of_the_wrong_kind(state):
+    for value, actual in ((mx.array([1.0, 2.0]), "float32 [2]"),
+                          (mx.array([True, False]), "bool [2]"),
+                          (np.array([[1, 2]]), "int64 [1, 2]"),
+                          (np.array([0.5, 1.0]), "float64 [2]")):
+        refused(lambda: kv.trim(state, value), [state], "n", "1-D integer array", actual)
+    refused(lambda: kv.trim(state, mx.array([1, 1, 1])), [state], "n", "2 values", "3 values")
