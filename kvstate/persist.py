@@ -123,7 +123,9 @@ def _check_metadata(metadata) -> dict:
         if not isinstance(k, str) or not isinstance(v, str):
             raise bad(f"metadata[{k!r}]", "str keys and str values",
                       f"{type(k).__name__} -> {type(v).__name__}")
-        if k.startswith(PREFIX):
+        # The model digest ``load`` returns may be handed back, so that
+        # ``save(path, *load(other))`` carries the model identity over.
+        if k.startswith(PREFIX) and k != DIGEST_KEY:
             raise bad(f"metadata[{k!r}]", f"a key not starting with {PREFIX!r} (reserved)", k)
     return dict(metadata)
 
@@ -143,7 +145,9 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> N
         path: the file name; must end in ``.safetensors``.
         states: the records; arrays are written as they are (byte-exact).
         metadata: optional ``str -> str`` pairs stored with the file (keys
-            starting with ``"kvstate."`` are reserved).
+            starting with ``"kvstate."`` are reserved, except the
+            ``"kvstate.model.digest"`` that ``load`` returns: it is stored
+            again, so a loaded cache saved anew keeps its model identity).
         model_path: optional model directory; its identity (the digest of
             its ``*.safetensors`` files) is recorded so ``load`` can refuse
             the file for another model.
@@ -156,7 +160,12 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> N
     for i, s in enumerate(states):
         entries.append(_encode(i, s, tensors))
     if model_path is not None:
-        meta[DIGEST_KEY] = model_digest(model_path)
+        digest = model_digest(model_path)
+        given = meta.get(DIGEST_KEY, digest)
+        check(given == digest, f"metadata[{DIGEST_KEY!r}]",
+              f"the digest of model_path {model_path} ({digest[:16]}…)",
+              f"another model's ({given[:16]}…)")
+        meta[DIGEST_KEY] = digest
     meta["kvstate.format"] = FORMAT
     meta["kvstate.records"] = json.dumps(entries, separators=(",", ":"))
     mx.save_safetensors(path, tensors, meta)

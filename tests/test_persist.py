@@ -304,6 +304,26 @@ def test_model_identity_recorded_and_checked(tmp_path):
         kv.load(tmp_path / "anon.safetensors", model_path=a)
 
 
+
+def test_loaded_metadata_saves_again_with_its_model_identity(tmp_path):
+    # load returns the model digest with the user's pairs; handing that
+    # metadata back to save (a resumed chat saved anew) keeps the identity.
+    a, b = _model_dir(tmp_path / "a", 1), _model_dir(tmp_path / "b", 2)
+    states = [ragged(dense, [3, 5])]
+    kv.save(tmp_path / "s.safetensors", states, {"x": "y"}, model_path=a)
+    got, meta = kv.load(tmp_path / "s.safetensors", model_path=a)
+    kv.save(tmp_path / "again.safetensors", got, meta)
+    again, meta2 = kv.load(tmp_path / "again.safetensors", model_path=a)
+    assert meta2 == meta
+    assert_same_record(states[0], again[0])
+    kv.save(tmp_path / "same.safetensors", got, meta, model_path=a)      # agreeing: fine
+    assert kv.load(tmp_path / "same.safetensors", model_path=a)[1] == meta
+    with pytest.raises(kv.KVStateError, match="metadata.*digest of model_path"):
+        kv.save(tmp_path / "other.safetensors", got, meta, model_path=b)  # conflicting
+    assert not (tmp_path / "other.safetensors").exists()
+    with pytest.raises(kv.KVStateError, match="a cache for another model"):
+        kv.load(tmp_path / "again.safetensors", model_path=b)
+
 def test_model_digest_is_memoized_on_file_stats(tmp_path, monkeypatch):
     root = tmp_path / "m"
     root.mkdir()
