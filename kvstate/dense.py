@@ -152,30 +152,30 @@ def _grow(planes, need: int, step: int, B: int):
     )
 
 
-def column_index(ends, N: int):
-    """Where ``N`` new tokens go: an int32 start ``[1]`` when every row ends
-    at the same column (for ``slice_update``), else the per-row column indices
-    ``[B, 1, N, 1]`` (for a scatter that broadcasts over heads and head dim).
-    Built on the host from host ints: fewer graph nodes than arange + broadcast.
+def column_writer(ends, N: int):
+    """How ``N`` new tokens ``[B, H, N, D]`` are written at the rows' ``ends``:
+    a function ``write(plane, new)`` returning the written plane.
+
+    One shared end is a single ``slice_update`` at an int32 start ``[1]``;
+    differing ends a per-row scatter at column indices ``[B, 1, N, 1]`` (it
+    broadcasts over heads and head dim). The index is built once per append
+    on the host from host ints (fewer graph nodes than arange + broadcast)
+    and serves every plane. Both write in place when nothing else holds the
+    plane.
 
     On a GPU every write is a scatter: MLX 0.32's CUDA backend copies the
     whole plane for a dynamic-start ``slice_update`` (the step grows with the
     capacity), while its scatter writes in place (``notes/compile.md``).
     """
-    if ends.count(ends[0]) == len(ends) and mx.default_device().type != mx.DeviceType.gpu:
-        return mx.array([ends[0]], dtype=mx.int32)
-    return mx.array([[[[e + i] for i in range(N)]] for e in ends], dtype=mx.int32)
+    if ends.count(ends[0]) == len(ends) and mx.default_device().type != _GPU:
+        start = mx.array([ends[0]], dtype=mx.int32)
+        return lambda plane, new: mx.slice_update(plane, new, start, (2,))
+    flat = [e + i for e in ends for i in range(N)]  # (one list: cheaper than nested)
+    index = mx.array(flat, dtype=mx.int32).reshape(len(ends), 1, N, 1)
+    return lambda plane, new: mx.put_along_axis(plane, index, new, axis=2)
 
 
-def write_columns(plane, new, index):
-    """Write ``new`` ``[B, H, N, D]`` into ``plane`` at ``index`` (``column_index``).
-
-    One shared end is a single ``slice_update``; differing ends a per-row
-    scatter. Both write in place when nothing else holds ``plane``.
-    """
-    if index.ndim == 1:
-        return mx.slice_update(plane, new, index, (2,))
-    return mx.put_along_axis(plane, index, new, axis=2)
+_GPU = mx.DeviceType.gpu
 
 
 @ops.append.register
@@ -189,16 +189,16 @@ def _(state: CacheState, k, v):
     ks, vs, kshape = k.shape, v.shape, keys.shape
     if not (len(ks) == 4 and len(vs) == 4 and ks[0] == kshape[0] and ks[1] == kshape[1]
             and ks[2] >= 1 and ks[3] == kshape[3] and vs[:3] == ks[:3]
-            and vs[3] == values.shape[3] and k.dtype == keys.dtype and v.dtype == keys.dtype):
+            and vs[3] == values.shape[3] and k.dtype == (dtype := keys.dtype) and v.dtype == dtype):
         return _append_rows(state, k, v)  # (which names what is wrong)
     lengths, N = state.lengths, ks[2]
     ends = tuple(map(operator.add, state.left_pad, lengths))
     need = max(ends) + N
     if need > kshape[2]:
         keys, values = _grow((keys, values), need, state.step, kshape[0])
-    index = column_index(ends, N)
+    write = column_writer(ends, N)
     return CacheState(tuple([n + N for n in lengths]), state.left_pad, state.step,
-                      keys=write_columns(keys, k, index), values=write_columns(values, v, index))
+                      keys=write(keys, k), values=write(values, v))
 
 
 @ops.append.register
@@ -212,8 +212,8 @@ def _append_rows(state: _Rows, k, v):
     else:
         C = _round_up(need, state.step)
         planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
-    index = column_index(ends, N)
-    planes = tuple([write_columns(p, x, index) for p, x in zip(planes, new)])
+    write = column_writer(ends, N)
+    planes = tuple([write(p, x) for p, x in zip(planes, new)])
     return with_planes(state, planes, lengths=tuple([n + N for n in state.lengths]))
 
 
@@ -265,7 +265,9 @@ def _(state: _Rows, n, *, memo=None, window=None):
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
     # The rows after n more tokens, from host ints alone (no record is built).
-    return _rows_read_mask(n, state.left_pad, tuple(e + n for e in state.ends), memo, window)
+    left_pad = state.left_pad
+    ends = tuple([p + m + n for p, m in zip(left_pad, state.lengths)])
+    return _rows_read_mask(n, left_pad, ends, memo, window)
 
 
 def validate_queries(state: _Rows, q, window, dk: int, H: int):

@@ -146,17 +146,22 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     ``ends`` may be host sequences or int32 arrays ``[B]`` (inside compiled
     code); ``window`` likewise an int or a scalar array.
     """
-    if not any(isinstance(x, mx.array) for x in (left_pad, ends, window)):
+    if not (isinstance(left_pad, mx.array) or isinstance(ends, mx.array)
+            or isinstance(window, mx.array)):
         # Host ints: each query row's first and last visible column computed
-        # here, so the graph is one arange and three comparisons (built once
-        # per decode step; fewer kernels and less Python than the general
-        # graph below, which compiled code needs).
-        hi = [[e - n + i for i in range(n)] for e in ends]
-        lo = [[lp if window is None else max(lp, q - window + 1) for q in row]
-              for lp, row in zip(left_pad, hi)]
+        # here (flat, row-major), so the graph is one arange and three
+        # comparisons (built once per decode step; fewer kernels and less
+        # Python than the general graph below, which compiled code needs).
+        # Without a window the first visible column is one per row.
+        B = len(ends)
+        hi = mx.array([e - n + i for e in ends for i in range(n)], dtype=mx.int32)
+        if window is None:
+            lo = mx.array(left_pad, dtype=mx.int32).reshape(B, 1, 1, 1)
+        else:
+            lo = mx.array([max(lp, e - n + i - window + 1) for lp, e in zip(left_pad, ends)
+                           for i in range(n)], dtype=mx.int32).reshape(B, 1, n, 1)
         cols = mx.arange(width, dtype=mx.int32)
-        return ((cols >= mx.array(lo, dtype=mx.int32)[:, None, :, None])
-                & (cols <= mx.array(hi, dtype=mx.int32)[:, None, :, None]))
+        return (cols >= lo) & (cols <= hi.reshape(B, 1, n, 1))
     lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
     en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends
     cols = mx.arange(width, dtype=mx.int32)[None, None, None, :]

@@ -44,6 +44,8 @@ __all__ = [
 class _Forward:
     """What the shells of one forward share: the memo, its leases, the offsets."""
 
+    __slots__ = ("memo", "leases", "_positions")
+
     def __init__(self, memo: MaskMemo):
         self.memo = memo
         self.leases = []
@@ -71,19 +73,27 @@ class _Forward:
 class _Shell:
     """One layer's cache as an mlx-lm model sees it, backed by a record.
 
-    ``record`` is replaced (never mutated) by each ``update_and_fetch``.
+    ``record`` is replaced (never mutated) by each ``update_and_fetch`` and
+    ``trim``; the offset of the current record is looked up once (the model
+    reads it twice per layer) and forgotten when the record is replaced.
     """
+
+    __slots__ = ("record", "_fwd", "_offset")
 
     def __init__(self, record, fwd: _Forward):
         self.record = record
         self._fwd = fwd
+        self._offset = None
 
     @property
     def offset(self):
-        return self._fwd.offset(self.record)
+        off = self._offset
+        if off is None:
+            off = self._offset = self._fwd.offset(self.record)
+        return off
 
     def update_and_fetch(self, keys, values):
-        self.record = ops.append(self.record, keys, values)
+        self.record, self._offset = ops.append(self.record, keys, values), None
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -138,12 +148,14 @@ class _Shell:
         """Drop up to ``n`` tokens from every row (as mlx-lm, clipped at what a row holds)."""
         n = as_int(n, "n")
         cut = tuple(min(n, m) for m in self.record.lengths)
-        self.record = ops.trim(self.record, cut)
+        self.record, self._offset = ops.trim(self.record, cut), None
         return max(cut, default=0)
 
 
 class _QuantizedShell(_Shell):
     """Has ``bits``/``group_size``: mlx-lm's attention then takes its quantized path."""
+
+    __slots__ = ()
 
     @property
     def bits(self) -> int:
@@ -157,6 +169,8 @@ class _QuantizedShell(_Shell):
 class _RingShell(_Shell):
     """A ``RotatingState`` layer: the model reads the ring in ring order (as
     mlx-lm's ring hands it over); ``make_mask`` lays its mask over that read."""
+
+    __slots__ = ()
 
     def keys_and_values(self):
         return ring_read(self.record)
@@ -235,18 +249,23 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     """
     if not isinstance(tokens, mx.array):
         raise bad("tokens", "an mx.array [B, N] of token ids", type(tokens).__name__)
-    check(tokens.ndim == 2, "tokens rank", "2 ([B, N])", f"{tokens.ndim} {list(tokens.shape)}")
-    check(tokens.shape[1] >= 1, "tokens length (shape[1])", ">= 1", tokens.shape[1])
+    shape = tokens.shape
+    if len(shape) != 2:
+        raise bad("tokens rank", "2 ([B, N])", f"{len(shape)} {list(shape)}")
+    check(shape[1] >= 1, "tokens length (shape[1])", ">= 1", shape[1])
     if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
         raise bad("states", "a list of records (one per layer)", type(states).__name__)
     check(len(states) >= 1, "states", "one record per layer", "an empty list")
+    # One pass checks each record and wraps it (messages are formatted only
+    # on failure: this runs every decode step); a failure leaves nothing behind.
+    B, fwd, shells = shape[0], _Forward(MaskMemo() if memo is None else memo), []
     for i, s in enumerate(states):
-        if type(s) not in _SHELLS:
+        shell = _SHELLS.get(type(s))
+        if shell is None:
             raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
-        check(s.batch_size == tokens.shape[0], f"states[{i}] batch size",
-              f"{tokens.shape[0]} (tokens rows)", s.batch_size)
-    fwd = _Forward(MaskMemo() if memo is None else memo)
-    shells = [_shell(s, fwd) for s in states]
+        if s.batch_size != B:
+            raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
+        shells.append(shell(s, fwd))
     try:
         logits = model(tokens, cache=shells)
     finally:
