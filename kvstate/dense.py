@@ -227,11 +227,12 @@ def columns(planes, width: int) -> tuple:
 @ops.fetch.register
 def _(state: CacheState):
     keys = state.keys
-    check(keys is not None, "state", "a state holding keys (append first)", "an empty state")
+    if keys is None:
+        raise bad("state", "a state holding keys (append first)", "an empty state")
     width = state.width
     if width == keys.shape[2]:
         return keys, state.values
-    return keys[:, :, :width, :], state.values[:, :, :width, :]
+    return keys[:, :, :width], state.values[:, :, :width]  # (the short index parses faster)
 
 
 @ops.positions.register
