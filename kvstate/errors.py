@@ -40,7 +40,8 @@ def as_int(value, arg: str) -> int:
     return value
 
 
-def _int_vector(value, arg: str):
+def _int_vector(value, arg: str,
+                expected: str = "an int or one int per row (a list, or a 1-D integer array)"):
     """A 1-D integer ``np.ndarray`` / ``mx.array`` as a list of ints, else ``value``.
 
     Per-row counts often come from the device (accepted draft tokens, a
@@ -62,8 +63,7 @@ def _int_vector(value, arg: str):
     if ndim == 0 and kind in "iu":
         return value.item()
     if ndim != 1 or kind not in "iu":
-        raise bad(arg, "an int or one int per row (a list, or a 1-D integer array)",
-                  f"{type(value).__name__} {value.dtype} {shape}")
+        raise bad(arg, expected, f"{type(value).__name__} {value.dtype} {shape}")
     return value.tolist()
 
 
@@ -85,3 +85,23 @@ def per_row(value, batch_size: int, arg: str, *, low: int = 0) -> tuple:
         if v < low:
             raise bad(f"{arg}[{i}]" if isinstance(value, (list, tuple)) else arg, f">= {low}", v)
     return out
+
+
+def row_index(row, batch_size: int, arg: str = "row") -> int:
+    """One row index in ``[0, batch_size)`` (checked here: MLX does not bounds-check)."""
+    row = as_int(row, arg)
+    if not 0 <= row < batch_size:
+        raise bad(arg, f"a row index in [0, {batch_size})", row)
+    return row
+
+
+def row_list(rows, batch_size: int, arg: str = "rows") -> list:
+    """Row indices for ``filter_rows``: a non-empty list, tuple or 1-D integer
+    ``np.ndarray`` / ``mx.array``, each index in ``[0, batch_size)``."""
+    if not isinstance(rows, (list, tuple)):
+        rows = _int_vector(rows, arg, "row indices (a list, or a 1-D integer array)")
+        if not isinstance(rows, list):
+            raise bad(arg, "a list of row indices", type(rows).__name__)
+    if not rows:
+        raise bad(arg, "at least one row index", "none")
+    return [row_index(r, batch_size, f"{arg}[{i}]") for i, r in enumerate(rows)]

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import dense, ops
-from .errors import as_int, bad, check, per_row
+from .errors import as_int, bad, check, per_row, row_index, row_list
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState
 
@@ -473,12 +473,7 @@ def _(state: RotatingState, checkpoint, keep=0):
 
 @ops.filter_rows.register
 def _(state: RotatingState, rows):
-    if isinstance(rows, mx.array):
-        rows = rows.tolist()
-    if not isinstance(rows, (list, tuple)):
-        raise bad("rows", "a list of row indices", type(rows).__name__)
-    check(len(rows) >= 1, "rows", "at least one row index", "none")
-    rows = [dense._row_index(r, state.batch_size, f"rows[{i}]") for i, r in enumerate(rows)]
+    rows = row_list(rows, state.batch_size)
     keys, values = state.keys, state.values
     if keys is not None and rows != list(range(state.batch_size)):
         idx = mx.array(rows, dtype=mx.int32)
@@ -490,7 +485,7 @@ def _(state: RotatingState, rows):
 @ops.extract_row.register
 def _(state: RotatingState, row):
     """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
-    row = dense._row_index(row, state.batch_size, "row")
+    row = row_index(row, state.batch_size)
     one = attrs.evolve(state, lengths=(state.lengths[row],), held=(state.held[row],),
                        keys=None, values=None)
     if state.keys is None:
