@@ -363,19 +363,20 @@ def _window(state, window):
     return w
 
 
-def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo, w: int):
+def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo, w: int,
+               array: bool = False):
     """The mask for the last ``n`` entries of rows ``lengths``/``held`` over the
     read of a ring of ``capacity`` (``state`` gives ``keep`` and ``max_size``).
 
-    No array when none is needed: one query seeing every read column (each
-    row holds ``width`` entries, all inside the window) gets ``None``;
-    several queries over rows that hold everything they have seen, in order
-    from column 0, get ``"causal"``.
+    No array when none is needed (unless ``array``): one query seeing every
+    read column (each row holds ``width`` entries, all inside the window)
+    gets ``None``; several queries over rows that hold everything they have
+    seen, in order from column 0, get ``"causal"``.
     """
     width = min(capacity, max(lengths))
-    if n == 1 and all(h == width for h in held) and w >= width:
+    if not array and n == 1 and all(h == width for h in held) and w >= width:
         return None, None
-    if n > 1 and all(h == width for h in held) and lengths == held and w >= width:
+    if not array and n > 1 and all(h == width for h in held) and lengths == held and w >= width:
         return "causal", None
     family = "ring" if w == state.max_size else "ring-window"
     key = MaskKey(family, (n, lengths, held, state.keep, capacity, width, w))
@@ -390,6 +391,16 @@ def _(state: RotatingState, n, *, memo=None, window=None):
     check(n >= 1, "n", ">= 1", n)
     lengths, held, _, capacity = _plan(state, n)
     return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window))
+
+
+def next_mask_array(state: RotatingState, n: int, *, memo=None, window=None):
+    """``next_mask`` as a bool array even where ``None`` or ``"causal"`` would
+    do (what an mlx-lm model asking ``make_mask(..., return_array=True)`` needs);
+    the same builder and key family, so equal keys stay equal masks."""
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    lengths, held, _, capacity = _plan(state, n)
+    return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window), array=True)
 
 
 @ops.attend.register
