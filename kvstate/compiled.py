@@ -544,6 +544,7 @@ class Decoder:
         self._fns = {}
         self._mods = None
         self._pending = None
+        self._layers = None
 
     def _compiled(self, key):
         fn = self._fns.get(key)
@@ -572,7 +573,13 @@ class Decoder:
         N = tokens.shape[1]
         check(N >= 1, "tokens length", ">= 1", N)
         states = list(states)
-        check(len(states) >= 1, "states", "one record per layer", "an empty list")
+        if self._layers is None:
+            from .mlx_lm import layer_count  # (kvstate itself does not need mlx-lm)
+
+            self._layers = layer_count(self.model)
+        if len(states) != self._layers:
+            raise bad("states", f"{self._layers} records (one per layer of the model)",
+                      len(states))
         B = tokens.shape[0]
         flats, specs, prepared, layouts = [], [], [], {}
         for i, s in enumerate(states):

@@ -17,7 +17,7 @@ import attrs
 import mlx.core as mx
 
 from . import ops
-from .errors import as_int, bad, check, per_row
+from .errors import as_int, bad, check, check_scale, per_row, row_index, row_list
 from .masks import lease, rows_key, rows_mask
 from .records import CacheState, Checkpoint, _Rows
 
@@ -271,7 +271,8 @@ def _(state: _Rows, n, *, memo=None, window=None):
     return _rows_read_mask(n, left_pad, ends, memo, window)
 
 
-def validate_queries(state: _Rows, q, window, dk: int, H: int):
+def validate_queries(state: _Rows, q, window, dk: int, H: int, scale=1.0):
+    check_scale(scale)
     if not isinstance(q, mx.array):
         raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
     check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
@@ -295,7 +296,7 @@ def _(state: CacheState, q, *, scale: float, memo=None, window=None):
     geo = geometry(state)
     check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
     H, Dk, _, dtype = geo
-    n = validate_queries(state, q, window, Dk, H)
+    n = validate_queries(state, q, window, Dk, H, scale)
     check(q.dtype == dtype, "q dtype", dtype, q.dtype)
     keys, values = ops.fetch(state)
     mask, held = read_mask(state, n, memo, window)
@@ -350,20 +351,9 @@ def _(state: _Rows, checkpoint, keep=0):
 # --- rows: merge, filter, extract ------------------------------------------------
 
 
-def _row_index(row, B: int, arg: str) -> int:
-    row = as_int(row, arg)
-    check(0 <= row < B, arg, f"a row index in [0, {B})", row)
-    return row
-
-
 @ops.filter_rows.register
 def _(state: _Rows, rows):
-    if isinstance(rows, mx.array):
-        rows = rows.tolist()
-    if not isinstance(rows, (list, tuple)):
-        raise bad("rows", "a list of row indices", type(rows).__name__)
-    check(len(rows) >= 1, "rows", "at least one row index", "none")
-    rows = [_row_index(r, state.batch_size, f"rows[{i}]") for i, r in enumerate(rows)]
+    rows = row_list(rows, state.batch_size)
     lp = [state.left_pad[r] for r in rows]
     shared = min(lp)
     lengths = tuple(state.lengths[r] for r in rows)
@@ -380,7 +370,7 @@ def _(state: _Rows, rows):
 
 @ops.extract_row.register
 def _(state: _Rows, row):
-    row = _row_index(row, state.batch_size, "row")
+    row = row_index(row, state.batch_size)
     start, n = state.left_pad[row], state.lengths[row]
     planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
     return with_planes(state, planes, lengths=(n,), left_pad=(0,))

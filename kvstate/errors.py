@@ -105,3 +105,12 @@ def row_list(rows, batch_size: int, arg: str = "rows") -> list:
     if not rows:
         raise bad(arg, "at least one row index", "none")
     return [row_index(r, batch_size, f"{arg}[{i}]") for i, r in enumerate(rows)]
+
+
+def check_scale(scale) -> None:
+    """``attend``'s ``scale``: a real number (ints and numpy floats too; not a bool)."""
+    import numbers
+
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise bad("scale", "a real number (e.g. head_dim ** -0.5)",
+                  f"{type(scale).__name__} {scale!r}")

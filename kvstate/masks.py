@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import attrs
 import mlx.core as mx
 
-from .errors import LeaseError, bad
+from .errors import LeaseError, as_int, bad
 
 
 @attrs.frozen(eq=False)
@@ -129,9 +129,22 @@ class MaskMemo:
         self._slots.clear()
 
 
+def check_memo(memo, arg: str = "memo") -> MaskMemo:
+    if not isinstance(memo, MaskMemo):
+        raise bad(arg, "a MaskMemo", type(memo).__name__)
+    return memo
+
+
 def lease(memo: Optional[MaskMemo], key: MaskKey, build: Callable[[], object]) -> MaskLease:
     """Lease from ``memo``, or from a throwaway memo when none is given."""
-    return (memo if memo is not None else MaskMemo()).mask_for(key, build)
+    return (MaskMemo() if memo is None else check_memo(memo)).mask_for(key, build)
+
+
+def _count(value, arg: str, low: int) -> int:
+    value = as_int(value, arg)  # (numpy ints too, as everywhere else)
+    if value < low:
+        raise bad(arg, f"an int >= {low}", value)
+    return value
 
 
 # --- builders -------------------------------------------------------------
@@ -183,8 +196,8 @@ def encoder_window_mask(memo: MaskMemo, L: int, bidirectional: mx.array) -> Mask
 
     The caller's ``bidirectional`` array is part of the key by identity.
     """
-    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
-        raise bad("L", "a positive int", repr(L))
+    check_memo(memo)
+    L = _count(L, "L", 1)
     if not isinstance(bidirectional, mx.array):
         raise bad("bidirectional", "a bool mx.array [L]", type(bidirectional).__name__)
     if bidirectional.shape != (L,) or bidirectional.dtype != mx.bool_:
@@ -210,14 +223,9 @@ def rotating_block_mask(memo: MaskMemo, max_size: int, offset: int, n: int,
     ``max_size - 1`` old positions when it takes a block, so that every block
     token sees at least ``max_size`` positions.)
     """
-    if not isinstance(memo, MaskMemo):
-        raise bad("memo", "a MaskMemo", type(memo).__name__)
-    vals = {}
-    for arg, value, low in (("max_size", max_size, 1), ("offset", offset, 0), ("n", n, 0),
-                            ("stored", stored, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise bad(arg, f"an int >= {low}", repr(value))
-        vals[arg] = value
+    check_memo(memo)
+    max_size, offset = _count(max_size, "max_size", 1), _count(offset, "offset", 0)
+    n, stored = _count(n, "n", 0), _count(stored, "stored", 0)
 
     def build():
         j = mx.arange(stored + n)

@@ -18,6 +18,7 @@ and the leases are released when the model returns. Decisions are in
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ from .masks import MaskMemo, lease, rows_key, rows_mask
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
 from .records import CacheState, QuantizedState, RotatingState
-from .rotating import read as ring_read
+from .rotating import next_mask_array, read as ring_read
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
@@ -176,8 +177,11 @@ class _RingShell(_Shell):
         return ring_read(self.record)
 
     def _array_mask(self, N, window):
-        raise bad("return_array", "False for a ring layer (mlx-lm's ring has no array form)",
-                  True)
+        # Models that ask return_array=True (gemma2, phi3small, ...) read the
+        # mask's dtype: the ring's own mask as an array, over the same read.
+        mask, held = next_mask_array(self.record, N, memo=self._fwd.memo, window=window)
+        self._fwd.leases.append(held)
+        return mask
 
     # size and is_trimmable answer as mlx-lm's RotatingKVCache does (per row,
     # then over rows); kv.trim can give back more than mlx-lm allows.
@@ -196,6 +200,23 @@ def _shell(record, fwd):
 
 
 # --- states and forward -----------------------------------------------------------
+
+_LAYERS: dict = {}  # id(model) -> records it reads; an entry leaves with its model
+
+
+def layer_count(model) -> int:
+    """How many records ``model`` reads: ``len(model.make_cache())`` when it has
+    one (a model may share a cache between layers), else ``len(model.layers)``.
+
+    mlx-lm models zip their layers with the caches, so a list of another
+    length would silently run fewer layers; ``forward`` refuses it.
+    """
+    n = _LAYERS.get(id(model))
+    if n is None:
+        n = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+        _LAYERS[id(model)] = n
+        weakref.finalize(model, _LAYERS.pop, id(model), None)
+    return n
 
 
 def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
@@ -255,7 +276,9 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     check(shape[1] >= 1, "tokens length (shape[1])", ">= 1", shape[1])
     if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
         raise bad("states", "a list of records (one per layer)", type(states).__name__)
-    check(len(states) >= 1, "states", "one record per layer", "an empty list")
+    layers = layer_count(model)
+    if len(states) != layers:
+        raise bad("states", f"{layers} records (one per layer of the model)", len(states))
     # One pass checks each record and wraps it (messages are formatted only
     # on failure: this runs every decode step); a failure leaves nothing behind.
     B, fwd, shells = shape[0], _Forward(MaskMemo() if memo is None else memo), []

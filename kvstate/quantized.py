@@ -126,7 +126,7 @@ def _(state: QuantizedState, q, *, scale: float, memo=None, window=None):
     geo = dense.geometry(state)
     check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
     H, Dk, _, dtype = geo
-    n = dense.validate_queries(state, q, window, Dk, H)
+    n = dense.validate_queries(state, q, window, Dk, H, scale)
     check(q.dtype == dtype, "q dtype", dtype, q.dtype)
     keys, values = ops.fetch(state)
     mask, held = dense.read_mask(state, n, memo, window)

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import dense, ops
-from .errors import as_int, bad, check, per_row, row_index, row_list
+from .errors import as_int, bad, check, check_scale, per_row, row_index, row_list
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState
 
@@ -408,6 +408,7 @@ def _(state: RotatingState, q, *, scale: float, memo=None, window=None):
     geo = dense.geometry(state)
     check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
     H, Dk, _, dtype = geo
+    check_scale(scale)
     if not isinstance(q, mx.array):
         raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
     check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")

@@ -190,7 +190,7 @@ def test_reusing_a_released_lease():
 def test_bad_arguments_elsewhere():
     refused(lambda: kv.MaskMemo().mask_for(("f", ()), lambda: None), [], "key", "MaskKey")
     refused(lambda: kv.encoder_window_mask(kv.MaskMemo(), 0, mx.zeros((0,), mx.bool_)), [],
-            "L", "positive int", "0")
+            "L", "an int >= 1", "0")
     refused(lambda: kv.encoder_window_mask(kv.MaskMemo(), 3, mx.zeros((4,), mx.bool_)), [],
             "bidirectional", "[3]", "[4]")
     refused(lambda: kv.from_arrays(z(1, H, 4, D), z(1, H, 4, D), lengths=[3], left_pad=[2]), [],
@@ -237,3 +237,33 @@ def test_per_row_arrays_of_the_wrong_kind(state):
                           (np.array([0.5, 1.0]), "float64 [2]")):
         refused(lambda: kv.trim(state, value), [state], "n", "1-D integer array", actual)
     refused(lambda: kv.trim(state, mx.array([1, 1, 1])), [state], "n", "2 values", "3 values")
+
+
+def test_memo_arguments_are_checked():
+    bd = mx.array([True, False, True])
+    refused(lambda: kv.encoder_window_mask(None, 3, bd), [], "memo", "MaskMemo", "NoneType")
+    s = kv.trim(kv.append(kv.empty(2), mx.zeros((2, 1, 2, 4)), mx.zeros((2, 1, 2, 4))), [1, 0])
+    refused(lambda: kv.attend(s, mx.zeros((2, 1, 1, 4)), scale=1.0, memo={}), [s],
+            "memo", "MaskMemo", "dict")
+
+
+def test_numpy_ints_and_index_arrays_are_taken_like_ints():
+    import numpy as np
+
+    bd = mx.array([True, False, True])
+    assert kv.encoder_window_mask(kv.MaskMemo(), np.int64(3), bd).mask.shape == (1, 1, 3, 3)
+    assert kv.rotating_block_mask(kv.MaskMemo(), np.int64(4), 3, 1, 3).mask.shape == (1, 1, 1, 4)
+    for s in (kv.append(kv.empty(3), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4))),
+              kv.append(kv.rotating(3, max_size=8), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4)))):
+        assert kv.filter_rows(s, np.array([2, 0])).batch_size == 2
+        assert kv.extract_row(s, np.int64(1)).batch_size == 1
+        refused(lambda: kv.filter_rows(s, np.array([[0]])), [s], "rows", "[1, 1]")
+
+
+@pytest.mark.parametrize("scale", [None, "a", True])
+def test_attend_scale_must_be_a_number(scale):
+    s = kv.append(kv.empty(1), mx.ones((1, 1, 2, 4)), mx.ones((1, 1, 2, 4)))
+    r = kv.append(kv.rotating(1, max_size=4), mx.ones((1, 1, 2, 4)), mx.ones((1, 1, 2, 4)))
+    q = kv.append(kv.quantized(1, group_size=32), mx.ones((1, 1, 2, 64)), mx.ones((1, 1, 2, 64)))
+    for st, d in ((s, 4), (r, 4), (q, 64)):
+        refused(lambda: kv.attend(st, mx.ones((1, 1, 1, d)), scale=scale), [st], "scale")

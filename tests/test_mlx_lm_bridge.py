@@ -376,6 +376,57 @@ def test_ring_shells_answer_the_cache_protocol():
         seen = probe.seen[-1]
         assert (seen["offset"], seen["size"], seen["trimmable"]) == (
             ref.offset, ref.size(), ref.is_trimmable())
-    fwd = br._Forward(kv.MaskMemo())  # a ring block that needs no array has no array form
-    with pytest.raises(kv.KVStateError, match="return_array"):
-        br._shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
+    fwd = br._Forward(kv.MaskMemo())  # a block that needs no array, asked for one
+    mask = br._shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
+    assert mask.dtype == mx.bool_
+    np.testing.assert_array_equal(np.array(mask)[:, 0], [[[True, False], [True, True]]] * 2)
+    fwd.release()
+
+
+# --- found by the contract review ---------------------------------------------------
+
+
+def gemma2_model(seed=3):
+    from mlx_lm.models import gemma2
+
+    mx.random.seed(seed)
+    model = gemma2.Model(gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=tm.VOCAB,
+        num_key_value_heads=1, query_pre_attn_scalar=32))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("max_kv_size", [None, 8])
+def test_model_asking_return_array_runs_on_rings_and_rows(max_kv_size):
+    # gemma2 asks make_mask(..., return_array=True) and reads mask.dtype, so
+    # it needs an array (or None) from dense and ring layers alike; with
+    # max_kv_size=8 the ring wraps during the decode.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = gemma2_model()
+    toks = tm.prompt(40, 6)
+    caches = make_prompt_cache(model, max_kv_size=max_kv_size)
+    states = br.make_states(model, 1, max_kv_size=max_kv_size)
+    ref = model(mx.array([toks]), cache=caches)
+    got, states = br.forward(model, mx.array([toks]), states)
+    close(got, ref)
+    tok = int(mx.argmax(ref[0, -1]).item())
+    for _ in range(8):
+        ref = model(mx.array([[tok]]), cache=caches)
+        got, states = br.forward(model, mx.array([[tok]]), states)
+        close(got, ref)
+        tok = int(mx.argmax(ref[0, -1]).item())
+
+
+def test_forward_refuses_a_state_list_of_the_wrong_length(llama):
+    # mlx-lm models zip layers with caches: a short list would silently run
+    # fewer layers, a long one ignore states.
+    states = br.make_states(llama, 1)
+    toks = mx.array([tm.prompt(41, 4)])
+    for wrong in (states[:-1], states + [kv.empty(1)]):
+        with pytest.raises(kv.KVStateError, match="states"):
+            br.forward(llama, toks, wrong)
+        with pytest.raises(kv.KVStateError, match="states"):
+            kv.compiled_decoder(llama)(toks, wrong)
