@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import platform
 import statistics
@@ -42,7 +41,6 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 

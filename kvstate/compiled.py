@@ -48,7 +48,7 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import attrs
 import mlx.core as mx

@@ -271,7 +271,15 @@ def _(state: _Rows, n, *, memo=None, window=None):
     return _rows_read_mask(n, left_pad, ends, memo, window)
 
 
-def validate_queries(state: _Rows, q, window, dk: int, H: int, scale=1.0):
+def validate_queries(state, q, *, scale, window, holds=None) -> int:
+    """Host checks of ``attend``'s arguments against any record; returns ``N``.
+
+    ``holds``: the tokens each row can be read at (default ``lengths``; a
+    ring passes what it still holds).
+    """
+    geo = geometry(state)
+    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+    H, dk, _, dtype = geo
     check_scale(scale)
     if not isinstance(q, mx.array):
         raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
@@ -280,11 +288,12 @@ def validate_queries(state: _Rows, q, window, dk: int, H: int, scale=1.0):
     check(q.shape[3] == dk, "q head dim (shape[3])", dk, q.shape[3])
     check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
           q.shape[1])
+    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
     n = q.shape[2]
     check(n >= 1, "q tokens (shape[2])", ">= 1", n)
-    short = min(state.lengths)
+    short = min(state.lengths if holds is None else holds)
     check(n <= short, "q tokens (shape[2])",
-          f"<= {short}, the shortest row (queries are each row's last N positions)", n)
+          f"<= {short}, the fewest tokens a row holds (queries are each row's last N)", n)
     if window is not None:
         w = as_int(window, "window")
         check(w >= 1, "window", ">= 1", w)
@@ -293,11 +302,7 @@ def validate_queries(state: _Rows, q, window, dk: int, H: int, scale=1.0):
 
 @ops.attend.register
 def _(state: CacheState, q, *, scale: float, memo=None, window=None):
-    geo = geometry(state)
-    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
-    H, Dk, _, dtype = geo
-    n = validate_queries(state, q, window, Dk, H, scale)
-    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    n = validate_queries(state, q, scale=scale, window=window)
     keys, values = ops.fetch(state)
     mask, held = read_mask(state, n, memo, window)
     try:

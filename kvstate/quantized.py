@@ -123,11 +123,7 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
 
 @ops.attend.register
 def _(state: QuantizedState, q, *, scale: float, memo=None, window=None):
-    geo = dense.geometry(state)
-    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
-    H, Dk, _, dtype = geo
-    n = dense.validate_queries(state, q, window, Dk, H, scale)
-    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    n = dense.validate_queries(state, q, scale=scale, window=window)
     keys, values = ops.fetch(state)
     mask, held = dense.read_mask(state, n, memo, window)
     try:

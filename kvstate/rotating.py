@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import dense, ops
-from .errors import as_int, bad, check, check_scale, per_row, row_index, row_list
+from .errors import as_int, bad, check, per_row, row_index, row_list
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState
 
@@ -405,23 +405,7 @@ def next_mask_array(state: RotatingState, n: int, *, memo=None, window=None):
 
 @ops.attend.register
 def _(state: RotatingState, q, *, scale: float, memo=None, window=None):
-    geo = dense.geometry(state)
-    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
-    H, Dk, _, dtype = geo
-    check_scale(scale)
-    if not isinstance(q, mx.array):
-        raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
-    check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
-    check(q.shape[0] == state.batch_size, "q batch size", state.batch_size, q.shape[0])
-    check(q.shape[3] == Dk, "q head dim (shape[3])", Dk, q.shape[3])
-    check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
-          q.shape[1])
-    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
-    n = q.shape[2]
-    check(n >= 1, "q tokens (shape[2])", ">= 1", n)
-    short = min(state.held)
-    check(n <= short, "q tokens (shape[2])",
-          f"<= {short}, the fewest any row holds (queries are each row's last N entries)", n)
+    n = dense.validate_queries(state, q, scale=scale, window=window, holds=state.held)
     w = _window(state, window)
     keys, values = read(state)
     mask, held = _read_mask(state.lengths, state.held, state.capacity, state, n, memo, w)
