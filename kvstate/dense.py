@@ -116,18 +116,23 @@ def from_arrays(keys, values, *, lengths=None, left_pad=None, step: int = 256) -
 # --- append / fetch ------------------------------------------------------------
 
 
+def _fits(k, v, B: int, H: int, Dk: int, Dv: int, dtype) -> bool:
+    """Whether new tokens ``k``, ``v`` fit rows of this batch and geometry: one
+    comparison of shapes and dtypes (it runs on every append, every layer);
+    ``validate_tokens`` names what does not fit."""
+    if type(k) is not mx.array or type(v) is not mx.array:
+        return False
+    ks, vs = k.shape, v.shape
+    return (len(ks) == 4 and len(vs) == 4 and ks[0] == B and ks[1] == H and ks[2] >= 1
+            and ks[3] == Dk and vs[:3] == ks[:3] and vs[3] == Dv
+            and k.dtype == dtype and v.dtype == dtype)
+
+
 def validate_tokens(state, k, v):
     """Host checks of new tokens against the record's batch and geometry."""
     geo = geometry(state)
-    # Fast path: one comparison of shapes and dtypes (this runs on every
-    # append, every layer); the detailed checks below only name the failure.
-    if geo is not None and isinstance(k, mx.array) and isinstance(v, mx.array):
-        H, Dk, Dv, dtype = geo
-        ks, vs = k.shape, v.shape
-        if (len(ks) == 4 and len(vs) == 4 and ks[0] == state.batch_size and ks[1] == H
-                and ks[2] >= 1 and ks[3] == Dk and vs[:3] == ks[:3] and vs[3] == Dv
-                and k.dtype == dtype and v.dtype == dtype):
-            return
+    if geo is not None and _fits(k, v, state.batch_size, *geo):
+        return
     _check_kv("k", k, "v", v)
     (B, Hk, N, dk), dv = k.shape, v.shape[3]
     check(B == state.batch_size, "k batch size", state.batch_size, B)
@@ -184,14 +189,12 @@ def _(state: CacheState, k, v):
     # rows that already hold keys: same checks, same writes as below, without
     # the per-kind hooks. Anything else takes the general path.
     keys, values = state.keys, state.values
-    if keys is None or type(k) is not mx.array or type(v) is not mx.array:
+    if keys is None:
         return _append_rows(state, k, v)
-    ks, vs, kshape = k.shape, v.shape, keys.shape
-    if not (len(ks) == 4 and len(vs) == 4 and ks[0] == kshape[0] and ks[1] == kshape[1]
-            and ks[2] >= 1 and ks[3] == kshape[3] and vs[:3] == ks[:3]
-            and vs[3] == values.shape[3] and k.dtype == (dtype := keys.dtype) and v.dtype == dtype):
+    kshape = keys.shape
+    if not _fits(k, v, kshape[0], kshape[1], kshape[3], values.shape[3], keys.dtype):
         return _append_rows(state, k, v)  # (which names what is wrong)
-    lengths, N = state.lengths, ks[2]
+    lengths, N = state.lengths, k.shape[2]
     ends = tuple(map(operator.add, state.left_pad, lengths))
     need = max(ends) + N
     if need > kshape[2]:
