@@ -38,7 +38,15 @@ import mlx.core as mx
 
 
 def _tuple_of_ints(value) -> tuple:
-    return tuple(map(int, value))
+    """Host bookkeeping as a tuple of ints (numpy ints too); a float or any
+    other non-integer is refused rather than truncated."""
+    try:
+        return tuple(map(operator.index, value))
+    except TypeError:
+        from .errors import bad
+
+        raise bad("row bookkeeping (lengths, left_pad, held)", "a sequence of ints",
+                  repr(value)) from None
 
 
 def _array_repr(value) -> str:

@@ -267,3 +267,10 @@ def test_attend_scale_must_be_a_number(scale):
     q = kv.append(kv.quantized(1, group_size=32), mx.ones((1, 1, 2, 64)), mx.ones((1, 1, 2, 64)))
     for st, d in ((s, 4), (r, 4), (q, 64)):
         refused(lambda: kv.attend(st, mx.ones((1, 1, 1, d)), scale=scale), [st], "scale")
+
+
+def test_records_refuse_non_integer_bookkeeping():
+    # (a float length would otherwise be truncated silently)
+    with pytest.raises(kv.KVStateError, match="expected a sequence of ints"):
+        kv.CacheState((2.7,), (0,))
+    assert kv.CacheState((np.int64(2),), (0,)).lengths == (2,)
