@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as _mlx_qsdpa
 
 import kvstate as kv
+from _rows import np_rows_mask
 
 # (bits, group_size, head dim) that mx.quantize, quantized_matmul and mlx-lm's
 # QuantizedKVCache all accept on this CPU. mlx-lm sizes its packed buffer as
@@ -66,22 +67,6 @@ def mlx_qsdpa(q, keys, values, *, scale, mask, group_size, bits):
                       group_size=group_size, bits=bits)
 
 
-def np_rows_mask(n, left_pad, ends, width, window=None) -> mx.array:
-    """The contract's per-row mask ``[B, 1, n, width]``, written out in numpy
-    (independent of ``kvstate.masks``)."""
-    B = len(ends)
-    m = np.zeros((B, 1, n, width), dtype=bool)
-    for b in range(B):
-        for i in range(n):
-            qpos = ends[b] - n + i
-            for j in range(width):
-                ok = left_pad[b] <= j <= qpos
-                if window is not None:
-                    ok = ok and qpos - j < window
-                m[b, 0, i, j] = ok
-    return mx.array(m)
-
-
 def dequant_attend(state, q, *, scale, window=None) -> mx.array:
     """Reference: dequantize the fetched planes, then float attention (fused
     SDPA, GQA by repeating heads) under the contract's mask."""
@@ -91,7 +76,7 @@ def dequant_attend(state, q, *, scale, window=None) -> mx.array:
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    mask = np_rows_mask(q.shape[2], state.left_pad, state.ends, state.width, window)
+    mask = mx.array(np_rows_mask(q.shape[2], state.left_pad, state.ends, state.width, window))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

@@ -130,3 +130,19 @@ def append_peak(state, k, steps: int, keep_old: bool):
         state = kv.append(state, k, k)
         mx.eval(*state.planes)
     return mx.get_peak_memory() - start, state
+
+
+def np_rows_mask(n, left_pad, ends, width, window=None) -> np.ndarray:
+    """The contract's per-row mask ``[B, 1, n, width]``, written out in numpy
+    (independent of ``kvstate.masks``)."""
+    B = len(ends)
+    out = np.zeros((B, 1, n, width), dtype=bool)
+    for b in range(B):
+        for i in range(n):
+            q = ends[b] - n + i
+            for j in range(width):
+                ok = left_pad[b] <= j <= q
+                if window is not None:
+                    ok = ok and q - j < window
+                out[b, 0, i, j] = ok
+    return out

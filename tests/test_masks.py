@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 import kvstate as kv
 from kvstate import ops
 from kvstate.masks import rows_mask
-from _rows import np_of, rand
+from _rows import np_of, np_rows_mask, rand
 
 
 def counting_build(value="m"):
@@ -166,20 +166,6 @@ def test_unaligned_rows_lease_one_array():
 
 
 # --- builders against numpy -------------------------------------------------------------
-
-
-def np_rows_mask(n, left_pad, ends, width, window=None):
-    B = len(ends)
-    out = np.zeros((B, 1, n, width), bool)
-    for b in range(B):
-        for i in range(n):
-            q = ends[b] - n + i
-            for j in range(width):
-                ok = left_pad[b] <= j <= q
-                if window is not None:
-                    ok = ok and q - j < window
-                out[b, 0, i, j] = ok
-    return out
 
 
 @given(st.data())

@@ -18,10 +18,10 @@ import kvstate as kv
 from kvstate.errors import KVStateError
 from kvstate.quantized import to_quantized
 
-from _rows import append_peak
+from _rows import append_peak, np_rows_mask
 from _quant import (
     GEOMETRIES, QuantizeCounter, assert_same_bytes, dequant_attend, fetched, mlx_qsdpa,
-    np_of, np_rows_mask, quantize_np, rand, row_planes,
+    np_of, quantize_np, rand, row_planes,
 )
 
 H = 2
@@ -285,7 +285,7 @@ def check_attend(s, q, window=None, tol=2e-4):
     if s.aligned and window is None:
         mask = None if n == 1 else "causal"  # what mlx-lm's make_mask answers
     else:
-        mask = np_rows_mask(n, s.left_pad, s.ends, s.width, window)
+        mask = mx.array(np_rows_mask(n, s.left_pad, s.ends, s.width, window))
     want = mlx_qsdpa(q, keys, values, scale=SCALE, mask=mask, group_size=s.group_size,
                      bits=s.bits)
     np.testing.assert_array_equal(np_of(got), np_of(want))
