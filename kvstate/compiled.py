@@ -60,10 +60,6 @@ from .masks import rows_mask
 from .records import CacheState, QuantizedState, RotatingState, _Rows
 
 
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
 def _ring():
     """``kvstate.rotating`` (the module; the package's ``rotating`` is the constructor).
 
@@ -199,7 +195,7 @@ def prepare(state, n: int = 1):
     C = state.capacity
     if C >= need and C % state.step == 0:
         return state
-    return with_capacity(state, _round_up(need, state.step))
+    return with_capacity(state, dense.round_up(need, state.step))
 
 
 def position_arrays(state) -> tuple:

@@ -22,7 +22,8 @@ from .masks import lease, rows_key, rows_mask
 from .records import CacheState, Checkpoint, _Rows
 
 
-def _round_up(n: int, step: int) -> int:
+def round_up(n: int, step: int) -> int:
+    """The smallest multiple of ``step`` that holds ``n``."""
     return -(-n // step) * step
 
 
@@ -150,7 +151,7 @@ def _grow(planes, need: int, step: int, B: int):
     C = planes[0].shape[2]
     if need <= C:
         return planes
-    extra = _round_up(need, step) - C
+    extra = round_up(need, step) - C
     return tuple(
         mx.concatenate([p, mx.zeros((B, p.shape[1], extra, p.shape[3]), p.dtype)], axis=2)
         for p in planes
@@ -213,7 +214,7 @@ def _append_rows(state: _Rows, k, v):
     if state.planes:
         planes = _grow(state.planes, need, state.step, B)
     else:
-        C = _round_up(need, state.step)
+        C = round_up(need, state.step)
         planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
     write = column_writer(ends, N)
     planes = tuple([write(p, x) for p, x in zip(planes, new)])
@@ -408,7 +409,7 @@ def merge_planes(states, width: int, step: int):
     if not full:
         return ()
     B = sum(s.batch_size for s in states)
-    C = _round_up(width, step)
+    C = round_up(width, step)
     template = full[0].planes
     planes = [mx.zeros((B, p.shape[1], C, p.shape[3]), p.dtype) for p in template]
     row = 0

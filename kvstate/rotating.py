@@ -42,10 +42,6 @@ __all__ = [
 ]
 
 
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
 # --- construction -------------------------------------------------------------
 
 
@@ -157,7 +153,7 @@ def _plan(state: RotatingState, N: int):
     need = max(held)
     C = state.capacity
     if need > C:
-        C = min(_round_up(need, state.step), max(state.max_size, need))
+        C = min(dense.round_up(need, state.step), max(state.max_size, need))
     elif C > max(state.max_size, need):
         C = max(state.max_size, need)  # a block made the ring wider: shrink back
     return lengths, held, kept, C
