@@ -257,8 +257,9 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
     return _rows_read_mask(n, state.left_pad, state.ends, memo, window)
 
 
-def _rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window):
-    if window is None and ends.count(ends[0]) == len(ends) and not any(left_pad):
+def _rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=False):
+    if (not array and window is None and ends.count(ends[0]) == len(ends)
+            and not any(left_pad)):
         return (None if n == 1 else "causal"), None  # aligned
     key = rows_key(n, left_pad, ends, window)
     held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends), window))
@@ -273,6 +274,16 @@ def _(state: _Rows, n, *, memo=None, window=None):
     left_pad = state.left_pad
     ends = tuple([p + m + n for p, m in zip(left_pad, state.lengths)])
     return _rows_read_mask(n, left_pad, ends, memo, window)
+
+
+def next_mask_array(state: _Rows, n: int, *, memo=None, window=None):
+    """``next_mask`` as a bool array even where ``None`` or ``"causal"`` would
+    do (what an mlx-lm model asking ``make_mask(..., return_array=True)`` needs)."""
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    left_pad = state.left_pad
+    ends = tuple([p + m + n for p, m in zip(left_pad, state.lengths)])
+    return _rows_read_mask(n, left_pad, ends, memo, window, array=True)
 
 
 def validate_queries(state, q, *, scale, window, holds=None) -> int:

@@ -27,11 +27,12 @@ from mlx_lm.models import cache as lm_cache
 import kvstate as kv
 from . import ops
 from .errors import as_int, bad, check
-from .masks import MaskMemo, lease, rows_key, rows_mask
+from .masks import MaskMemo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
 from .records import CacheState, QuantizedState, RotatingState
-from .rotating import next_mask_array, read as ring_read
+from .dense import next_mask_array as dense_next_mask_array
+from .rotating import next_mask_array as ring_next_mask_array, read as ring_read
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
@@ -110,14 +111,13 @@ class _Shell:
         return mask
 
     def _array_mask(self, N, window):
-        # Models that ask return_array=True (a few hybrids) want a real array
-        # even for aligned rows; same builder and memo as the ragged case.
-        s = self.record
-        ends = tuple(e + N for e in s.ends)
-        held = lease(self._fwd.memo, rows_key(N, s.left_pad, ends, window),
-                     lambda: rows_mask(N, s.left_pad, ends, max(ends), window))
+        # Models that ask return_array=True (gemma2, phi3small, ...) read the
+        # mask's dtype: the same mask as an array, same builder and memo.
+        mask, held = self._next_mask_array(self.record, N, memo=self._fwd.memo, window=window)
         self._fwd.leases.append(held)
-        return held.mask
+        return mask
+
+    _next_mask_array = staticmethod(dense_next_mask_array)
 
     @property
     def state(self):
@@ -176,12 +176,7 @@ class _RingShell(_Shell):
     def keys_and_values(self):
         return ring_read(self.record)
 
-    def _array_mask(self, N, window):
-        # Models that ask return_array=True (gemma2, phi3small, ...) read the
-        # mask's dtype: the ring's own mask as an array, over the same read.
-        mask, held = next_mask_array(self.record, N, memo=self._fwd.memo, window=window)
-        self._fwd.leases.append(held)
-        return mask
+    _next_mask_array = staticmethod(ring_next_mask_array)  # over the ring-order read
 
     # size and is_trimmable answer as mlx-lm's RotatingKVCache does (per row,
     # then over rows); kv.trim can give back more than mlx-lm allows.
