@@ -3,11 +3,14 @@
 B rows of different prompt lengths (around 512 tokens) are prefilled alone,
 merged (left-padded) and decoded greedily as one batch, float32 on the CPU,
 through the same mlx-lm llama model in the same process. Each round starts
-both sides from the same prefilled rows and alternates their decode steps
-(kvstate, mlx-lm, kvstate, ...), timing each step to its evaluated logits.
-Prints the median step time of each side, their ratio (mlx-lm time /
-kvstate time; above 1.0 means kvstate is faster) and, because the machine
-may be shared, the median of the per-step ratios of back-to-back pairs.
+every side from the same prefilled rows and rotates the order of their
+decode steps, timing each step to its evaluated logits. Prints the median
+step time of each side, their ratio (mlx-lm time / kvstate time; above 1.0
+means kvstate is faster) and, because the machine may be shared, the
+median of the per-step ratios of back-to-back steps. A third side runs
+kvstate with ``start_early=False`` (no early device start of the first
+layer), so the share of the ratio that the early start brings is measured
+in the same run.
 
     python benchmarks/ragged_decode.py
 """
@@ -68,40 +71,50 @@ def main():
     first_kv = mx.argmax(kv_logits, axis=-1)
     mx.eval(first_lm, first_kv, [s.planes for s in kv_prefilled])
 
-    t_kv, t_lm, paired, mismatched = [], [], [], 0
+    times = {"kv": [], "late": [], "lm": []}
+    paired, paired_late, mismatched = [], [], 0
     for r in range(args.rounds):
         lm_cache = [BatchKVCache.merge([c[i] for c in solo_caches])
                     for i in range(len(model.layers))]
         mx.eval([c.state for c in lm_cache])
-        states, tok_kv, tok_lm = kv_prefilled, first_kv, first_lm
+        states = {"kv": kv_prefilled, "late": kv_prefilled}
+        tok = {"kv": first_kv, "late": first_kv, "lm": first_lm}
         for s in range(args.steps):
-            order = ("kv", "lm") if (r + s) % 2 == 0 else ("lm", "kv")
+            order = ["kv", "late", "lm"]
+            k = (r + s) % 3
+            order = order[k:] + order[:k]
+            if (r + s) % 2:
+                order.reverse()
             for side in order:
                 t0 = time.perf_counter()
-                if side == "kv":
-                    logits, states = br.step(model, tok_kv, states)
-                    tok_kv = mx.argmax(logits, axis=-1)
-                    mx.eval(tok_kv)
-                    t_kv.append(time.perf_counter() - t0)
+                if side == "lm":
+                    logits = model(tok["lm"][:, None], cache=lm_cache)[:, -1]
                 else:
-                    logits = model(tok_lm[:, None], cache=lm_cache)[:, -1]
-                    tok_lm = mx.argmax(logits, axis=-1)
-                    mx.eval(tok_lm)
-                    t_lm.append(time.perf_counter() - t0)
-            paired.append(t_lm[-1] / t_kv[-1])  # same step, same context, back to back
-            mismatched += int((tok_kv != tok_lm).sum().item())
+                    logits, states[side] = br.step(model, tok[side], states[side],
+                                                   start_early=side == "kv")
+                tok[side] = mx.argmax(logits, axis=-1)
+                mx.eval(tok[side])
+                times[side].append(time.perf_counter() - t0)
+            # same step, same context, back to back
+            paired.append(times["lm"][-1] / times["kv"][-1])
+            paired_late.append(times["lm"][-1] / times["late"][-1])
+            mismatched += int((tok["kv"] != tok["lm"]).sum().item())
+            mismatched += int((tok["late"] != tok["lm"]).sum().item())
         del states
 
-    mk, ml = statistics.median(t_kv), statistics.median(t_lm)
+    t_kv, t_late, t_lm = times["kv"], times["late"], times["lm"]
+    mk, mt, ml = (statistics.median(t) for t in (t_kv, t_late, t_lm))
     print(f"model: llama {args.layers} layers, hidden {args.hidden}, kv heads {args.kv_heads}, "
           f"head_dim 64, vocab {args.vocab}, float32, {mx.default_device()}")
     print(f"rows: B={B}, prompt lengths {lengths}")
     print(f"steps timed per side: {len(t_kv)} ({args.rounds} rounds x {args.steps})")
-    print(f"median step  kvstate {mk * 1e3:.3f} ms   mlx-lm BatchKVCache {ml * 1e3:.3f} ms")
-    print(f"token mismatches between the sides: {mismatched}")
-    q = statistics.quantiles(paired, n=4)
-    print(f"paired per-step ratio: median {statistics.median(paired):.3f} "
-          f"(quartiles {q[0]:.3f} .. {q[2]:.3f})")
+    print(f"median step  kvstate {mk * 1e3:.3f} ms   kvstate start_early=False {mt * 1e3:.3f} ms"
+          f"   mlx-lm BatchKVCache {ml * 1e3:.3f} ms")
+    print(f"token mismatches with mlx-lm (both kvstate sides): {mismatched}")
+    for name, pr, m in (("kvstate", paired, mk), ("kvstate start_early=False", paired_late, mt)):
+        q = statistics.quantiles(pr, n=4)
+        print(f"{name}: paired per-step ratio median {statistics.median(pr):.3f} "
+              f"(quartiles {q[0]:.3f} .. {q[2]:.3f}); ratio of medians {ml / m:.3f}")
     print(f"ratio (mlx-lm / kvstate, medians): {ml / mk:.3f}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from functools import singledispatch
+from typing import Optional
 
 import attrs
 import mlx.core as mx
@@ -123,10 +124,9 @@ def _fits(k, v, B: int, H: int, Dk: int, Dv: int, dtype) -> bool:
     ``validate_tokens`` names what does not fit."""
     if type(k) is not mx.array or type(v) is not mx.array:
         return False
-    ks, vs = k.shape, v.shape
-    return (len(ks) == 4 and len(vs) == 4 and ks[0] == B and ks[1] == H and ks[2] >= 1
-            and ks[3] == Dk and vs[:3] == ks[:3] and vs[3] == Dv
-            and k.dtype == dtype and v.dtype == dtype)
+    ks = k.shape
+    return (len(ks) == 4 and ks[0] == B and ks[1] == H and ks[3] == Dk and ks[2] >= 1
+            and v.shape == (B, H, ks[2], Dv) and k.dtype == dtype and v.dtype == dtype)
 
 
 def validate_tokens(state, k, v):
@@ -146,14 +146,19 @@ def validate_tokens(state, k, v):
         check(k.dtype == dtype, "k dtype", dtype, k.dtype)
 
 
-def _grow(planes, need: int, step: int, B: int):
+def _grow(planes, need: int, step: int):
     """Planes with capacity ``round_up(need, step)`` (zero-filled past the old capacity)."""
     C = planes[0].shape[2]
     if need <= C:
         return planes
-    extra = round_up(need, step) - C
+    return _grow_by(planes, round_up(need, step) - C)
+
+
+def _grow_by(planes, extra: int):
+    """Planes with ``extra`` zero columns after their capacity."""
     return tuple(
-        mx.concatenate([p, mx.zeros((B, p.shape[1], extra, p.shape[3]), p.dtype)], axis=2)
+        mx.concatenate([p, mx.zeros((p.shape[0], p.shape[1], extra, p.shape[3]), p.dtype)],
+                       axis=2)
         for p in planes
     )
 
@@ -184,25 +189,99 @@ def column_writer(ends, N: int):
 _GPU = mx.DeviceType.gpu
 
 
+class AppendPlan:
+    """What appending ``n`` tokens does to rows of one layout, from host ints alone.
+
+    The new ``lengths``, the width after the append, the capacity to grow
+    by, and the column writer: none of it depends on the planes' heads or
+    head dims, so every record with the same rows and capacity (every layer
+    of a model, in one forward) shares one plan through ``Plans``.
+    """
+
+    __slots__ = ("lengths", "left_pad", "step", "capacity", "n", "width", "grow", "write",
+                 "new_lengths")
+
+    def __init__(self, lengths: tuple, left_pad: tuple, step: int, capacity: int, n: int):
+        self.lengths, self.left_pad, self.step, self.capacity, self.n = (
+            lengths, left_pad, step, capacity, n)
+        ends = tuple(map(operator.add, left_pad, lengths))
+        self.width = need = max(ends) + n
+        self.new_lengths = tuple([m + n for m in lengths])
+        self.grow = round_up(need, step) - capacity if need > capacity else 0
+        self.write = column_writer(ends, n)
+
+
+class Plans:
+    """The ``AppendPlan``s of one batch of appends (the bridge: one forward).
+
+    Every layer of a decode step holds the same rows, and after one shared
+    plan their records hold the very same ``lengths`` and ``left_pad``
+    tuples, so the last plan is found by identity, without hashing.
+    """
+
+    __slots__ = ("_last", "_by_key")
+
+    def __init__(self):
+        self._last = None
+        self._by_key = {}
+
+    def get(self, state, capacity: int, n: int) -> AppendPlan:
+        plan = self._last
+        if (plan is not None and plan.lengths is state.lengths
+                and plan.left_pad is state.left_pad and plan.capacity == capacity
+                and plan.n == n and plan.step == state.step):
+            return plan
+        key = (state.lengths, state.left_pad, state.step, capacity, n)
+        plan = self._by_key.get(key)
+        if plan is None:
+            plan = self._by_key[key] = AppendPlan(*key)
+        self._last = plan
+        return plan
+
+
 @ops.append.register
 def _(state: CacheState, k, v):
-    # The decode hot path (every layer, every step), written out for dense
-    # rows that already hold keys: same checks, same writes as below, without
-    # the per-kind hooks. Anything else takes the general path.
+    return _append_dense(state, k, v, None)[0]
+
+
+def update_and_fetch(state: CacheState, k, v, plans: Optional[Plans] = None) -> tuple:
+    """``append`` then ``fetch``: ``(new_state, keys, values)``, the new
+    state's keys and values over its columns (what mlx-lm's
+    ``update_and_fetch`` returns; the bridge's dense layers answer with it).
+
+    ``plans``: shared by the calls of one forward, so the host work of an
+    append is done once per layout instead of once per layer.
+    """
+    state, width = _append_dense(state, k, v, plans)
+    keys, values = state.keys, state.values
+    if width == keys.shape[2]:
+        return state, keys, values
+    return state, keys[:, :, :width], values[:, :, :width]
+
+
+def _append_dense(state: CacheState, k, v, plans):
+    """The decode hot path (every layer, every step): ``(new_state, its width)``.
+
+    Anything that is not the hot path (an empty record, tokens that do not
+    fit) takes the general path, which names what is wrong.
+    """
     keys, values = state.keys, state.values
     if keys is None:
-        return _append_rows(state, k, v)
+        state = _append_rows(state, k, v)
+        return state, state.width
     kshape = keys.shape
     if not _fits(k, v, kshape[0], kshape[1], kshape[3], values.shape[3], keys.dtype):
-        return _append_rows(state, k, v)  # (which names what is wrong)
-    lengths, N = state.lengths, k.shape[2]
-    ends = tuple(map(operator.add, state.left_pad, lengths))
-    need = max(ends) + N
-    if need > kshape[2]:
-        keys, values = _grow((keys, values), need, state.step, kshape[0])
-    write = column_writer(ends, N)
-    return CacheState(tuple([n + N for n in lengths]), state.left_pad, state.step,
-                      keys=write(keys, k), values=write(values, v))
+        state = _append_rows(state, k, v)
+        return state, state.width
+    if plans is None:
+        plan = AppendPlan(state.lengths, state.left_pad, state.step, kshape[2], k.shape[2])
+    else:
+        plan = plans.get(state, kshape[2], k.shape[2])
+    if plan.grow:
+        keys, values = _grow_by((keys, values), plan.grow)
+    write = plan.write
+    return CacheState(plan.new_lengths, plan.left_pad, state.step,
+                      keys=write(keys, k), values=write(values, v)), plan.width
 
 
 @ops.append.register
@@ -212,7 +291,7 @@ def _append_rows(state: _Rows, k, v):
     B, N, ends = state.batch_size, k.shape[2], state.ends
     need = max(ends) + N
     if state.planes:
-        planes = _grow(state.planes, need, state.step, B)
+        planes = _grow(state.planes, need, state.step)
     else:
         C = round_up(need, state.step)
         planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
@@ -229,7 +308,7 @@ def columns(planes, width: int) -> tuple:
 
 
 @ops.fetch.register
-def _(state: CacheState):
+def fetch_dense(state: CacheState):
     keys = state.keys
     if keys is None:
         raise bad("state", "a state holding keys (append first)", "an empty state")

@@ -167,13 +167,17 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
         # Python than the general graph below, which compiled code needs).
         # Without a window the first visible column is one per row.
         B = len(ends)
+        cols = mx.arange(width, dtype=mx.int32)
+        if n == 1 and window is None and min(ends) == width:
+            # One query per row and every row ending at the last column (the
+            # decode step of left-padded rows): only the padding is hidden.
+            return cols >= mx.array(left_pad, dtype=mx.int32).reshape(B, 1, 1, 1)
         hi = mx.array([e - n + i for e in ends for i in range(n)], dtype=mx.int32)
         if window is None:
             lo = mx.array(left_pad, dtype=mx.int32).reshape(B, 1, 1, 1)
         else:
             lo = mx.array([max(lp, e - n + i - window + 1) for lp, e in zip(left_pad, ends)
                            for i in range(n)], dtype=mx.int32).reshape(B, 1, n, 1)
-        cols = mx.arange(width, dtype=mx.int32)
         return (cols >= lo) & (cols <= hi.reshape(B, 1, n, 1))
     lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
     en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends

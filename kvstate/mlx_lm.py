@@ -31,7 +31,8 @@ from .masks import MaskMemo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
 from .records import CacheState, QuantizedState, RotatingState
-from .dense import next_mask_array as dense_next_mask_array
+from .dense import (Plans, next_mask_array as dense_next_mask_array,
+                    update_and_fetch as dense_update_and_fetch)
 from .rotating import next_mask_array as ring_next_mask_array, read as ring_read
 
 __all__ = [
@@ -44,25 +45,54 @@ __all__ = [
 
 
 class _Forward:
-    """What the shells of one forward share: the memo, its leases, the offsets."""
+    """What the shells of one forward share: the memo, its leases, the
+    offsets and the dense append plans (host work done once per layout)."""
 
-    __slots__ = ("memo", "leases", "_positions")
+    __slots__ = ("memo", "leases", "plans", "started", "_positions", "_last")
 
-    def __init__(self, memo: MaskMemo):
+    def __init__(self, memo: MaskMemo, start_early: bool = True):
         self.memo = memo
         self.leases = []
+        self.plans = Plans()
+        self.started = not start_early
         self._positions = {}
+        self._last = None
+
+    def start(self, keys, values):
+        """Start computing the first layer's new keys and values on the device.
+
+        They are the first thing a forward hands its caches, so they depend
+        on the tokens and weights alone, never on a cache write: computing
+        them now lets the device work while the host builds the rest of the
+        graph (``notes/bridge.md``). Nothing later is started early: every
+        later layer reads updated planes, and evaluating a write while the
+        caller still holds the old record would copy the whole plane.
+        """
+        self.started = True
+        if type(keys) is mx.array and type(values) is mx.array:
+            try:
+                mx.async_eval(keys, values)
+            except ValueError:  # traced (mx.compile, vmap, grad): nothing to start
+                pass
 
     def offset(self, state):
         """An int when the rows are aligned, else the per-row int32 ``[B]`` array.
 
-        Layers with one layout share one array (one per forward, not per layer).
+        Layers with one layout share one array (one per forward, not per
+        layer); records holding the very same bookkeeping tuples (every
+        layer after a shared append) are matched without hashing.
         """
-        key = (type(state), state.lengths, state.left_pad)
+        lengths, left_pad, kind = state.lengths, state.left_pad, type(state)
+        last = self._last
+        if (last is not None and last[0] is lengths and last[1] is left_pad
+                and last[2] is kind):
+            return last[3]
+        key = (kind, lengths, left_pad)
         off = self._positions.get(key)
         if off is None:
             pos = ops.positions(state)
-            off = self._positions[key] = int(state.lengths[0]) if pos is None else pos
+            off = self._positions[key] = int(lengths[0]) if pos is None else pos
+        self._last = (lengths, left_pad, kind, off)
         return off
 
     def release(self):
@@ -95,6 +125,8 @@ class _Shell:
         return off
 
     def update_and_fetch(self, keys, values):
+        if not self._fwd.started:
+            self._fwd.start(keys, values)
         self.record, self._offset = ops.append(self.record, keys, values), None
         return self.keys_and_values()
 
@@ -153,6 +185,21 @@ class _Shell:
         return max(cut, default=0)
 
 
+class _DenseShell(_Shell):
+    """A ``CacheState`` layer: its appends share the forward's ``dense.Plans``."""
+
+    __slots__ = ()
+
+    def update_and_fetch(self, keys, values):
+        fwd = self._fwd
+        if not fwd.started:
+            fwd.start(keys, values)
+        self.record, keys, values = dense_update_and_fetch(self.record, keys, values,
+                                                           fwd.plans)
+        self._offset = None
+        return keys, values
+
+
 class _QuantizedShell(_Shell):
     """Has ``bits``/``group_size``: mlx-lm's attention then takes its quantized path."""
 
@@ -187,7 +234,7 @@ class _RingShell(_Shell):
         return all(n < self.record.max_size for n in self.record.lengths)
 
 
-_SHELLS = {CacheState: _Shell, QuantizedState: _QuantizedShell, RotatingState: _RingShell}
+_SHELLS = {CacheState: _DenseShell, QuantizedState: _QuantizedShell, RotatingState: _RingShell}
 
 
 def _shell(record, fwd):
@@ -255,13 +302,19 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     return states
 
 
-def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None):
+def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None,
+            start_early: bool = True):
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
 
     Returns ``(logits [B, N, V], new_states)``; the input records are left
     unchanged. Masks are leased from ``memo`` (a fresh one when ``None``) and
     released before returning. Drop the old records before evaluating the
     result so the appends write in place.
+
+    ``start_early``: start computing the first layer's new keys and values
+    on the device (``mx.async_eval``) as soon as the model hands them over,
+    so the device works while the host builds the rest of the graph. The
+    results are the same either way.
     """
     if not isinstance(tokens, mx.array):
         raise bad("tokens", "an mx.array [B, N] of token ids", type(tokens).__name__)
@@ -276,7 +329,8 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
         raise bad("states", f"{layers} records (one per layer of the model)", len(states))
     # One pass checks each record and wraps it (messages are formatted only
     # on failure: this runs every decode step); a failure leaves nothing behind.
-    B, fwd, shells = shape[0], _Forward(MaskMemo() if memo is None else memo), []
+    B, shells = shape[0], []
+    fwd = _Forward(MaskMemo() if memo is None else memo, start_early)
     for i, s in enumerate(states):
         shell = _SHELLS.get(type(s))
         if shell is None:
@@ -342,9 +396,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo]
     return mx.concatenate(last, axis=0), merge_rows(rows)
 
 
-def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None) -> tuple:
+def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
+         start_early: bool = True) -> tuple:
     """One decode step: ``tokens`` ``[B]`` (one per row) -> ``(logits [B, V], states)``."""
     tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
     check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
-    logits, states = forward(model, tokens[:, None], states, memo=memo)
+    logits, states = forward(model, tokens[:, None], states, memo=memo, start_early=start_early)
     return logits[:, -1, :], states

@@ -39,7 +39,16 @@ import mlx.core as mx
 
 def _tuple_of_ints(value) -> tuple:
     """Host bookkeeping as a tuple of ints (numpy ints too); a float or any
-    other non-integer is refused rather than truncated."""
+    other non-integer is refused rather than truncated.
+
+    A tuple of ints is kept as it is, so records made from one plan share
+    one tuple (``dense.Plans`` and the bridge match layouts by identity)."""
+    if type(value) is tuple:
+        for x in value:
+            if type(x) is not int:
+                break
+        else:
+            return value
     try:
         return tuple(map(operator.index, value))
     except TypeError:

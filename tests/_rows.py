@@ -121,15 +121,25 @@ def append_peak(state, k, steps: int, keep_old: bool):
     state = kv.append(state, k, k)
     mx.eval(k, *state.planes)
     kept = []
+
+    def run():
+        nonlocal state
+        for _ in range(steps):
+            if keep_old:
+                kept.append(state)
+            state = kv.append(state, k, k)
+            mx.eval(*state.planes)
+
+    return peak_growth(run), state
+
+
+def peak_growth(run) -> int:
+    """How far memory rose above its start while ``run()`` ran."""
     gc.collect()
     mx.reset_peak_memory()
     start = mx.get_active_memory()
-    for _ in range(steps):
-        if keep_old:
-            kept.append(state)
-        state = kv.append(state, k, k)
-        mx.eval(*state.planes)
-    return mx.get_peak_memory() - start, state
+    run()
+    return mx.get_peak_memory() - start
 
 
 def np_rows_mask(n, left_pad, ends, width, window=None) -> np.ndarray:

@@ -184,6 +184,20 @@ def test_rows_mask_matches_formula(data):
     np.testing.assert_array_equal(np_of(got), np_rows_mask(n, left_pad, ends, width, window))
 
 
+@given(st.data())
+def test_rows_mask_decode_of_rows_ending_together(data):
+    # The decode step of merged (left-padded) rows: one query, every row
+    # ending at the same column. The builder takes a shorter path there
+    # (padding alone is hidden); past the shared end it must not.
+    B = data.draw(st.integers(1, 4))
+    end = data.draw(st.integers(1, 9))
+    left_pad = data.draw(st.lists(st.integers(0, end - 1), min_size=B, max_size=B))
+    ends = [end] * B
+    for width in (end, end + data.draw(st.integers(1, 3))):
+        got = rows_mask(1, left_pad, ends, width)
+        np.testing.assert_array_equal(np_of(got), np_rows_mask(1, left_pad, ends, width))
+
+
 @given(st.integers(1, 9), st.data())
 def test_encoder_window_mask_matches_numpy(L, data):
     bidi = np.array(data.draw(st.lists(st.booleans(), min_size=L, max_size=L)))

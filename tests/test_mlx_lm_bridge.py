@@ -11,6 +11,7 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 
 import tiny_models as tm
+from _rows import peak_growth
 
 ATOL = 1e-4
 
@@ -126,6 +127,87 @@ def test_one_mask_build_per_forward(llama):
     _, aligned = br.forward(llama, mx.ones((2, 4), mx.int32), br.make_states(llama, 2), memo=memo)
     br.forward(llama, mx.ones((2, 1), mx.int32), aligned, memo=memo)
     assert memo.builds == 0 and memo.live == 0
+
+
+def test_layers_of_one_layout_share_one_append_plan(llama, monkeypatch):
+    from kvstate import dense
+
+    made = []
+    init = dense.AppendPlan.__init__
+    monkeypatch.setattr(dense.AppendPlan, "__init__",
+                        lambda self, *a: (made.append(a), init(self, *a))[1])
+    _, logits, states = ragged(llama)
+    tok = mx.argmax(logits, axis=-1)
+    for _ in range(3):  # merged rows hold equal (not identical) tuples at first
+        made.clear()
+        logits, states = br.step(llama, tok, states)
+        assert len(made) == 1
+    assert all(s.lengths is states[0].lengths for s in states)  # then one object
+    # A layer of another capacity gets its own plan; the step is unchanged.
+    s1 = states[1]
+    pad = mx.zeros((s1.batch_size, s1.keys.shape[1], 256, s1.keys.shape[3]))
+    wider = list(states)
+    wider[1] = kv.CacheState(s1.lengths, s1.left_pad, s1.step,
+                             keys=mx.concatenate([s1.keys, pad], axis=2),
+                             values=mx.concatenate([s1.values, pad], axis=2))
+    made.clear()
+    got, got_states = br.step(llama, tok, wider)
+    assert len(made) == 2
+    want, want_states = br.step(llama, tok, states)
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+    for a, b in zip(got_states, want_states):
+        np.testing.assert_array_equal(np.array(kv.fetch(a)[0]), np.array(kv.fetch(b)[0]))
+
+
+def test_forward_starts_the_first_layer_early_and_only_it(llama, monkeypatch):
+    started = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (started.append(a), real(*a))[1])
+    _, logits, states = ragged(llama)
+    started.clear()
+    logits, states = br.step(llama, mx.argmax(logits, axis=-1), states)
+    assert len(started) == 1  # one forward, one early start
+    k, v = started[0]
+    assert k.shape == v.shape == (3, 2, 1, 32)  # the first layer's new keys and values
+    tok = mx.argmax(logits, axis=-1)
+    late, late_states = br.step(llama, tok, states, start_early=False)
+    assert len(started) == 1  # switched off: nothing started
+    early, early_states = br.step(llama, tok, states)
+    np.testing.assert_array_equal(np.array(late), np.array(early))
+
+
+def test_steps_write_in_place_when_the_caller_drops_the_old_states(llama):
+    # The early start must not evaluate any write while the caller still
+    # holds the old records (that would copy every plane).
+    _, logits, states = ragged(llama, lengths=(900, 700, 1000))
+    tok = mx.argmax(logits, axis=-1)
+    logits, states = br.step(llama, tok, states)
+    mx.eval(logits, [s.planes for s in states])
+    plane_bytes = sum(s.nbytes for s in states)
+
+    def peak(steps, keep_old):
+        kept = []
+
+        def run():
+            nonlocal states, logits
+            for _ in range(steps):
+                if keep_old:
+                    kept.append(states)
+                logits, states = br.step(llama, tok, states)
+                mx.eval(logits, [s.planes for s in states])
+
+        return peak_growth(run)
+
+    assert peak(4, keep_old=False) < plane_bytes / 4
+    assert peak(2, keep_old=True) > plane_bytes  # the control: held records force copies
+
+
+def test_forward_traced_by_mx_compile_equals_eager(llama):
+    _, logits, states = ragged(llama)
+    tok = mx.argmax(logits, axis=-1)[:, None]
+    eager, _ = br.forward(llama, tok, states)
+    traced = mx.compile(lambda t: br.forward(llama, t, states)[0])(tok)
+    np.testing.assert_array_equal(np.array(traced), np.array(eager))
 
 
 def test_a_failing_model_releases_its_leases(llama):
