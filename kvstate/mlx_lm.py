@@ -50,7 +50,7 @@ class _Forward:
 
     __slots__ = ("memo", "leases", "plans", "started", "_positions", "_last")
 
-    def __init__(self, memo: MaskMemo, start_early: bool = True):
+    def __init__(self, memo: MaskMemo, start_early: bool = False):
         self.memo = memo
         self.leases = []
         self.plans = Plans()
@@ -243,6 +243,8 @@ def _shell(record, fwd):
 
 # --- states and forward -----------------------------------------------------------
 
+_CPU = mx.DeviceType.cpu
+
 _LAYERS: dict = {}  # id(model) -> records it reads; an entry leaves with its model
 
 
@@ -303,7 +305,7 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
 
 
 def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None,
-            start_early: bool = True):
+            start_early: Optional[bool] = None):
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
 
     Returns ``(logits [B, N, V], new_states)``; the input records are left
@@ -314,7 +316,9 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     ``start_early``: start computing the first layer's new keys and values
     on the device (``mx.async_eval``) as soon as the model hands them over,
     so the device works while the host builds the rest of the graph. The
-    results are the same either way.
+    results are the same either way. ``None`` (the default): only when the
+    default device is the CPU, where it measured faster; on the H200 it
+    measured slower (``notes/bridge.md``).
     """
     if not isinstance(tokens, mx.array):
         raise bad("tokens", "an mx.array [B, N] of token ids", type(tokens).__name__)
@@ -330,6 +334,8 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     # One pass checks each record and wraps it (messages are formatted only
     # on failure: this runs every decode step); a failure leaves nothing behind.
     B, shells = shape[0], []
+    if start_early is None:
+        start_early = mx.default_device().type == _CPU
     fwd = _Forward(MaskMemo() if memo is None else memo, start_early)
     for i, s in enumerate(states):
         shell = _SHELLS.get(type(s))
@@ -397,7 +403,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo]
 
 
 def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
-         start_early: bool = True) -> tuple:
+         start_early: Optional[bool] = None) -> tuple:
     """One decode step: ``tokens`` ``[B]`` (one per row) -> ``(logits [B, V], states)``."""
     tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
     check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
