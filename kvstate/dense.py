@@ -308,7 +308,7 @@ def columns(planes, width: int) -> tuple:
 
 
 @ops.fetch.register
-def fetch_dense(state: CacheState):
+def _(state: CacheState):
     keys = state.keys
     if keys is None:
         raise bad("state", "a state holding keys (append first)", "an empty state")
