@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import kvstate as kv  # noqa: E402
 from kvstate import compiled as kc  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
+from kvstate.dense import round_up  # noqa: E402
 from kvstate.masks import rows_mask  # noqa: E402
 
 MODELS = {
@@ -234,7 +235,7 @@ def attention_micro(model, dtype, B, ctx, reps=50):
     """Per-layer attention read at B rows x ctx (ragged): microseconds per call."""
     a = model.args
     Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    C = kc._round_up(ctx + 1, 256)
+    C = round_up(ctx + 1, 256)
     q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
     k = mx.random.normal((B, H, C, D)).astype(dtype)
     v = mx.random.normal((B, H, C, D)).astype(dtype)
@@ -293,7 +294,7 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     a = model.args
     lengths = row_lengths(B, ctx, layout)
     room = args.warmup + args.steps * args.rounds + 1
-    cap = kc._round_up(ctx + room, 256)
+    cap = round_up(ctx + room, 256)
     no_write = lambda plane, new, cols, index=None: plane  # noqa: E731
 
     def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
@@ -451,7 +452,7 @@ def main(argv=None):
                 if layout == "ragged" and B == 1:
                     continue
                 lengths = row_lengths(B, ctx, layout)
-                cap = kc._round_up(ctx + room, 256)
+                cap = round_up(ctx + room, 256)
                 kv_valid = (sum(lengths) + B * (args.warmup + args.steps * args.rounds / 2)) \
                     * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2 * dtype.size
                 runs = {}
