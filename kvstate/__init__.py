@@ -35,6 +35,7 @@ from .dense import empty as empty, from_arrays as from_arrays
 from .quantized import quantized as quantized
 from .rotating import rotating as rotating
 from .persist import load as load, save as save
+from .shared import SharedState as SharedState, fork as fork, materialize as materialize
 from .compiled import (
     compiled_decoder as compiled_decoder,
     flatten as flatten,

@@ -1,0 +1,571 @@
+"""Shared prefixes: ``SharedState`` rows that read an immutable prefix, then their own suffix.
+
+``kv.fork(state, row, n)`` gives ``state``'s rows followed by ``n`` rows that
+start as copies of ``row``, copying no key or value: every row reads a
+window of a *prefix* record (a dense record that is never written again, so
+sharing it is safe) and then its own *suffix* rows, where its appends go::
+
+    prefixes[0] (a CacheState, never written):   row 0:  p p p p p p p p
+                                                  row 1:  q q q q q
+    row 0 of the SharedState:  source 0, prefix_row 0, shared 8  | suffix row 0:  a a
+    row 1:                     source 0, prefix_row 0, shared 8  | suffix row 1:  b
+    row 2:                     source 0, prefix_row 0, shared 5  | suffix row 2:  c c c
+    row 3:                     source 0, prefix_row 1, shared 5  | suffix row 3:  (none)
+
+Row ``b`` holds ``shared[b]`` tokens of prefix row ``prefix_row[b]`` of
+``prefixes[source[b]]`` (its first ``shared[b]`` tokens) followed by the
+tokens its suffix row holds. Appends write the suffix; ``trim`` and
+``rollback`` shorten the suffix first and then the row's view of the
+prefix (row 2 above was trimmed into its prefix); ``filter_rows``,
+``extract_row`` and ``merge_rows`` move suffix rows and the row map, and
+keep referring to the very same prefix records.
+
+Attention is a *cascade* (``attend``): the rows that read one prefix row
+have their queries folded into one matmul against that prefix's keys, so a
+prefix is read once per step whatever the number of rows sharing it; each
+row's suffix is read as usual; the two partial softmaxes are merged by
+their log-sum-exp. ``materialize`` builds the same rows as a plain dense
+record (a per-row copy of the prefix): the reference semantics, and what
+the mlx-lm bridge hands a model that wants key and value columns. The
+design, the alternatives and the measurements are in ``notes/prefix.md``.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import singledispatch
+from typing import Optional
+
+import attrs
+import mlx.core as mx
+
+from . import dense, ops
+from .errors import as_int, bad, check, per_row, row_index, row_list
+from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints
+
+__all__ = ["SharedState", "fork", "materialize", "cascade_attention", "prefix_groups"]
+
+
+@attrs.frozen
+class SharedState:
+    """Rows that read a window of a shared prefix record, then their own suffix.
+
+    Attributes:
+        prefixes: the shared records (``CacheState`` or ``QuantizedState``, all
+            of one kind), never written by any function here.
+        source: per row, the index in ``prefixes`` of the record it reads.
+        prefix_row: per row, the row of that record it reads.
+        shared: per row, how many of that prefix row's tokens it reads (its
+            first ones; at most what the prefix row holds).
+        suffix: the rows' own tokens (a dense record of the prefixes' kind,
+            ``B`` rows); appends write here.
+    """
+
+    prefixes: tuple = attrs.field(converter=tuple)
+    source: tuple = attrs.field(converter=_tuple_of_ints)
+    prefix_row: tuple = attrs.field(converter=_tuple_of_ints)
+    shared: tuple = attrs.field(converter=_tuple_of_ints)
+    suffix: _Rows = attrs.field()
+
+    @property
+    def batch_size(self) -> int:
+        return self.suffix.batch_size
+
+    @property
+    def lengths(self) -> tuple:
+        """Per row, the tokens it holds (prefix view plus suffix)."""
+        return tuple(map(operator.add, self.shared, self.suffix.lengths))
+
+    @property
+    def left_pad(self) -> tuple:
+        """The suffix's padding (what a ``Checkpoint`` compares)."""
+        return self.suffix.left_pad
+
+    @property
+    def step(self) -> int:
+        return self.suffix.step
+
+    @property
+    def aligned(self) -> bool:
+        lengths = self.lengths
+        return lengths.count(lengths[0]) == len(lengths)
+
+    @property
+    def width(self) -> int:
+        """Columns ``fetch`` returns (the materialized layout)."""
+        return max(self.shared, default=0) + self.suffix.width
+
+    @property
+    def planes(self) -> tuple:
+        """The suffix's planes (the arrays appends write)."""
+        return self.suffix.planes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this record holds, each shared prefix counted once."""
+        seen, total = set(), self.suffix.nbytes
+        for p in self.prefixes:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.nbytes
+        return total
+
+
+def _check_shared(state: SharedState) -> SharedState:
+    """Host invariants of a new ``SharedState`` (every constructor here calls it)."""
+    B = state.batch_size
+    for name in ("source", "prefix_row", "shared"):
+        n = len(getattr(state, name))
+        check(n == B, f"{name}", f"{B} entries (one per suffix row)", n)
+    kind = type(state.suffix)
+    check(kind in (CacheState, QuantizedState), "suffix", "a CacheState or QuantizedState",
+          kind.__name__)
+    for i, p in enumerate(state.prefixes):
+        check(type(p) is kind, f"prefixes[{i}]", f"a {kind.__name__} like the suffix",
+              type(p).__name__)
+    for b, (s, r, n) in enumerate(zip(state.source, state.prefix_row, state.shared)):
+        check(0 <= s < len(state.prefixes), f"source[{b}]",
+              f"an index in [0, {len(state.prefixes)})", s)
+        p = state.prefixes[s]
+        check(0 <= r < p.batch_size, f"prefix_row[{b}]", f"a row of prefixes[{s}]", r)
+        check(0 <= n <= p.lengths[r], f"shared[{b}]",
+              f"in [0, {p.lengths[r]}] (tokens prefix row {r} holds)", n)
+    return state
+
+
+# --- fork -------------------------------------------------------------------------------
+
+
+SUFFIX_STEP = 64
+"""Default growth step of the suffix rows ``fork`` makes (a copy costs at most one
+such block per row, whatever the prefix's own ``step``)."""
+
+
+@singledispatch
+def fork(state, row: int, n: int, *, step: Optional[int] = None):
+    """``state``'s rows followed by ``n`` new rows that start as copies of ``row``.
+
+    No key or value is copied for a dense record: the result is a
+    ``SharedState`` whose rows all read ``state`` itself as their prefix
+    (``state`` is immutable, so nothing can change what they read). For a
+    ``SharedState``, the new rows share the row's prefix and copy only its
+    own suffix (the tokens it wrote since it was forked). ``n`` may be 0 (a
+    dense record turned into a ``SharedState``, e.g. to merge it with
+    forked rows). A list or tuple of records (one per layer) gives the same
+    container. The input is left unchanged.
+
+    Args:
+        state: a ``CacheState``, ``QuantizedState`` or ``SharedState``, or a
+            list of them.
+        row: the row to copy, in ``[0, B)``.
+        n: how many copies, ``>= 0``.
+        step: growth step of the new suffix rows (forking a dense record;
+            default ``min(state.step, SUFFIX_STEP)``): each row's own tokens
+            cost at most one partly filled block of this many columns.
+    """
+    if isinstance(state, (list, tuple)):
+        return type(state)(fork(s, row, n, step=step) for s in state)
+    raise bad("state", "a CacheState, QuantizedState or SharedState (or a list of them)",
+              type(state).__name__)
+
+
+def _fork_args(state, row, n):
+    row = row_index(row, state.batch_size)
+    n = as_int(n, "n")
+    check(n >= 0, "n", ">= 0", n)
+    return row, n
+
+
+def _empty_like(state: _Rows, batch_size: int, step: Optional[int] = None) -> _Rows:
+    """``batch_size`` empty rows of ``state``'s kind and quantization."""
+    empty = dense.with_planes(state, (), lengths=(0,) * batch_size,
+                              left_pad=(0,) * batch_size)
+    return empty if step is None or step == state.step else attrs.evolve(empty, step=step)
+
+
+@fork.register
+def _(state: _Rows, row, n, *, step=None):
+    row, n = _fork_args(state, row, n)
+    check(type(state) in (CacheState, QuantizedState), "state",
+          "a CacheState or QuantizedState", type(state).__name__)
+    if step is None:
+        step = min(state.step, SUFFIX_STEP)
+    step = as_int(step, "step")
+    check(step >= 1, "step", ">= 1", step)
+    B = state.batch_size
+    rows = tuple(range(B)) + (row,) * n
+    return SharedState((state,), (0,) * (B + n), rows,
+                       tuple(state.lengths[r] for r in rows), _empty_like(state, B + n, step))
+
+
+@fork.register
+def _(state: SharedState, row, n, *, step=None):
+    row, n = _fork_args(state, row, n)
+    if n == 0:
+        return state
+    suffix = state.suffix
+    if suffix.lengths[row]:
+        copy = ops.extract_row(suffix, row)
+        suffix = ops.merge_rows([suffix] + [copy] * n)
+    else:
+        B = suffix.batch_size
+        suffix = ops.merge_rows([suffix, _empty_like(suffix, n)]) if suffix.planes else \
+            _empty_like(suffix, B + n)
+    return SharedState(state.prefixes, state.source + (state.source[row],) * n,
+                       state.prefix_row + (state.prefix_row[row],) * n,
+                       state.shared + (state.shared[row],) * n, suffix)
+
+
+# --- append / positions / lengths -----------------------------------------------------------
+
+
+@ops.append.register
+def _(state: SharedState, k, v):
+    return attrs.evolve(state, suffix=ops.append(state.suffix, k, v))
+
+
+@ops.positions.register
+def _(state: SharedState):
+    return None if state.aligned else mx.array(state.lengths, dtype=mx.int32)
+
+
+@dense.geometry.register
+def _(state: SharedState):
+    geo = dense.geometry(state.suffix)
+    return geo if geo is not None else dense.geometry(state.prefixes[0])
+
+
+def _cut(state: SharedState, target: tuple) -> SharedState:
+    """Rows shortened to ``target`` tokens: the suffix first, then the prefix view."""
+    suffix_len = state.suffix.lengths
+    new_shared = tuple(min(s, t) for s, t in zip(state.shared, target))
+    cut = tuple(m - max(0, t - s) for m, s, t in zip(suffix_len, state.shared, target))
+    return attrs.evolve(state, shared=new_shared, suffix=ops.trim(state.suffix, cut))
+
+
+@ops.trim.register
+def _(state: SharedState, n):
+    n = per_row(n, state.batch_size, "n")
+    have = state.lengths
+    for b, (m, h) in enumerate(zip(n, have)):
+        check(m <= h, f"n for row {b}", f"<= {h} (tokens the row holds)", m)
+    return _cut(state, tuple(h - m for h, m in zip(have, n)))
+
+
+@ops.checkpoint.register
+def _(state: SharedState):
+    return Checkpoint(state.lengths, state.left_pad)
+
+
+@ops.rollback.register
+def _(state: SharedState, checkpoint, keep=0):
+    target = dense.checkpoint_target(state, checkpoint, keep)
+    for b, (t, have) in enumerate(zip(target, state.lengths)):
+        check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
+    return _cut(state, target)
+
+
+# --- rows: filter, extract, merge ---------------------------------------------------------
+
+
+def _reindex(prefixes, source, prefix_row, shared, suffix) -> SharedState:
+    """A ``SharedState`` keeping only the prefixes some row reads (by identity, in order)."""
+    keep, index = [], {}
+    for s in source:
+        p = prefixes[s]
+        if id(p) not in index:
+            index[id(p)] = len(keep)
+            keep.append(p)
+    return SharedState(tuple(keep), tuple(index[id(prefixes[s])] for s in source), prefix_row,
+                       shared, suffix)
+
+
+@ops.filter_rows.register
+def _(state: SharedState, rows):
+    rows = row_list(rows, state.batch_size)
+    return _reindex(state.prefixes, [state.source[r] for r in rows],
+                    tuple(state.prefix_row[r] for r in rows),
+                    tuple(state.shared[r] for r in rows), ops.filter_rows(state.suffix, rows))
+
+
+@ops.extract_row.register
+def _(state: SharedState, row):
+    """A one-row ``SharedState``: a compact copy of the row's suffix, still
+    sharing its prefix record (which it pins, being shared by definition)."""
+    row = row_index(row, state.batch_size)
+    return _reindex(state.prefixes, [state.source[row]], (state.prefix_row[row],),
+                    (state.shared[row],), ops.extract_row(state.suffix, row))
+
+
+@ops._merge.register
+def _(first: SharedState, states):
+    kinds = {type(s.suffix) for s in states}
+    check(len(kinds) == 1, "states suffix kinds", "one record kind",
+          sorted(k.__name__ for k in kinds))
+    geos = [dense.geometry(s) for s in states]
+    ref = next((g for g in geos if g is not None), None)
+    for i, g in enumerate(geos):
+        check(g is None or g == ref, f"states[{i}] geometry (H, Dk, Dv, dtype)", ref, g)
+    prefixes, source, offset = [], [], 0
+    for s in states:
+        prefixes += s.prefixes
+        source += [x + offset for x in s.source]
+        offset += len(s.prefixes)
+    suffixes = [s.suffix for s in states]
+    if any(x.planes for x in suffixes):
+        suffix = ops.merge_rows(suffixes)
+    else:  # (every suffix empty: nothing to pad or copy)
+        suffix = _empty_like(suffixes[0], sum(x.batch_size for x in suffixes))
+    return _reindex(prefixes, source, tuple(x for s in states for x in s.prefix_row),
+                    tuple(x for s in states for x in s.shared), suffix)
+
+
+# --- materialized reads: fetch, masks -----------------------------------------------------------
+
+
+def _layout(state: SharedState):
+    """``(P, left_pad, ends)`` of the materialized rows (see ``materialize``)."""
+    P = max(state.shared, default=0)
+    left_pad = tuple(P + lp - s for lp, s in zip(state.suffix.left_pad, state.shared))
+    ends = tuple(P + e for e in state.suffix.ends)
+    return P, left_pad, ends
+
+
+def _gather_prefix(state: SharedState, plane_index: int, starts, width: int):
+    """Per row, ``width`` columns of its prefix row beginning ``starts[b]`` columns
+    before the row's first prefix token (clipped; columns outside the row's
+    prefix view hold whatever the clip reads, never exposed)."""
+    parts, order = [], []
+    for s, p in enumerate(state.prefixes):
+        rows = [b for b in range(state.batch_size) if state.source[b] == s]
+        if not rows:
+            continue
+        plane = p.planes[plane_index]
+        C = plane.shape[2]
+        first = [p.left_pad[state.prefix_row[b]] - starts[b] for b in rows]
+        cols = mx.clip(mx.array(first, dtype=mx.int32)[:, None]
+                       + mx.arange(width, dtype=mx.int32)[None], 0, C - 1)
+        taken = plane[mx.array([state.prefix_row[b] for b in rows], dtype=mx.int32)]
+        index = mx.broadcast_to(cols[:, None, :, None], (len(rows), plane.shape[1], width,
+                                                         plane.shape[3]))
+        parts.append(mx.take_along_axis(taken, index, axis=2))
+        order += rows
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if order != list(range(state.batch_size)):
+        inverse = [0] * len(order)
+        for i, b in enumerate(order):
+            inverse[b] = i
+        out = out[mx.array(inverse, dtype=mx.int32)]
+    return out
+
+
+def materialize(state: SharedState):
+    """The same rows as a plain dense record (a per-row copy of each prefix view).
+
+    Row ``b``'s suffix keeps its columns, shifted right by ``P = max(shared)``;
+    its prefix view is placed just before its first suffix column, so the
+    row is one contiguous run ``[P + suffix.left_pad[b] - shared[b],
+    P + suffix.ends[b])``. This is the reference every ``SharedState`` read
+    is tested against, and the columns the mlx-lm bridge hands a model.
+    """
+    P, left_pad, ends = _layout(state)
+    suffix = state.suffix
+    lengths = state.lengths
+    if not suffix.planes:
+        if P == 0:
+            return dense.with_planes(suffix, ())
+        W = P
+        shifted = None
+    else:
+        W = P + suffix.width
+        shifted = dense.columns(suffix.planes, suffix.width)
+    starts = left_pad  # the first prefix token of row b goes to column left_pad[b]
+    planes = []
+    nplanes = len(state.prefixes[0].planes) if P else len(suffix.planes)
+    hide = None
+    if shifted is not None and P:
+        split = mx.array([P + lp for lp in suffix.left_pad], dtype=mx.int32)
+        hide = (mx.arange(W, dtype=mx.int32)[None] < split[:, None])[:, None, :, None]
+    for i in range(nplanes):
+        if P:
+            pre = _gather_prefix(state, i, starts, W)
+        if shifted is None:
+            planes.append(pre)
+        elif not P:
+            planes.append(shifted[i])
+        else:
+            s = shifted[i]
+            pad = mx.zeros((s.shape[0], s.shape[1], P, s.shape[3]), s.dtype)
+            planes.append(mx.where(hide, pre, mx.concatenate([pad, s], axis=2)))
+    return dense.with_planes(suffix, tuple(planes), lengths=lengths, left_pad=left_pad)
+
+
+@ops.fetch.register
+def _(state: SharedState):
+    check(dense.geometry(state) is not None, "state", "a state holding keys (append first)",
+          "an empty state")
+    return ops.fetch(materialize(state))
+
+
+def _materialized_rows(state: SharedState):
+    """A keyless dense record with the materialized layout (for masks: host ints only)."""
+    _, left_pad, ends = _layout(state)
+    return CacheState(tuple(e - p for e, p in zip(ends, left_pad)), left_pad, state.step)
+
+
+@ops.next_mask.register
+def _(state: SharedState, n, *, memo=None, window=None):
+    return ops.next_mask(_materialized_rows(state), n, memo=memo, window=window)
+
+
+def next_mask_array(state: SharedState, n: int, *, memo=None, window=None):
+    """``next_mask`` as a bool array (mlx-lm's ``return_array=True``)."""
+    return dense.next_mask_array(_materialized_rows(state), n, memo=memo, window=window)
+
+
+# --- the cascade read ---------------------------------------------------------------------------
+
+
+def prefix_groups(state: SharedState) -> tuple:
+    """The rows reading each prefix row: ``((source, prefix_row, rows), ...)`` in
+    first-use order, rows that read no prefix token left out. Host data: the
+    static part of a cascade read (it changes on fork, filter and merge, never
+    on a decode step)."""
+    groups = {}
+    for b, (s, r, n) in enumerate(zip(state.source, state.prefix_row, state.shared)):
+        if n:
+            groups.setdefault((s, r), []).append(b)
+    return tuple((s, r, tuple(rows)) for (s, r), rows in groups.items())
+
+
+def _partial(q, k, v, mask, scale):
+    """Unnormalised attention of ``q`` ``[B, H, R, D]`` (``R``: query rows, the
+    query heads sharing a KV head folded in) over ``k``/``v`` ``[B, H, S, D]``.
+
+    Returns ``(o [B, H, R, Dv], m [B, H, R, 1], l [B, H, R, 1])`` in float32:
+    ``o = sum_j exp(s_j - m) v_j``, ``l = sum_j exp(s_j - m)`` over the
+    visible ``j``, ``m`` their maximum score (``-inf`` where none is visible,
+    then ``o = l = 0``). MLX's fused SDPA does not return the log-sum-exp,
+    so the partial statistics are computed here.
+    """
+    s = (q.astype(mx.float32) * scale) @ k.astype(mx.float32).swapaxes(-1, -2)
+    if mask is not None:
+        s = mx.where(mask, s, -mx.inf)
+    m = mx.max(s, axis=-1, keepdims=True)
+    safe = mx.where(m == -mx.inf, 0.0, m)
+    p = mx.exp(s - safe)
+    return p @ v.astype(mx.float32), m, mx.sum(p, axis=-1, keepdims=True)
+
+
+def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, scale):
+    """Attention of ``q`` ``[B, Hq, N, D]`` over each row's prefix view then its suffix.
+
+    Args:
+        q: the queries; row ``b``'s ``N`` queries stand after its prefix view.
+        prefix_kv: per group, ``(keys, values)`` ``[1, H, S_g, D]``: the prefix
+            row's first ``S_g`` tokens (``S_g``: the longest view in the group).
+        groups: per group, the rows reading it (host ints, static).
+        shared: per row, the prefix tokens it reads (host ints, static).
+        suffix_kv: ``(keys, values)`` ``[B, H, W, D]`` of the suffix rows.
+        suffix_mask: bool ``[B, 1, N, W]`` (or broadcastable), True where a
+            query may read a suffix column.
+        scale: the softmax scale.
+
+    Each group's queries are folded into one matmul against its keys, so a
+    prefix shared by many rows is read once. Traceable (``mx.compile``):
+    everything host-side is static.
+    """
+    B, Hq, N, D = q.shape
+    H = suffix_kv[0].shape[1]
+    rep = Hq // H
+    qf = q.reshape(B, H, rep * N, D)
+    o, m, l = _partial(qf, *suffix_kv, None if suffix_mask is None else
+                       _fold_mask(suffix_mask, rep), scale)
+    if groups:
+        parts, order = [], []
+        for (k, v), rows in zip(prefix_kv, groups):
+            R = len(rows)
+            idx = mx.array(rows, dtype=mx.int32) if R < B or rows != tuple(range(B)) else None
+            qg = qf if idx is None else qf[idx]
+            qg = qg.transpose(1, 0, 2, 3).reshape(1, H, R * rep * N, D)
+            S = k.shape[2]
+            views = [shared[b] for b in rows]
+            mask = None
+            if min(views) < S:  # rows of the group reading fewer prefix tokens
+                lim = mx.array(views, dtype=mx.int32).reshape(R, 1, 1)
+                mask = (mx.arange(S, dtype=mx.int32) < lim)
+                mask = mx.broadcast_to(mask, (R, rep * N, S)).reshape(1, 1, R * rep * N, S)
+            po, pm, pl = _partial(qg, k, v, mask, scale)
+            parts.append(tuple(x.reshape(H, R, rep * N, -1).transpose(1, 0, 2, 3)
+                               for x in (po, pm, pl)))
+            order += rows
+        po, pm, pl = (mx.concatenate([p[i] for p in parts], axis=0) if len(parts) > 1
+                      else parts[0][i] for i in range(3))
+        if len(order) < B:  # rows reading no prefix: nothing to merge
+            fill = [0.0, -mx.inf, 0.0]
+            missing = B - len(order)
+            po, pm, pl = (mx.concatenate([x, mx.full((missing, *x.shape[1:]), f, x.dtype)])
+                          for x, f in zip((po, pm, pl), fill))
+            order += [b for b in range(B) if b not in set(order)]
+        if order != list(range(B)):
+            inverse = [0] * B
+            for i, b in enumerate(order):
+                inverse[b] = i
+            inv = mx.array(inverse, dtype=mx.int32)
+            po, pm, pl = po[inv], pm[inv], pl[inv]
+        top = mx.maximum(m, pm)
+        top = mx.where(top == -mx.inf, 0.0, top)
+        a, c = mx.exp(m - top), mx.exp(pm - top)
+        o, l = o * a + po * c, l * a + pl * c
+    out = o / l
+    return out.reshape(B, Hq, N, -1).astype(q.dtype)
+
+
+def _fold_mask(mask, rep):
+    """A ``[B|1, 1, N, W]`` mask for queries folded as ``[B, H, rep*N, D]``."""
+    if mask.shape[1] != 1:
+        raise bad("suffix_mask heads", 1, mask.shape[1])
+    Bm, _, N, W = mask.shape
+    return mx.broadcast_to(mask[:, :, None], (Bm, 1, rep, N, W)).reshape(Bm, 1, rep * N, W)
+
+
+def group_kv(state: SharedState, groups) -> list:
+    """Per group, the prefix row's ``(keys, values)`` over its longest view ``[1, H, S, D]``."""
+    out = []
+    for s, r, rows in groups:
+        p = state.prefixes[s]
+        start = p.left_pad[r]
+        S = max(state.shared[b] for b in rows)
+        out.append((p.keys[r:r + 1, :, start:start + S], p.values[r:r + 1, :, start:start + S]))
+    return out
+
+
+@ops.attend.register
+def _(state: SharedState, q, *, scale: float, memo=None, window=None):
+    check(type(state.suffix) is CacheState, "state", "a SharedState of CacheState rows "
+          "(quantized shared rows are read through kv.fetch / materialize)",
+          f"{type(state.suffix).__name__} rows")
+    check(window is None, "window", "None (shared prefixes have no windowed read yet)", window)
+    n = dense.validate_queries(state, q, scale=scale, window=None)
+    short = min(state.suffix.lengths)
+    check(n <= short, "q tokens (shape[2])",
+          f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",
+          n)
+    groups = prefix_groups(state)
+    suffix_kv = ops.fetch(state.suffix)
+    mask, held = dense.read_mask(state.suffix, n, memo, None)
+    try:
+        if isinstance(mask, str):
+            W = suffix_kv[0].shape[2]
+            mask = (mx.arange(W - n, W)[:, None] >= mx.arange(W)[None])[None, None]
+        return cascade_attention(q, group_kv(state, groups), [g[2] for g in groups],
+                                 state.shared, suffix_kv, mask, scale=scale)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def dense_attend_reference(state: SharedState, q, *, scale: float):
+    """``kv.attend`` on ``materialize(state)``: the materialising read (one per-row
+    copy of the prefix per call), kept for tests and the benchmark."""
+    return ops.attend(materialize(state), q, scale=scale)
