@@ -1,0 +1,264 @@
+"""A prefix cache: token prefixes -> shared state, with a byte budget, LRU and pins.
+
+``PrefixCache`` keeps, per cached token sequence, one record per layer (one
+row each). ``lookup(tokens)`` finds the entry sharing the longest common
+prefix with ``tokens`` (at most ``len(tokens) - 1`` tokens, so at least one
+is left to prefill and give the next token's logits) and leases it: the
+lease's ``states`` are ``SharedState`` rows reading the entry's records
+with no copy, cut to the matched length (a cut of a shared row only
+shortens its view). A request then prefills only ``tokens[matched:]``::
+
+    cache = PrefixCache(max_bytes=1 << 30, identity=model_identity(path))
+    with cache.lookup(prompt) as hit:          # None on a miss
+        states = hit.states                    # rows reading the cached prefix
+        logits, states = forward(model, mx.array([prompt[hit.matched:]]), states)
+    cache.insert(prompt, states)               # the whole prompt, for the next request
+
+Bytes are counted once per record, however many entries or rows share it
+(an entry made from a leased row shares the leased entry's records). When
+an insert takes the total over ``max_bytes``, least recently used entries
+that no lease pins are dropped until it fits; a pinned entry is never
+dropped, so the budget counts what running rows still read (dropping it
+would free nothing: the rows hold the arrays). ``save``/``load`` write the
+entries to one ``.safetensors`` file (``kv.save``), refused on load for
+another model identity. Decisions: ``notes/prefix.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from . import ops, persist
+from .errors import as_int, bad, check
+from .records import CacheState, QuantizedState
+from .shared import SharedState, fork, materialize
+
+__all__ = ["PrefixCache", "PrefixLease", "model_identity", "common_prefix"]
+
+ENTRIES_KEY = "prefix_cache.entries"
+
+
+def model_identity(path) -> str:
+    """A model's identity for ``PrefixCache``: ``kv.persist.model_digest`` of a
+    directory of ``*.safetensors`` weights, or the SHA-256 of one weight file
+    (a GGUF), memoized like the digest."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise bad("path", "a model directory or weight file", type(path).__name__)
+    if os.path.isdir(path):
+        return persist.model_digest(path)
+    check(os.path.isfile(path), "path", "an existing model directory or weight file",
+          os.fspath(path))
+    return persist.file_digest(os.fspath(path))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class _Entry:
+    __slots__ = ("tokens", "states", "pins")
+
+    def __init__(self, tokens: tuple, states: list):
+        self.tokens, self.states, self.pins = tokens, states, 0
+
+
+class PrefixLease:
+    """A pin on one cache entry, with rows reading its first ``matched`` tokens.
+
+    Attributes:
+        tokens: the entry's tokens.
+        matched: how many leading tokens of the looked-up sequence it holds.
+        states: one ``SharedState`` row per layer reading those tokens (no copy).
+    """
+
+    __slots__ = ("tokens", "matched", "states", "_entry", "_cache", "released")
+
+    def __init__(self, cache, entry: _Entry, matched: int):
+        self._cache, self._entry = cache, entry
+        self.tokens, self.matched = entry.tokens, matched
+        cut = len(entry.tokens) - matched
+        self.states = [ops.trim(fork(s, 0, 0) if not isinstance(s, SharedState) else s, cut)
+                       for s in entry.states]
+        self.released = False
+        entry.pins += 1
+
+    def release(self) -> None:
+        """Unpin the entry (exactly once); the ``states`` stay valid."""
+        if self.released:
+            raise bad("lease", "an unreleased prefix lease", "one released already")
+        self.released = True
+        self._entry.pins -= 1
+        self._cache._fit()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self.released:
+            self.release()
+        return False
+
+
+def _check_states(states, arg="states") -> list:
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad(arg, "a list of records (one per layer)", type(states).__name__)
+    states = list(states)
+    check(len(states) >= 1, arg, "at least one record", "none")
+    for i, s in enumerate(states):
+        if not isinstance(s, (CacheState, QuantizedState, SharedState)):
+            raise bad(f"{arg}[{i}]", "a CacheState, QuantizedState or SharedState",
+                      type(s).__name__)
+    return states
+
+
+def _records(states) -> list:
+    """Every distinct record an entry's states hold (shared prefixes once)."""
+    out = []
+    for s in states:
+        if isinstance(s, SharedState):
+            out += list(s.prefixes) + [s.suffix]
+        else:
+            out.append(s)
+    return out
+
+
+class PrefixCache:
+    """Token prefixes -> one-row records per layer, LRU within a byte budget.
+
+    Args:
+        max_bytes: the budget; inserts drop unpinned least recently used
+            entries until the bytes held fit (0: keep nothing unpinned).
+        identity: the model's identity (``model_identity``); ``save`` records
+            it and ``load`` refuses a file made for another one.
+    """
+
+    def __init__(self, max_bytes: int, *, identity: Optional[str] = None):
+        max_bytes = as_int(max_bytes, "max_bytes")
+        check(max_bytes >= 0, "max_bytes", ">= 0", max_bytes)
+        if identity is not None and not isinstance(identity, str):
+            raise bad("identity", "a str (model_identity(path))", type(identity).__name__)
+        self.max_bytes, self.identity = max_bytes, identity
+        self._entries: "OrderedDict[tuple, _Entry]" = OrderedDict()  # oldest first
+        self.peak_bytes = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, tokens) -> bool:
+        return tuple(tokens) in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries hold, each shared record counted once."""
+        seen, total = set(), 0
+        for e in self._entries.values():
+            for r in _records(e.states):
+                if id(r) not in seen:
+                    seen.add(id(r))
+                    total += r.nbytes
+        return total
+
+    @property
+    def pinned(self) -> int:
+        """Entries that a lease holds now."""
+        return sum(1 for e in self._entries.values() if e.pins)
+
+    def insert(self, tokens: Sequence[int], states: Sequence) -> bool:
+        """Cache ``states`` (one record per layer, one row each, holding exactly
+        ``tokens``). A row is stored compactly (``extract_row``: its own tokens
+        copied, a shared prefix still shared). Returns whether the entry is
+        kept once the budget is enforced. A sequence cached already is only
+        marked as recently used."""
+        key = tuple(as_int(t, f"tokens[{i}]") for i, t in enumerate(tokens))
+        check(len(key) >= 1, "tokens", "at least one token", "none")
+        states = _check_states(states)
+        for i, s in enumerate(states):
+            check(s.batch_size == 1, f"states[{i}] batch size", "1 (one row per entry)",
+                  s.batch_size)
+            check(s.lengths[0] == len(key), f"states[{i}] tokens", f"{len(key)} (len(tokens))",
+                  s.lengths[0])
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        self._entries[key] = _Entry(key, [ops.extract_row(s, 0) for s in states])
+        self._fit()
+        return key in self._entries
+
+    def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> Optional[PrefixLease]:
+        """A lease on the entry sharing the longest prefix with ``tokens``
+        (at most ``len(tokens) - 1`` tokens, at least ``min_tokens``), or ``None``."""
+        tokens = list(tokens)
+        limit = len(tokens) - 1
+        best, best_n = None, 0
+        for e in self._entries.values():
+            n = min(common_prefix(e.tokens, tokens), limit)
+            if n > best_n or (n == best_n and best is not None and n and
+                              len(e.tokens) < len(best.tokens)):
+                best, best_n = e, n
+        if best is None or best_n < max(1, min_tokens):
+            return None
+        self._entries.move_to_end(best.tokens)
+        return PrefixLease(self, best, best_n)
+
+    def _fit(self) -> None:
+        total = self.nbytes
+        self.peak_bytes = max(self.peak_bytes, total)
+        while total > self.max_bytes:
+            victim = next((k for k, e in self._entries.items() if not e.pins), None)
+            if victim is None:
+                return  # everything left is pinned: rows read it
+            del self._entries[victim]
+            self.evictions += 1
+            total = self.nbytes
+
+    # --- persistence -------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Write every entry to one ``.safetensors`` file (``kv.save``).
+
+        Shared rows are written materialized (each entry self-contained), so
+        the file holds dense records; ``identity`` is recorded when set.
+        """
+        records, entries = [], []
+        for e in self._entries.values():
+            layers = [materialize(s) if isinstance(s, SharedState) else s for s in e.states]
+            entries.append({"tokens": list(e.tokens), "layers": len(layers)})
+            records += layers
+        meta = {ENTRIES_KEY: json.dumps(entries, separators=(",", ":"))}
+        if self.identity is not None:
+            meta[persist.DIGEST_KEY] = self.identity
+        persist.save(path, records, meta)
+
+    @classmethod
+    def load(cls, path, max_bytes: int, *, identity: Optional[str] = None) -> "PrefixCache":
+        """The cache ``save`` wrote. With ``identity``, a file recorded for
+        another model (or with no identity) is refused (``KVStateError``)."""
+        records, meta = persist.load(path)
+        have = meta.get(persist.DIGEST_KEY)
+        if identity is not None:
+            check(have is not None, "path", "a prefix cache recording a model identity",
+                  "a file with no model identity")
+            check(have == identity, "path", f"a prefix cache for this model ({identity[:16]}…)",
+                  f"one for another model ({have[:16]}…)")
+        check(ENTRIES_KEY in meta, "path", "a file written by PrefixCache.save",
+              f"no {ENTRIES_KEY!r} metadata")
+        out = cls(max_bytes, identity=identity if identity is not None else have)
+        at = 0
+        for e in json.loads(meta[ENTRIES_KEY]):
+            layers = records[at:at + e["layers"]]
+            at += e["layers"]
+            out.insert(e["tokens"], layers)
+        mx.eval([p for s in records for p in s.planes])
+        return out

@@ -1,0 +1,147 @@
+"""``PrefixCache``: longest-prefix lookup, byte budget, LRU, pins, save/load."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvstate as kv
+from kvstate.prefix_cache import PrefixCache, common_prefix, model_identity
+from _rows import np_of, rand, visible
+
+H, D = 2, 4
+LAYERS = 2
+
+
+def entry(rng, n):
+    """One-row records (one per layer) holding ``n`` random tokens, and their numpy rows."""
+    states, rows = [], []
+    for _ in range(LAYERS):
+        k, v = rand(rng, 1, H, n, D), rand(rng, 1, H, n, D)
+        states.append(kv.append(kv.empty(1, step=8), mx.array(k), mx.array(v)))
+        rows.append((k[0], v[0]))
+    return states, rows
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def test_lookup_finds_the_longest_prefix_and_shares_it(rng):
+    cache = PrefixCache(1 << 20)
+    a, a_rows = entry(rng, 6)
+    b, _ = entry(rng, 3)
+    cache.insert([1, 2, 3, 4, 5, 6], a)
+    cache.insert([1, 2, 9], b)
+    assert cache.lookup([7, 7, 7]) is None
+    hit = cache.lookup([1, 2, 3, 4, 8, 8])
+    assert hit.matched == 4 and hit.tokens == (1, 2, 3, 4, 5, 6)
+    for s, (k, v) in zip(hit.states, a_rows):
+        assert isinstance(s, kv.SharedState) and s.lengths == (4,)
+        got = visible(kv.materialize(s))[0]
+        np.testing.assert_array_equal(got[0], k[:, :4])
+        np.testing.assert_array_equal(got[1], v[:, :4])
+    hit.release()
+    # The whole entry matches: one token is always left to prefill.
+    assert cache.lookup([1, 2, 3, 4, 5, 6]).matched == 5
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_leased_rows_copy_nothing(rng):
+    cache = PrefixCache(1 << 20)
+    a, _ = entry(rng, 100)
+    cache.insert(list(range(100)), a)
+    stored = cache._entries[tuple(range(100))].states
+    with cache.lookup(list(range(100)) + [5]) as hit:
+        assert all(s.prefixes[0] is r for s, r in zip(hit.states, stored))
+        assert sum(s.nbytes for s in hit.states) == sum(r.nbytes for r in stored)
+
+
+def test_budget_evicts_least_recently_used(rng):
+    one, _ = entry(rng, 8)
+    size = sum(s.nbytes for s in one)
+    cache = PrefixCache(2 * size)
+    cache.insert([1] * 8, one)
+    cache.insert([2] * 8, entry(rng, 8)[0])
+    assert len(cache) == 2 and cache.nbytes == 2 * size
+    cache.lookup([1] * 9).release()  # [1]*8 is now the most recently used
+    cache.insert([3] * 8, entry(rng, 8)[0])
+    assert [1] * 8 in cache and [3] * 8 in cache and [2] * 8 not in cache
+    assert cache.evictions == 1 and cache.nbytes <= cache.max_bytes
+    assert cache.peak_bytes == 3 * size
+
+
+def test_pinned_entries_are_never_evicted(rng):
+    one, _ = entry(rng, 8)
+    size = sum(s.nbytes for s in one)
+    cache = PrefixCache(size)
+    cache.insert([1] * 8, one)
+    hit = cache.lookup([1] * 9)
+    assert cache.pinned == 1
+    kept = cache.insert([2] * 8, entry(rng, 8)[0])
+    # Over budget, but the only other entry is pinned: the new one goes.
+    assert not kept and [1] * 8 in cache and cache.evictions == 1
+    hit.release()
+    assert cache.pinned == 0
+    with pytest.raises(kv.KVStateError, match="lease"):
+        hit.release()
+    cache.insert([2] * 8, entry(rng, 8)[0])
+    assert [1] * 8 not in cache and [2] * 8 in cache
+
+
+def test_entries_sharing_a_prefix_count_its_bytes_once(rng):
+    base, _ = entry(rng, 16)
+    cache = PrefixCache(1 << 20)
+    cache.insert(list(range(16)), base)
+    with cache.lookup(list(range(16)) + [99]) as hit:
+        # A longer sequence built on the leased rows (a second chat turn).
+        t = mx.array(rand(rng, 1, H, 4, D))
+        assert hit.matched == 16
+        longer = [kv.append(s, t, t) for s in hit.states]
+        assert longer[0].lengths == (20,)
+        cache.insert(list(range(16)) + [1, 2, 3, 4], longer)
+    own = sum(s.suffix.nbytes for s in cache._entries[tuple(range(16)) + (1, 2, 3, 4)].states)
+    assert cache.nbytes == sum(s.nbytes for s in base) + own
+
+
+def test_save_load_round_trip_and_identity(rng, tmp_path):
+    a, a_rows = entry(rng, 5)
+    cache = PrefixCache(1 << 20, identity="model-a")
+    cache.insert([4, 5, 6, 7, 8], a)
+    with cache.lookup([4, 5, 6, 7, 8, 9]) as hit:
+        t = mx.array(rand(rng, 1, H, 2, D))
+        cache.insert([4, 5, 6, 7, 8, 9, 10], [kv.append(s, t, t) for s in hit.states])
+    path = tmp_path / "prefixes.safetensors"
+    cache.save(path)
+    back = PrefixCache.load(path, 1 << 20, identity="model-a")
+    assert len(back) == 2 and back.identity == "model-a"
+    hit = back.lookup([4, 5, 6, 7, 8, 1])
+    for s, (k, v) in zip(hit.states, a_rows):
+        got = visible(kv.materialize(s))[0]
+        np.testing.assert_array_equal(got[0], k)
+        np.testing.assert_array_equal(got[1], v)
+    with pytest.raises(kv.KVStateError, match="another model"):
+        PrefixCache.load(path, 1 << 20, identity="model-b")
+    anon = PrefixCache(1 << 20)
+    anon.insert([1, 2], entry(rng, 2)[0])
+    anon.save(tmp_path / "anon.safetensors")
+    with pytest.raises(kv.KVStateError, match="no model identity"):
+        PrefixCache.load(tmp_path / "anon.safetensors", 1 << 20, identity="model-a")
+
+
+def test_model_identity_of_a_file_and_refusals(tmp_path):
+    f = tmp_path / "w.gguf"
+    f.write_bytes(b"abc")
+    g = tmp_path / "v.gguf"
+    g.write_bytes(b"abd")
+    assert model_identity(f) != model_identity(g) and len(model_identity(f)) == 64
+    with pytest.raises(kv.KVStateError, match="path"):
+        model_identity(tmp_path / "missing")
+    cache = PrefixCache(10)
+    with pytest.raises(kv.KVStateError, match="tokens"):
+        cache.insert([1, 2, 3], entry(np.random.default_rng(1), 2)[0])
+    with pytest.raises(kv.KVStateError, match="max_bytes"):
+        PrefixCache(-1)
+    assert len(cache) == 0
