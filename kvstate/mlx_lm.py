@@ -34,6 +34,8 @@ from .records import CacheState, QuantizedState, RotatingState
 from .dense import (Plans, next_mask_array as dense_next_mask_array,
                     update_and_fetch as dense_update_and_fetch)
 from .rotating import next_mask_array as ring_next_mask_array, read as ring_read
+from .shared import SharedState, next_mask_array as shared_next_mask_array
+from .dense import geometry as dense_geometry
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
@@ -234,7 +236,48 @@ class _RingShell(_Shell):
         return all(n < self.record.max_size for n in self.record.lengths)
 
 
-_SHELLS = {CacheState: _DenseShell, QuantizedState: _QuantizedShell, RotatingState: _RingShell}
+class _SharedShell(_Shell):
+    """A ``SharedState`` layer: the model reads the rows materialized (each
+    row's prefix view, then its suffix: ``kvstate.shared.materialize``), with
+    the mask laid out over those columns."""
+
+    __slots__ = ()
+
+    _next_mask_array = staticmethod(shared_next_mask_array)
+
+    @property
+    def keys(self):
+        return self.record.suffix.keys
+
+    @property
+    def values(self):
+        return self.record.suffix.values
+
+    def empty(self) -> bool:
+        return dense_geometry(self.record) is None
+
+
+class _SharedQuantizedShell(_SharedShell, _QuantizedShell):
+    """Quantized shared rows (``bits``/``group_size`` from the suffix record)."""
+
+    __slots__ = ()
+
+    @property
+    def bits(self) -> int:
+        return self.record.suffix.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.record.suffix.group_size
+
+
+def _shared_shell(record, fwd):
+    cls = _SharedQuantizedShell if type(record.suffix) is QuantizedState else _SharedShell
+    return cls(record, fwd)
+
+
+_SHELLS = {CacheState: _DenseShell, QuantizedState: _QuantizedShell, RotatingState: _RingShell,
+           SharedState: _shared_shell}
 
 
 def _shell(record, fwd):

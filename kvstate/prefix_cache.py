@@ -122,6 +122,16 @@ def _check_states(states, arg="states") -> list:
     return states
 
 
+def _compact(state):
+    """What an entry stores of a one-row record: the record itself when it is
+    a dense row without padding (the running row and the entry then share
+    it), else ``extract_row`` (the row's own tokens copied; a shared prefix
+    stays shared)."""
+    if type(state) is not SharedState and state.left_pad == (0,):
+        return state
+    return ops.extract_row(state, 0)
+
+
 def _records(states) -> list:
     """Every distinct record an entry's states hold (shared prefixes once)."""
     out = []
@@ -192,9 +202,17 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
-        self._entries[key] = _Entry(key, [ops.extract_row(s, 0) for s in states])
+        self._entries[key] = _Entry(key, [_compact(s) for s in states])
         self._fit()
         return key in self._entries
+
+    def pin(self, tokens: Sequence[int]) -> Optional[PrefixLease]:
+        """A lease on the entry holding exactly ``tokens`` (all of them), or ``None``."""
+        e = self._entries.get(tuple(tokens))
+        if e is None:
+            return None
+        self._entries.move_to_end(e.tokens)
+        return PrefixLease(self, e, len(e.tokens))
 
     def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> Optional[PrefixLease]:
         """A lease on the entry sharing the longest prefix with ``tokens``
@@ -262,3 +280,52 @@ class PrefixCache:
             out.insert(e["tokens"], layers)
         mx.eval([p for s in records for p in s.planes])
         return out
+
+
+# --- prefill through the mlx-lm bridge ---------------------------------------------------
+
+
+def prefill(model, prompts: Sequence[Sequence[int]], cache: Optional[PrefixCache] = None, *,
+            memo=None, **make) -> tuple:
+    """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
+
+    A prompt whose start is cached prefills only the rest (its rows read the
+    cached records, no copy); every prompt is then cached for the requests
+    that follow. Rows are ``SharedState`` records, so rows of different
+    prefixes merge into one batch.
+
+    Args:
+        model: an mlx-lm model.
+        prompts: lists of token ids, one per row.
+        cache: the prefix cache (``None``: no reuse; rows still share nothing).
+        make: ``make_states`` options (``kv_bits``, ``kv_group_size``).
+
+    Returns:
+        ``(logits [B, V], states, leases, prefilled)``: the last logits per
+        row, the merged states (one ``SharedState`` per layer), the leases
+        pinning the cache entries the rows read (release each when its row
+        finishes), and per row the tokens actually run through the model.
+    """
+    from .mlx_lm import forward, make_states, merge_rows
+
+    check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    last, rows, leases, prefilled = [], [], [], []
+    for i, p in enumerate(prompts):
+        p = list(p)
+        check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
+        hit = cache.lookup(p) if cache is not None else None
+        start = 0 if hit is None else hit.matched
+        states = make_states(model, 1, **make) if hit is None else hit.states
+        logits, states = forward(model, mx.array([p[start:]]), states, memo=memo)
+        prefilled.append(len(p) - start)
+        if cache is not None and cache.insert(p, states):
+            held = cache.pin(p)  # the row reads the entry (the same records when dense)
+            states = held.states
+            if hit is not None:
+                hit.release()
+            hit = held
+        if hit is not None:
+            leases.append(hit)
+        last.append(logits[:, -1, :])
+        rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
+    return mx.concatenate(last, axis=0), merge_rows(rows), leases, prefilled

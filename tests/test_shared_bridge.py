@@ -1,0 +1,117 @@
+"""Shared rows through the mlx-lm bridge: the same logits and greedy tokens as
+each row run alone through mlx-lm (float32, CPU, same process)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+import kvstate as kv
+from kvstate import mlx_lm as bridge
+from kvstate.prefix_cache import PrefixCache, prefill
+from tiny_models import VOCAB, llama_model, qwen3_model
+
+
+def mlx_lm_run(model, prompt, forced, steps, kv_bits=None):
+    """mlx-lm alone: ``prompt``, then the ``forced`` tokens, then ``steps`` greedy
+    tokens; returns every logits row after the prompt and the greedy tokens."""
+    cache = make_prompt_cache(model)
+    if kv_bits is not None:
+        cache = [QuantizedKVCache(group_size=32, bits=kv_bits) for _ in cache]
+    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
+    seen = [logits]
+    toks = []
+    for t in range(len(forced) + steps):
+        tok = forced[t] if t < len(forced) else int(mx.argmax(seen[-1], axis=-1).item())
+        toks.append(tok)
+        seen.append(model(mx.array([[tok]]), cache=cache)[:, -1, :])
+    return seen, toks
+
+
+def kv_run(model, states, first, steps):
+    """The bridge on ``states``: one forced token per row, then greedy steps."""
+    seen, toks = [], [list(first)]
+    logits, states = bridge.step(model, mx.array(first), states)
+    seen.append(logits)
+    for _ in range(steps):
+        tok = mx.argmax(logits, axis=-1)
+        toks.append(tok.tolist())
+        logits, states = bridge.step(model, tok, states)
+        seen.append(logits)
+    return seen, toks, states
+
+
+@pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_forked_rows_decode_as_mlx_lm_alone(make_model, kv_bits):
+    model = make_model()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, 11).tolist()
+    logits, states = bridge.forward(model, mx.array([prompt]),
+                                    bridge.make_states(model, 1, kv_bits=kv_bits,
+                                                       kv_group_size=32))
+    forked = kv.fork(states, 0, 3)
+    assert all(isinstance(s, kv.SharedState) for s in forked)
+    assert sum(s.nbytes for s in forked) == sum(s.nbytes for s in states)
+    first = [5, 17, 17, 90]
+    steps = 4
+    seen, toks, after = kv_run(model, forked, first, steps)
+    for b, f in enumerate(first):
+        want, want_toks = mlx_lm_run(model, prompt, [f], steps, kv_bits)
+        assert [t[b] for t in toks] == want_toks[:steps + 1]
+        for got, w in zip(seen, want[1:]):
+            np.testing.assert_allclose(np.array(got[b]), np.array(w[0]), atol=2e-4, rtol=1e-4)
+    # Rows 1 and 2 were given the same token: they still share the prefix record.
+    assert all(s.prefixes[0] is p for s, p in zip(after, states))
+
+
+def test_trimmed_into_the_prefix_and_merged_rows():
+    """Rows trimmed into their shared prefix, and rows of two different prompts
+    merged into one batch, decode as mlx-lm runs each alone."""
+    model = llama_model()
+    rng = np.random.default_rng(1)
+    p1, p2 = rng.integers(0, VOCAB, 9).tolist(), rng.integers(0, VOCAB, 6).tolist()
+    _, s1 = bridge.forward(model, mx.array([p1]), bridge.make_states(model, 1))
+    _, s2 = bridge.forward(model, mx.array([p2]), bridge.make_states(model, 1))
+    a = [kv.trim(s, [0, 4]) for s in kv.fork(s1, 0, 1)]  # row 1 reads 5 of p1's tokens
+    b = kv.fork(s2, 0, 0)
+    batch = bridge.merge_rows([a, b])
+    rows = [p1, p1[:5], p2]
+    first = [3, 7, 11]
+    seen, toks, _ = kv_run(model, batch, first, 3)
+    for r, (prompt, f) in enumerate(zip(rows, first)):
+        want, want_toks = mlx_lm_run(model, prompt, [f], 3)
+        assert [t[r] for t in toks] == want_toks[:4]
+        for got, w in zip(seen, want[1:]):
+            np.testing.assert_allclose(np.array(got[r]), np.array(w[0]), atol=2e-4, rtol=1e-4)
+
+
+def test_cached_prefix_prefills_only_the_rest():
+    model = llama_model()
+    rng = np.random.default_rng(2)
+    system = rng.integers(0, VOCAB, 12).tolist()
+    users = [rng.integers(0, VOCAB, n).tolist() for n in (3, 5, 4)]
+    prompts = [system + u for u in users]
+    cache = PrefixCache(1 << 24)
+    logits, states, leases, prefilled = prefill(model, prompts, cache)
+    # The first request runs everything; the others only what follows the system prompt.
+    assert prefilled == [15, 5, 4]
+    assert cache.pinned == 3
+    # A repeated prompt runs one token (the last, for its logits).
+    _, _, more, again = prefill(model, [prompts[1]], cache)
+    assert again == [1]
+    for lease in leases + more:
+        lease.release()
+    assert cache.pinned == 0
+    # Same logits and greedy tokens as mlx-lm alone.
+    _, toks, _ = kv_run(model, states, mx.argmax(logits, axis=-1).tolist(), 3)
+    for r, p in enumerate(prompts):
+        want = model(mx.array([p]), cache=make_prompt_cache(model))[:, -1, :]
+        np.testing.assert_allclose(np.array(logits[r]), np.array(want[0]), atol=2e-4,
+                                   rtol=1e-4)
+        _, want_toks = mlx_lm_run(model, p, [], 4)
+        assert [t[r] for t in toks] == want_toks
+    # Nothing is reused without a cache.
+    assert prefill(model, prompts, None)[3] == [15, 17, 16]
