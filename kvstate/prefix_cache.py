@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -38,7 +38,7 @@ from .errors import as_int, bad, check
 from .records import CacheState, QuantizedState
 from .shared import SharedState, fork, materialize
 
-__all__ = ["PrefixCache", "PrefixLease", "model_identity", "common_prefix"]
+__all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
 
 ENTRIES_KEY = "prefix_cache.entries"
 
@@ -67,7 +67,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class _Entry:
-    __slots__ = ("tokens", "states", "pins")
+    __slots__ = ("pins", "states", "tokens")
 
     def __init__(self, tokens: tuple, states: list):
         self.tokens, self.states, self.pins = tokens, states, 0
@@ -82,7 +82,7 @@ class PrefixLease:
         states: one ``SharedState`` row per layer reading those tokens (no copy).
     """
 
-    __slots__ = ("tokens", "matched", "states", "_entry", "_cache", "released")
+    __slots__ = ("_cache", "_entry", "matched", "released", "states", "tokens")
 
     def __init__(self, cache, entry: _Entry, matched: int):
         self._cache, self._entry = cache, entry
@@ -153,13 +153,13 @@ class PrefixCache:
             it and ``load`` refuses a file made for another one.
     """
 
-    def __init__(self, max_bytes: int, *, identity: Optional[str] = None):
+    def __init__(self, max_bytes: int, *, identity: str | None = None):
         max_bytes = as_int(max_bytes, "max_bytes")
         check(max_bytes >= 0, "max_bytes", ">= 0", max_bytes)
         if identity is not None and not isinstance(identity, str):
             raise bad("identity", "a str (model_identity(path))", type(identity).__name__)
         self.max_bytes, self.identity = max_bytes, identity
-        self._entries: "OrderedDict[tuple, _Entry]" = OrderedDict()  # oldest first
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # oldest first
         self.peak_bytes = 0
         self.evictions = 0
 
@@ -206,7 +206,7 @@ class PrefixCache:
         self._fit()
         return key in self._entries
 
-    def pin(self, tokens: Sequence[int]) -> Optional[PrefixLease]:
+    def pin(self, tokens: Sequence[int]) -> PrefixLease | None:
         """A lease on the entry holding exactly ``tokens`` (all of them), or ``None``."""
         e = self._entries.get(tuple(tokens))
         if e is None:
@@ -214,7 +214,7 @@ class PrefixCache:
         self._entries.move_to_end(e.tokens)
         return PrefixLease(self, e, len(e.tokens))
 
-    def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> Optional[PrefixLease]:
+    def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> PrefixLease | None:
         """A lease on the entry sharing the longest prefix with ``tokens``
         (at most ``len(tokens) - 1`` tokens, at least ``min_tokens``), or ``None``."""
         tokens = list(tokens)
@@ -260,7 +260,7 @@ class PrefixCache:
         persist.save(path, records, meta)
 
     @classmethod
-    def load(cls, path, max_bytes: int, *, identity: Optional[str] = None) -> "PrefixCache":
+    def load(cls, path, max_bytes: int, *, identity: str | None = None) -> PrefixCache:
         """The cache ``save`` wrote. With ``identity``, a file recorded for
         another model (or with no identity) is refused (``KVStateError``)."""
         records, meta = persist.load(path)
@@ -285,7 +285,7 @@ class PrefixCache:
 # --- prefill through the mlx-lm bridge ---------------------------------------------------
 
 
-def prefill(model, prompts: Sequence[Sequence[int]], cache: Optional[PrefixCache] = None, *,
+def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None = None, *,
             memo=None, **make) -> tuple:
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import operator
 from functools import singledispatch
-from typing import Optional
 
 import attrs
 import mlx.core as mx
@@ -43,7 +42,7 @@ from . import dense, ops
 from .errors import as_int, bad, check, per_row, row_index, row_list
 from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints
 
-__all__ = ["SharedState", "fork", "materialize", "cascade_attention", "prefix_groups"]
+__all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
 
 
 @attrs.frozen
@@ -142,7 +141,7 @@ such block per row, whatever the prefix's own ``step``)."""
 
 
 @singledispatch
-def fork(state, row: int, n: int, *, step: Optional[int] = None):
+def fork(state, row: int, n: int, *, step: int | None = None):
     """``state``'s rows followed by ``n`` new rows that start as copies of ``row``.
 
     No key or value is copied for a dense record: the result is a
@@ -176,7 +175,7 @@ def _fork_args(state, row, n):
     return row, n
 
 
-def _empty_like(state: _Rows, batch_size: int, step: Optional[int] = None) -> _Rows:
+def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows:
     """``batch_size`` empty rows of ``state``'s kind and quantization."""
     empty = dense.with_planes(state, (), lengths=(0,) * batch_size,
                               left_pad=(0,) * batch_size)
@@ -368,7 +367,7 @@ def materialize(state: SharedState):
     P + suffix.ends[b])``. This is the reference every ``SharedState`` read
     is tested against, and the columns the mlx-lm bridge hands a model.
     """
-    P, left_pad, ends = _layout(state)
+    P, left_pad, _ = _layout(state)
     suffix = state.suffix
     lengths = state.lengths
     if not suffix.planes:

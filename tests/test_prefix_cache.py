@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from _rows import rand, visible
 
 import kvstate as kv
 from kvstate.prefix_cache import PrefixCache, common_prefix, model_identity
-from _rows import np_of, rand, visible
 
 H, D = 2, 4
 LAYERS = 2

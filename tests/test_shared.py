@@ -16,12 +16,12 @@ import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
 import pytest
+from _rows import np_of, rand, ref_attend, state_of_rows, visible
 from hypothesis import note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
 from kvstate import shared
-from _rows import np_of, rand, ref_attend, state_of_rows, visible
 
 H, D = 2, 4
 HQ = 4

@@ -7,11 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+from tiny_models import VOCAB, llama_model, qwen3_model
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
 from kvstate.prefix_cache import PrefixCache, prefill
-from tiny_models import VOCAB, llama_model, qwen3_model
 
 
 def mlx_lm_run(model, prompt, forced, steps, kv_bits=None):
@@ -49,9 +49,8 @@ def test_forked_rows_decode_as_mlx_lm_alone(make_model, kv_bits):
     model = make_model()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, VOCAB, 11).tolist()
-    logits, states = bridge.forward(model, mx.array([prompt]),
-                                    bridge.make_states(model, 1, kv_bits=kv_bits,
-                                                       kv_group_size=32))
+    _, states = bridge.forward(model, mx.array([prompt]),
+                               bridge.make_states(model, 1, kv_bits=kv_bits, kv_group_size=32))
     forked = kv.fork(states, 0, 3)
     assert all(isinstance(s, kv.SharedState) for s in forked)
     assert sum(s.nbytes for s in forked) == sum(s.nbytes for s in states)
