@@ -24,6 +24,7 @@ from .ops import (
     rollback as rollback,
     trim as trim,
 )
+from .layers import ModelCheckpoint as ModelCheckpoint
 from .masks import (
     MaskKey as MaskKey,
     MaskLease as MaskLease,
@@ -36,6 +37,12 @@ from .quantized import quantized as quantized
 from .rotating import rotating as rotating
 from .persist import load as load, save as save
 from .shared import SharedState as SharedState, fork as fork, materialize as materialize
+from .sampling import (
+    row_keys as row_keys,
+    sample as sample,
+    sample_arrays as sample_arrays,
+    split_keys as split_keys,
+)
 from .compiled import (
     compiled_decoder as compiled_decoder,
     flatten as flatten,

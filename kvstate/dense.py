@@ -79,7 +79,7 @@ def _(state: CacheState, planes, **changes):
 def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
     """An empty ``CacheState``: ``batch_size`` rows, no geometry until the first append."""
     batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
     step = as_int(step, "step")
     check(step >= 1, "step", ">= 1", step)
     return CacheState((0,) * batch_size, (0,) * batch_size, step)
@@ -178,7 +178,7 @@ def column_writer(ends, N: int):
     whole plane for a dynamic-start ``slice_update`` (the step grows with the
     capacity), while its scatter writes in place (``notes/compile.md``).
     """
-    if ends.count(ends[0]) == len(ends) and mx.default_device().type != _GPU:
+    if ends and ends.count(ends[0]) == len(ends) and mx.default_device().type != _GPU:
         start = mx.array([ends[0]], dtype=mx.int32)
         return lambda plane, new: mx.slice_update(plane, new, start, (2,))
     flat = [e + i for e in ends for i in range(N)]  # (one list: cheaper than nested)
@@ -205,7 +205,7 @@ class AppendPlan:
         self.lengths, self.left_pad, self.step, self.capacity, self.n = (
             lengths, left_pad, step, capacity, n)
         ends = tuple(map(operator.add, left_pad, lengths))
-        self.width = need = max(ends) + n
+        self.width = need = max(ends, default=0) + n
         self.new_lengths = tuple([m + n for m in lengths])
         self.grow = round_up(need, step) - capacity if need > capacity else 0
         self.write = column_writer(ends, n)
@@ -289,7 +289,7 @@ def _append_rows(state: _Rows, k, v):
     validate_tokens(state, k, v)
     new = to_planes(state, k, v)
     B, N, ends = state.batch_size, k.shape[2], state.ends
-    need = max(ends) + N
+    need = max(ends, default=0) + N
     if state.planes:
         planes = _grow(state.planes, need, state.step)
     else:
@@ -337,11 +337,11 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
 
 
 def _rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=False):
-    if (not array and window is None and ends.count(ends[0]) == len(ends)
+    if (not array and window is None and (not ends or ends.count(ends[0]) == len(ends))
             and not any(left_pad)):
         return (None if n == 1 else "causal"), None  # aligned
     key = rows_key(n, left_pad, ends, window)
-    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends), window))
+    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends, default=0), window))
     return held.mask, held
 
 
@@ -385,7 +385,7 @@ def validate_queries(state, q, *, scale, window, holds=None) -> int:
     check(q.dtype == dtype, "q dtype", dtype, q.dtype)
     n = q.shape[2]
     check(n >= 1, "q tokens (shape[2])", ">= 1", n)
-    short = min(state.lengths if holds is None else holds)
+    short = min(state.lengths if holds is None else holds, default=n)
     check(n <= short, "q tokens (shape[2])",
           f"<= {short}, the fewest tokens a row holds (queries are each row's last N)", n)
     if window is not None:
@@ -454,7 +454,7 @@ def _(state: _Rows, checkpoint, keep=0):
 def _(state: _Rows, rows):
     rows = row_list(rows, state.batch_size)
     lp = [state.left_pad[r] for r in rows]
-    shared = min(lp)
+    shared = min(lp, default=0)
     lengths = tuple(state.lengths[r] for r in rows)
     planes = state.planes
     if planes:

@@ -96,14 +96,12 @@ def row_index(row, batch_size: int, arg: str = "row") -> int:
 
 
 def row_list(rows, batch_size: int, arg: str = "rows") -> list:
-    """Row indices for ``filter_rows``: a non-empty list, tuple or 1-D integer
-    ``np.ndarray`` / ``mx.array``, each index in ``[0, batch_size)``."""
+    """Row indices for ``filter_rows``: a list, tuple or 1-D integer ``np.ndarray``
+    / ``mx.array``, each index in ``[0, batch_size)``; none gives an empty batch."""
     if not isinstance(rows, (list, tuple)):
         rows = _int_vector(rows, arg, "row indices (a list, or a 1-D integer array)")
         if not isinstance(rows, list):
             raise bad(arg, "a list of row indices", type(rows).__name__)
-    if not rows:
-        raise bad(arg, "at least one row index", "none")
     return [row_index(r, batch_size, f"{arg}[{i}]") for i, r in enumerate(rows)]
 
 

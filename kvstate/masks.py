@@ -168,7 +168,7 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
         # Without a window the first visible column is one per row.
         B = len(ends)
         cols = mx.arange(width, dtype=mx.int32)
-        if n == 1 and window is None and min(ends) == width:
+        if n == 1 and window is None and min(ends, default=0) == width:
             # One query per row and every row ending at the last column (the
             # decode step of left-padded rows): only the padding is hidden.
             return cols >= mx.array(left_pad, dtype=mx.int32).reshape(B, 1, 1, 1)

@@ -318,7 +318,7 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     ``kv.quantized(group_size=kv_group_size, bits=kv_bits)``.
     """
     batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
     if max_kv_size is not None:
         max_kv_size = as_int(max_kv_size, "max_kv_size")
         check(max_kv_size >= 1, "max_kv_size", ">= 1", max_kv_size)
@@ -387,6 +387,9 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
         if s.batch_size != B:
             raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
         shells.append(shell(s, fwd))
+    if B == 0:  # mlx-lm models cannot run an empty batch: nothing to run, nothing appended
+        V, dtype = _logits_shape(model)
+        return mx.zeros((0, shape[1], V), dtype), list(states)
     try:
         logits = model(tokens, cache=shells)
     finally:
@@ -394,32 +397,28 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     return logits, [sh.record for sh in shells]
 
 
+_LOGITS: dict = {}  # id(model) -> (vocabulary size, logits dtype); leaves with its model
+
+
+def _logits_shape(model) -> tuple:
+    """``(V, dtype)`` of ``model``'s logits, from one probe of one token (once per model)."""
+    got = _LOGITS.get(id(model))
+    if got is None:
+        logits, _ = forward(model, mx.zeros((1, 1), mx.int32), make_states(model, 1))
+        got = _LOGITS[id(model)] = (logits.shape[-1], logits.dtype)
+        weakref.finalize(model, _LOGITS.pop, id(model), None)
+    return got
+
+
 # --- generation helpers -------------------------------------------------------------
 
 
-def merge_rows(rows: Sequence[Sequence]) -> list:
-    """Per layer, ``kv.merge_rows`` of the given layer lists (one list per group of rows)."""
-    check(len(rows) >= 1, "rows", "at least one list of states", "none")
-    n = len(rows[0])
-    for i, r in enumerate(rows):
-        check(len(r) == n, f"rows[{i}] layers", n, len(r))
-    return [kv.merge_rows([r[layer] for r in rows]) for layer in range(n)]
-
-
-def filter_rows(states: Sequence, rows) -> list:
-    """``kv.filter_rows`` on every layer."""
-    return [kv.filter_rows(s, rows) for s in states]
-
-
-def extend(states: Sequence, other: Sequence) -> list:
-    """``kv.extend`` on every layer: ``other``'s rows join after ``states``' rows."""
-    check(len(other) == len(states), "other layers", len(states), len(other))
-    return [kv.extend(s, o) for s, o in zip(states, other)]
-
-
-def extract_row(states: Sequence, row: int) -> list:
-    """``kv.extract_row`` on every layer."""
-    return [kv.extract_row(s, row) for s in states]
+# A model's records are one value to every kv function (kvstate.layers); the
+# bridge's names for the row operations are those functions.
+merge_rows = ops.merge_rows
+filter_rows = ops.filter_rows
+extend = ops.extend
+extract_row = ops.extract_row
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None,
@@ -434,7 +433,9 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo]
         ``(logits [B, V], states)``: each row's logits after its last prompt
         token, and the merged states (rows left-padded to a common end).
     """
-    check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    if not prompts:  # an empty batch
+        V, dtype = _logits_shape(model)
+        return mx.zeros((0, V), dtype), make_states(model, 0, **make)
     last, rows = [], []
     for i, p in enumerate(prompts):
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")

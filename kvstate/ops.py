@@ -16,8 +16,8 @@ from .errors import KVStateError, bad
 
 def _unsupported(name):
     def impl(state, *args, **kwargs):
-        raise bad("state", "a kvstate record (CacheState, RotatingState, QuantizedState)",
-                  type(state).__name__)
+        raise bad("state", "a kvstate record (CacheState, RotatingState, QuantizedState), "
+                  "or a list or tuple of them (one per layer of a model)", type(state).__name__)
 
     impl.__name__ = name
     return impl
@@ -111,8 +111,9 @@ def merge_rows(states):
     Narrower inputs are left-padded so that every row ends at the common width.
     All inputs must be records of one kind and one geometry.
     """
-    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
-        raise bad("states", "a list of records", type(states).__name__)
+    if isinstance(states, (str, bytes)) or not isinstance(states, (list, tuple)):
+        raise bad("states", "a list of records (or of models' layer lists)",
+                  type(states).__name__)
     states = list(states)
     if not states:
         raise bad("states", "at least one record", "an empty list")

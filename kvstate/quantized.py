@@ -104,6 +104,8 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
     bit-identical to mlx-lm's (tested) and decode is about 20% faster.
     """
     B, Hq, N, D = q.shape
+    if B == 0:  # quantized_matmul of an empty batch faults (MLX 0.32)
+        return mx.zeros((0, Hq, N, values[0].shape[-1] * 32 // bits), q.dtype)
     H = keys[0].shape[1]
     rep = Hq // H
     q = (q * scale).reshape(B, H, rep * N, D)
@@ -118,7 +120,7 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
         scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
     scores = mx.softmax(scores, axis=-1, precise=True).reshape(B, H, rep * N, W)
     out = mx.quantized_matmul(scores, *values, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, Hq, N, -1)
+    return out.reshape(B, Hq, N, out.shape[-1])
 
 
 @ops.attend.register

@@ -65,7 +65,7 @@ def rotating(batch_size: int = 1, *, max_size: int, keep: int = 0,
         step: capacity grows in multiples of this until it reaches ``max_size``.
     """
     batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
     max_size, keep, step = _check_ring(max_size, keep, step)
     return RotatingState((0,) * batch_size, (0,) * batch_size, max_size=max_size, keep=keep,
                          step=step)
@@ -150,7 +150,7 @@ def _plan(state: RotatingState, N: int):
                  for n, h in zip(state.lengths, state.held))
     lengths = tuple(n + N for n in state.lengths)
     held = tuple(k + N for k in kept)
-    need = max(held)
+    need = max(held, default=0)
     C = state.capacity
     if need > C:
         C = min(dense.round_up(need, state.step), max(state.max_size, need))
@@ -229,6 +229,8 @@ def _gather(planes, src):
 def _write(plane, new, cols):
     """Write ``new`` ``[B, H, N, D]`` at per-row columns ``cols`` (``[B, N]`` host ints)."""
     N = new.shape[2]
+    if not cols:  # no rows
+        return plane
     first = cols[0]
     if all(c == first for c in cols) and first == list(range(first[0], first[0] + N)):
         return mx.slice_update(plane, new, mx.array([first[0]], dtype=mx.int32), (2,))
@@ -369,7 +371,7 @@ def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo,
     gets ``None``; several queries over rows that hold everything they have
     seen, in order from column 0, get ``"causal"``.
     """
-    width = min(capacity, max(lengths))
+    width = min(capacity, max(lengths, default=0))
     if not array and n == 1 and all(h == width for h in held) and w >= width:
         return None, None
     if not array and n > 1 and all(h == width for h in held) and lengths == held and w >= width:

@@ -79,7 +79,7 @@ def test_make_states_sliding_layers_get_rings():
 
 def test_make_states_bad_input(llama):
     with pytest.raises(kv.KVStateError, match="batch_size"):
-        br.make_states(llama, 0)
+        br.make_states(llama, -1)  # 0 rows is legal (an empty batch)
 
 
 # --- forward ---------------------------------------------------------------------

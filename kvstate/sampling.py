@@ -1,0 +1,231 @@
+"""Samplers: pure functions over per-row arrays.
+
+Every parameter is one value per row (or one value for every row); every row
+carries its own PRNG key, so a row's sample depends only on its own logits,
+parameters and key, never on which other rows share its batch or where it
+sits in it. Nothing here holds state: ``sample`` returns the tokens and the
+rows' next keys, JAX-style::
+
+    keys = row_keys([7, 8, 9])                          # [B, 2] uint32, one per row
+    tokens, keys = sample(logits, keys, temperature=[0.0, 0.7, 1.0], top_p=0.9)
+
+The filters are mlx-lm's (``mlx_lm.sample_utils``), applied per row to the
+log-probabilities before the temperature: ``top_p`` (nucleus; 0 or 1 keeps
+every token), ``min_p`` (keep tokens with probability >= ``min_p`` times the
+top token's; 0 keeps every token) and ``top_k`` (0 keeps every token). Each
+keeps the tokens at or above a threshold, so applying them in sequence (as
+mlx-lm does) equals keeping the tokens at or above the largest of the three
+thresholds, which is what ``filter_logprobs`` computes. A row whose
+temperature is 0 takes the argmax of its logits (mlx-lm's greedy sampler).
+Sampling is Gumbel-max over the filtered logits divided by the temperature,
+with the noise drawn from the row's own key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from .errors import as_int, bad
+
+__all__ = ["filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]
+
+PerRow = float | int | Sequence | mx.array
+
+_NEG_INF = -float("inf")
+
+
+def row_keys(seeds: Sequence[int]) -> mx.array:
+    """One PRNG key per row, ``[B, 2]`` uint32, from one int seed per row."""
+    if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
+        raise bad("seeds", "a list of int seeds (one per row)", type(seeds).__name__)
+    seeds = [as_int(s, f"seeds[{i}]") for i, s in enumerate(seeds)]
+    for i, s in enumerate(seeds):
+        if not 0 <= s < 2**64:
+            raise bad(f"seeds[{i}]", "an int in [0, 2**64)", s)
+    if not seeds:
+        return mx.zeros((0, 2), mx.uint32)
+    return mx.stack([mx.random.key(s) for s in seeds])
+
+
+def _split(key):
+    return mx.random.split(key, 2)
+
+
+def split_keys(keys: mx.array) -> tuple:
+    """``(use, carry)``: two ``[B, 2]`` keys per row, each split from the row's key alone."""
+    check_keys(keys, None)
+    if keys.shape[0] == 0:
+        return keys, keys
+    pairs = mx.vmap(_split)(keys)  # [B, 2, 2]
+    return pairs[:, 0], pairs[:, 1]
+
+
+def check_keys(keys, B) -> None:
+    """``keys``: an ``mx.array`` ``[B, 2]`` uint32 (``row_keys`` makes one); any B when None."""
+    if not isinstance(keys, mx.array):
+        raise bad("keys", "an mx.array [B, 2] uint32 (kv.row_keys(seeds))", type(keys).__name__)
+    shape = list(keys.shape)
+    if keys.dtype != mx.uint32 or len(shape) != 2 or shape[1] != 2 or B not in (None, shape[0]):
+        raise bad(
+            "keys",
+            f"an mx.array [{'B' if B is None else B}, 2] uint32 (one key per row)",
+            f"{keys.dtype} {list(keys.shape)}".replace("mlx.core.", ""),
+        )
+
+
+def _floats(value, B: int, arg: str, low: float, high: float) -> list:
+    """One finite float per row in ``[low, high]``: a number, a sequence or a 1-D array."""
+    if isinstance(value, mx.array):
+        if value.ndim > 1:
+            raise bad(arg, "a number or one number per row", f"an array {list(value.shape)}")
+        value = value.tolist()
+    elif hasattr(value, "tolist") and hasattr(value, "ndim"):  # numpy
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) != B:
+            raise bad(arg, f"{B} values (one per row)", f"{len(value)} values")
+        names = [f"{arg}[{i}]" for i in range(B)]
+    else:
+        value, names = [value] * B, [arg] * B
+    out = []
+    for name, v in zip(names, value):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise bad(name, "a number", f"{type(v).__name__} {v!r}")
+        v = float(v)
+        if not (low <= v <= high and math.isfinite(v)):  # NaN fails too
+            raise bad(name, f"a finite number in [{low}, {high}]", v)
+        out.append(v)
+    return out
+
+
+def _ints(value, B: int, arg: str) -> list:
+    if isinstance(value, mx.array) or (hasattr(value, "tolist") and hasattr(value, "ndim")):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) != B:
+            raise bad(arg, f"{B} values (one per row)", f"{len(value)} values")
+        out = [as_int(v, f"{arg}[{i}]") for i, v in enumerate(value)]
+    else:
+        out = [as_int(value, arg)] * B
+    for i, v in enumerate(out):
+        if v < 0:
+            raise bad(f"{arg}[{i}]" if isinstance(value, (list, tuple)) else arg, ">= 0", v)
+    return out
+
+
+def filter_logprobs(
+    logprobs: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array
+) -> mx.array:
+    """``logprobs`` ``[B, V]`` with the tokens each row's filters remove set to ``-inf``.
+
+    Args:
+        logprobs: log-probabilities (``logits - logsumexp(logits)``), ``[B, V]``.
+        top_p: float32 ``[B]``; 0 or 1 keeps every token.
+        top_k: int32 ``[B]``; 0 keeps every token.
+        min_p: float32 ``[B]``; 0 keeps every token.
+
+    Pure MLX on arrays (compiles with ``mx.compile``); no host checks.
+    """
+    V = logprobs.shape[-1]
+    lp = logprobs.astype(mx.float32)
+    ascending = mx.sort(lp, axis=-1)
+    # top_p, as mlx_lm.sample_utils.apply_top_p: drop the tokens whose mass
+    # above them (exclusive) already reaches top_p of the total.
+    probs = mx.exp(ascending)
+    above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+    total = above[:, :1] + probs[:, :1]
+    p = top_p[:, None]
+    dropped = mx.minimum((above >= p * total).sum(axis=-1, keepdims=True), V - 1)
+    p_on = (top_p > 0) & (top_p < 1)
+    thr_p = mx.where(p_on[:, None], mx.take_along_axis(ascending, dropped, axis=-1), _NEG_INF)
+    # min_p, as apply_min_p (min_tokens_to_keep = 1): top logprob + log(min_p).
+    thr_m = mx.where(
+        min_p[:, None] > 0, ascending[:, -1:] + mx.log(mx.maximum(min_p[:, None], 1e-38)), _NEG_INF
+    )
+    # top_k: the k-th largest logprob (ties at the threshold are all kept).
+    k = top_k[:, None].astype(mx.int32)
+    k_on = (k > 0) & (k < V)
+    kth = mx.take_along_axis(ascending, mx.clip(V - k, 0, V - 1), axis=-1)
+    thr_k = mx.where(k_on, kth, _NEG_INF)
+    threshold = mx.maximum(mx.maximum(thr_p, thr_m), thr_k)
+    return mx.where(lp < threshold, _NEG_INF, lp)
+
+
+def _gumbel(key, V: int):
+    return mx.random.gumbel(shape=(V,), key=key)
+
+
+def sample_arrays(
+    logits: mx.array,
+    keys: mx.array,
+    temperature: mx.array,
+    top_p: mx.array,
+    top_k: mx.array,
+    min_p: mx.array,
+) -> tuple:
+    """``sample`` on arrays only: no host checks, so it runs inside ``mx.compile``.
+
+    Args:
+        logits: ``[B, V]``.
+        keys: ``[B, 2]`` uint32, one PRNG key per row.
+        temperature, top_p, min_p: float32 ``[B]``; top_k: int32 ``[B]``.
+
+    Returns:
+        ``(tokens [B] uint32, keys [B, 2])``: the rows' next keys.
+    """
+    B, V = logits.shape
+    if B == 0:
+        return mx.zeros((0,), mx.uint32), keys
+    use, carry = (p.squeeze(1) for p in mx.split(mx.vmap(_split)(keys), 2, axis=1))
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    kept = filter_logprobs(logprobs, top_p, top_k, min_p)
+    greedy = temperature == 0
+    scaled = kept / mx.where(greedy, 1.0, temperature)[:, None]
+    drawn = mx.argmax(scaled + mx.vmap(lambda k: _gumbel(k, V))(use), axis=-1)
+    tokens = mx.where(greedy, mx.argmax(logits, axis=-1), drawn)
+    return tokens, carry
+
+
+def sample(
+    logits: mx.array,
+    keys: mx.array,
+    *,
+    temperature: PerRow = 0.0,
+    top_p: PerRow = 1.0,
+    top_k: PerRow = 0,
+    min_p: PerRow = 0.0,
+) -> tuple:
+    """One token per row, each drawn with the row's own parameters and key.
+
+    Args:
+        logits: ``[B, V]`` (a step's last-position logits).
+        keys: ``[B, 2]`` uint32 PRNG keys, one per row (``row_keys``).
+        temperature: per row (or one for all), >= 0; 0 means greedy (argmax).
+        top_p: per row, in [0, 1]; 0 or 1 keeps every token.
+        top_k: per row, >= 0; 0 keeps every token.
+        min_p: per row, in [0, 1]; 0 keeps every token.
+
+    Returns:
+        ``(tokens [B] uint32, keys [B, 2])``: the tokens, and each row's next
+        key (split from its own key; pass it to the next call). The inputs
+        are left unchanged.
+    """
+    if not isinstance(logits, mx.array) or logits.ndim != 2:
+        raise bad(
+            "logits",
+            "an mx.array [B, V]",
+            f"{type(logits).__name__} {list(getattr(logits, 'shape', []))}",
+        )
+    B = logits.shape[0]
+    check_keys(keys, B)
+    params = (
+        mx.array(_floats(temperature, B, "temperature", 0.0, math.inf), mx.float32),
+        mx.array(_floats(top_p, B, "top_p", 0.0, 1.0), mx.float32),
+        mx.array(_ints(top_k, B, "top_k"), mx.int32),
+        mx.array(_floats(min_p, B, "min_p", 0.0, 1.0), mx.float32),
+    )
+    return sample_arrays(logits, keys, *params)
