@@ -10,6 +10,11 @@ from .records import (
     Checkpoint as Checkpoint,
     QuantizedState as QuantizedState,
     RotatingState as RotatingState,
+    RecurrentState as RecurrentState,
+    ChunkedState as ChunkedState,
+    CompositeState as CompositeState,
+    RecurrentCheckpoint as RecurrentCheckpoint,
+    CompositeCheckpoint as CompositeCheckpoint,
 )
 from .ops import (
     append as append,
@@ -35,6 +40,9 @@ from .masks import (
 from .dense import empty as empty, from_arrays as from_arrays
 from .quantized import quantized as quantized
 from .rotating import rotating as rotating
+from .recurrent import recurrent_state as recurrent_state
+from .chunked import chunked_state as chunked_state
+from .composite import composite_state as composite_state
 from .persist import load as load, save as save
 from .shared import SharedState as SharedState, fork as fork, materialize as materialize
 from .sampling import (

@@ -50,6 +50,9 @@ RECORDS = {cls.__name__: cls for cls in (
     records.CacheState,
     records.QuantizedState,
     records.RotatingState,
+    records.RecurrentState,
+    records.ChunkedState,
+    records.CompositeState,
 )}
 
 
@@ -57,8 +60,9 @@ RECORDS = {cls.__name__: cls for cls in (
 
 
 def _is_arrays(value) -> bool:
-    return isinstance(value, tuple) and len(value) > 0 and all(
-        isinstance(x, mx.array) for x in value)
+    """A tuple of arrays (``None`` items allowed: a recurrent slot not yet written)."""
+    return isinstance(value, tuple) and any(isinstance(x, mx.array) for x in value) and all(
+        x is None or isinstance(x, mx.array) for x in value)
 
 
 def _host(value, arg):
@@ -76,11 +80,21 @@ def _untuple(value):
     return tuple(_untuple(v) for v in value) if isinstance(value, list) else value
 
 
-def _encode(i: int, state, tensors: dict) -> dict:
+def _is_records(value) -> bool:
+    return isinstance(value, tuple) and len(value) > 0 and all(
+        type(x).__name__ in RECORDS for x in value)
+
+
+def _encode(i, state, tensors: dict) -> dict:
+    """``state`` as a JSON entry; its arrays go to ``tensors`` under ``"{i}.{field}"``.
+
+    A field holding records (a ``CompositeState``'s parts) nests: part ``j``
+    is encoded under ``i = "{i}.{field}.{j}"``.
+    """
     name = type(state).__name__
     if RECORDS.get(name) is not type(state):
         raise bad(f"states[{i}]", f"a kvstate record ({', '.join(RECORDS)})", name)
-    host, arrays = {}, {}
+    host, arrays, nested = {}, {}, {}
     for field in attrs.fields(type(state)):
         value = getattr(state, field.name)
         if isinstance(value, mx.array):
@@ -88,20 +102,30 @@ def _encode(i: int, state, tensors: dict) -> dict:
             arrays[field.name] = 0
         elif _is_arrays(value):
             for j, x in enumerate(value):
-                tensors[f"{i}.{field.name}.{j}"] = x
+                if x is not None:
+                    tensors[f"{i}.{field.name}.{j}"] = x
             arrays[field.name] = len(value)
+        elif _is_records(value):
+            nested[field.name] = [_encode(f"{i}.{field.name}.{j}", x, tensors)
+                                  for j, x in enumerate(value)]
         else:
             host[field.name] = _host(value, f"states[{i}].{field.name}")
-    return {"kind": name, "host": host, "arrays": arrays}
+    entry = {"kind": name, "host": host, "arrays": arrays}
+    if nested:
+        entry["records"] = nested
+    return entry
 
 
-def _decode(i: int, entry: dict, tensors: dict):
+def _decode(i, entry: dict, tensors: dict):
     try:
         cls = RECORDS[entry["kind"]]
         fields = {k: _untuple(v) for k, v in entry["host"].items()}
         for name, n in entry["arrays"].items():
             fields[name] = (tensors[f"{i}.{name}"] if n == 0 else
-                            tuple(tensors[f"{i}.{name}.{j}"] for j in range(n)))
+                            tuple(tensors.get(f"{i}.{name}.{j}") for j in range(n)))
+        for name, parts in entry.get("records", {}).items():
+            fields[name] = tuple(_decode(f"{i}.{name}.{j}", e, tensors)
+                                 for j, e in enumerate(parts))
         known = {f.name for f in attrs.fields(cls)}
         check(set(fields) <= known, f"record {i} fields", sorted(known), sorted(fields))
         return cls(**fields)
@@ -217,14 +241,17 @@ def load(path, *, model=None, model_path=None):
 
 
 def _arrays(state) -> tuple:
-    """Every array a record holds (its ``attrs`` fields), for evaluation."""
+    """Every array a record holds (its ``attrs`` fields, nested records too), for evaluation."""
     out = []
     for field in attrs.fields(type(state)):
         value = getattr(state, field.name)
         if isinstance(value, mx.array):
             out.append(value)
         elif _is_arrays(value):
-            out.extend(value)
+            out.extend(x for x in value if x is not None)
+        elif _is_records(value):
+            for x in value:
+                out.extend(_arrays(x))
     return tuple(out)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
@@ -18,7 +19,10 @@ from . import ops
 from .dense import empty, from_arrays
 from .errors import bad, check
 from .quantized import quantized
-from .records import CacheState, QuantizedState, RotatingState
+from .records import (CacheState, ChunkedState, CompositeState, QuantizedState,
+                      RecurrentState, RotatingState)
+from .chunked import chunked_state
+from .recurrent import recurrent_state
 from .rotating import from_temporal, rotating
 
 __all__ = ["from_prompt_cache", "to_prompt_cache"]
@@ -73,13 +77,72 @@ def _from_cache(i, c):
               "one with pending right padding")
         # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
         return ops.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])
-    raise bad(name, "KVCache, QuantizedKVCache, RotatingKVCache, BatchKVCache or "
-              "BatchRotatingKVCache", type(c).__name__)
+    if isinstance(c, lm_cache.ArraysCache):
+        return _from_arrays_cache(name, c)
+    if isinstance(c, lm_cache.ChunkedKVCache):
+        return _from_chunked_cache(c)
+    if isinstance(c, lm_cache.CacheList):
+        return CompositeState(tuple(_from_cache(f"{i}.{j}", p) for j, p in enumerate(c.caches)))
+    raise bad(name, "KVCache, QuantizedKVCache, RotatingKVCache, BatchKVCache, "
+              "BatchRotatingKVCache, ArraysCache, ChunkedKVCache or CacheList",
+              type(c).__name__)
+
+
+def _ints(x):
+    return None if x is None else [int(v) for v in mx.array(x).reshape(-1).tolist()]
+
+
+def _from_arrays_cache(name, c):
+    """An ``ArraysCache`` as a ``RecurrentState``: the slots (copied), its
+    pending ``left_padding`` and ``lengths`` (``until``). mlx-lm does not count
+    a recurrent layer's tokens: ``lengths`` are 0 here, and ``from_prompt_cache``
+    takes them from the model's other layers when it has any."""
+    B = c.batch_size
+    arrays = tuple(None if a is None else _own(a) for a in c.cache)
+    check(all(a is None or a.shape[0] == B for a in arrays), f"{name} slots",
+          f"arrays of batch size {B}", [None if a is None else list(a.shape) for a in arrays])
+    state = recurrent_state(B, slots=max(len(arrays), 1), left_padding=_ints(c.left_padding))
+    return attrs.evolve(state, arrays=arrays or (None,), until=_ints(c.lengths))
+
+
+def _from_chunked_cache(c):
+    if c.keys is None:
+        return chunked_state(1, chunk_size=c.chunk_size)
+    k, v = c.keys_and_values()
+    B, held = k.shape[0], k.shape[2]
+    return ChunkedState((held,) * B, (0,) * B, start=(c.start_position,) * B,
+                        chunk_size=c.chunk_size, keys=_own(k), values=_own(v))
+
+
+def _counted(records: list) -> list:
+    """Recurrent records (never counted by mlx-lm) take the token counts of
+    the first record that has them, when its rows match."""
+    counts = [t for t in map(_tokens, records) if t is not None]
+    if not counts:
+        return records
+    return [_with_tokens(r, counts) for r in records]
+
+
+def _tokens(r):
+    if isinstance(r, RecurrentState):
+        return None
+    if isinstance(r, CompositeState):
+        return next((t for t in map(_tokens, r.parts) if t is not None), None)
+    return r.offsets if isinstance(r, ChunkedState) else r.lengths
+
+
+def _with_tokens(r, counts):
+    if isinstance(r, RecurrentState):
+        same = next((t for t in counts if len(t) == r.batch_size), None)
+        return r if same is None else attrs.evolve(r, lengths=same)
+    if isinstance(r, CompositeState):
+        return CompositeState(tuple(_with_tokens(p, counts) for p in r.parts))
+    return r
 
 
 def from_prompt_cache(caches: Sequence) -> list:
     """Records holding what the mlx-lm cache objects ``caches`` hold (copied)."""
-    return [_from_cache(i, c) for i, c in enumerate(caches)]
+    return _counted([_from_cache(i, c) for i, c in enumerate(caches)])
 
 
 def _to_cache(i, s):
@@ -126,7 +189,32 @@ def _to_cache(i, s):
             return lm_cache.BatchRotatingKVCache(s.max_size, [0] * s.batch_size)
         rows = [_to_cache(i, ops.extract_row(s, b)) for b in range(s.batch_size)]
         return lm_cache.BatchRotatingKVCache.merge(rows)
-    raise bad(name, "a CacheState, QuantizedState or RotatingState", type(s).__name__)
+    if isinstance(s, RecurrentState):
+        c = lm_cache.ArraysCache(len(s.arrays), left_padding=list(s.left_padding)
+                                 if any(s.left_padding) else None)
+        c.cache = list(s.arrays)
+        c.lengths = None if s.until is None else mx.array(s.until)
+        return c
+    if isinstance(s, ChunkedState):
+        return _to_chunked_cache(name, s)
+    if isinstance(s, CompositeState):
+        return lm_cache.CacheList(*(_to_cache(f"{i}.{j}", p) for j, p in enumerate(s.parts)))
+    raise bad(name, "a CacheState, QuantizedState, RotatingState, RecurrentState, "
+              "ChunkedState or CompositeState", type(s).__name__)
+
+
+def _to_chunked_cache(name, s):
+    c = lm_cache.ChunkedKVCache(s.chunk_size)
+    if s.keys is None:
+        return c
+    check(len(set(s.offsets)) == 1 and len(set(s.start)) == 1, f"{name} rows",
+          "rows at one position (mlx-lm's ChunkedKVCache has one offset)",
+          f"offsets {s.offsets}, start {s.start}")
+    if not s.aligned:
+        s = ops.merge_rows([ops.extract_row(s, b) for b in range(s.batch_size)])
+    c.keys, c.values = ops.fetch(s)
+    c.offset, c.start_position = s.offsets[0], s.start[0]
+    return c
 
 
 def to_prompt_cache(states: Sequence) -> list:

@@ -173,8 +173,21 @@ class Checkpoint:
 # --- sliding-window rings ------------------------------------------------------
 
 
+class _Unpadded:
+    """``batch_size`` and an all-zero ``left_pad`` for records whose rows never
+    pad columns (rings, recurrent rows), so code generic over records reads them."""
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def left_pad(self) -> tuple:
+        return (0,) * len(self.lengths)
+
+
 @attrs.frozen
-class RotatingState:
+class RotatingState(_Unpadded):
     """Sliding-window KV rows: mlx-lm's ``RotatingKVCache(max_size, keep)``, batched.
 
     Each row is its own ring inside fixed storage ``[B, H, C, D]``. The first
@@ -220,15 +233,6 @@ class RotatingState:
     values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
 
     @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def left_pad(self) -> tuple:
-        """Always zeros: ring rows never pad (for code generic over records)."""
-        return (0,) * len(self.lengths)
-
-    @property
     def starts(self) -> tuple:
         """Per row, the oldest non-kept position held (``lengths`` when none)."""
         return tuple(n - (h - min(self.keep, n)) for n, h in zip(self.lengths, self.held))
@@ -254,3 +258,165 @@ class RotatingState:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.planes)
+
+
+# --- recurrent, composite and chunked layers (kvstate.recurrent, .composite, .chunked) ---
+
+
+def _optional_ints(value):
+    return None if value is None else _tuple_of_ints(value)
+
+
+@attrs.frozen
+class RecurrentState(_Unpadded):
+    """Fixed-size recurrent arrays per row: mlx-lm's ``ArraysCache``, batched.
+
+    A recurrent layer (an SSM, a short convolution, linear attention) keeps a
+    few arrays per row whose size does not grow with the tokens seen::
+
+        slot 0 (conv):   [B, K-1, C]     row b: the last K-1 inputs it saw
+        slot 1 (ssm):    [B, H, Dh, Ds]  row b: the state after its last token
+
+    The model computes new slots from old ones; kvstate only holds them and
+    counts tokens. The state cannot be un-applied, so ``trim`` is refused
+    and a ``RecurrentCheckpoint`` holds the arrays (``notes/hybrid.md``).
+
+    Padding of the *coming* appends, as mlx-lm's ``ArraysCache`` has it (the
+    model reads it through ``make_mask`` and ``lengths``): of the next
+    tokens of row ``b``, positions ``p`` with ``left_padding[b] <= p`` (and
+    ``p < until[b]`` when ``until`` is set) are real; the others leave the
+    state unchanged. Both count down as tokens are appended (mlx-lm's
+    ``advance``); ``kvstate.recurrent.finalize`` clears them.
+
+    Attributes:
+        lengths: per row, the real tokens seen so far.
+        left_padding: per row, padding tokens still to come before real ones.
+        until: per row, the position (from the next append's first token)
+            where right padding starts, or ``None`` (no right padding).
+        arrays: the slots, each ``[B, ...]`` or ``None`` before the model
+            first writes it.
+    """
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    left_padding: tuple = attrs.field(converter=_tuple_of_ints)
+    until: Optional[tuple] = attrs.field(default=None, converter=_optional_ints)
+    arrays: tuple = attrs.field(default=(), kw_only=True, converter=tuple, repr=_array_repr)
+
+    @property
+    def aligned(self) -> bool:
+        return len(set(self.lengths)) <= 1 and not any(self.left_padding) and self.until is None
+
+    @property
+    def planes(self) -> tuple:
+        return tuple(a for a in self.arrays if a is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.planes)
+
+
+@attrs.frozen
+class ChunkedState(_Rows):
+    """Chunked local attention rows: mlx-lm's ``ChunkedKVCache(chunk_size)``, batched.
+
+    The dense layout of the module picture, where the oldest tokens of a row
+    are dropped from the front: row ``b`` holds positions ``[start[b],
+    start[b] + lengths[b])`` at columns ``[left_pad[b], ends[b])``. Before a
+    forward, a row holding more than ``chunk_size`` tokens drops the oldest
+    (mlx-lm's ``maybe_trim_front``); a query at position ``p`` sees the
+    positions ``j <= p`` of its own chunk (``j // chunk_size == p //
+    chunk_size``).
+
+    Attributes:
+        start: per row, the position of the first held token.
+        chunk_size: the attention chunk.
+        keys: ``[B, H, C, Dk]`` or ``None`` before the first append.
+        values: ``[B, H, C, Dv]`` or ``None``.
+    """
+
+    start: tuple = attrs.field(default=(), kw_only=True, converter=_tuple_of_ints)
+    chunk_size: int = attrs.field(default=8192, kw_only=True)
+    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+
+    @property
+    def planes(self) -> tuple:
+        return () if self.keys is None else (self.keys, self.values)
+
+    @property
+    def offsets(self) -> tuple:
+        """Per row, the tokens seen (mlx-lm's ``offset``: the next RoPE position)."""
+        return tuple(map(operator.add, self.start, self.lengths))
+
+    @property
+    def aligned(self) -> bool:
+        """Every row holds the same positions at the same columns."""
+        return _Rows.aligned.fget(self) and len(set(self.start)) <= 1
+
+
+class _OfParts:
+    """Rows of a record made of parts: those of its first part (all parts share them)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.parts[0].batch_size
+
+    @property
+    def lengths(self) -> tuple:
+        return self.parts[0].lengths
+
+
+@attrs.frozen
+class CompositeState(_OfParts):
+    """Several records serving one layer: mlx-lm's ``CacheList``.
+
+    ``parts[i]`` is what the model reads as ``cache[i]`` (falcon_h1: a
+    ``RecurrentState`` for its mamba mixer and a ``CacheState`` for its
+    attention). Every function applies to each part; all parts hold the same rows.
+
+    Attributes:
+        parts: the records, in the model's order.
+    """
+
+    parts: tuple = attrs.field(converter=tuple)
+
+    @property
+    def left_pad(self) -> tuple:
+        return (0,) * self.batch_size
+
+    @property
+    def planes(self) -> tuple:
+        return tuple(p for part in self.parts for p in part.planes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+
+@attrs.frozen
+class RecurrentCheckpoint:
+    """A ``RecurrentState``'s rows at one moment, arrays included.
+
+    Recurrent state cannot be un-applied, so this checkpoint keeps the slots
+    (a few small arrays per row; no buffer is written in place, so holding
+    them copies nothing). ``rollback`` returns a row to it or keeps the row;
+    keeping part of an append needs the model (``kvstate.mlx_lm.rollback``).
+
+    Attributes:
+        lengths: per row, the tokens seen then.
+        arrays: the slots then.
+    """
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    arrays: tuple = attrs.field(default=(), converter=tuple, repr=_array_repr)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+
+@attrs.frozen
+class CompositeCheckpoint(_OfParts):
+    """One checkpoint per part of a ``CompositeState``."""
+
+    parts: tuple = attrs.field(converter=tuple)

@@ -1,0 +1,129 @@
+"""Layers with several caches: ``CompositeState``, mlx-lm's ``CacheList``.
+
+A composite is a tuple of records holding the same rows; every function
+applies to each part and rebuilds the tuple (falcon_h1's layers: a
+``RecurrentState`` for the mamba mixer, a ``CacheState`` for attention).
+Appends and attention reads go to one part, as the model addresses them
+(``cache[0]``, ``cache[1]``), so ``append``, ``attend`` and ``next_mask``
+on the composite itself are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from . import ops
+from .errors import bad, check
+from .records import CompositeCheckpoint, CompositeState
+
+__all__ = ["composite_state"]
+
+
+def composite_state(parts: Sequence) -> CompositeState:
+    """A ``CompositeState`` of ``parts`` (kvstate records with the same rows)."""
+    if isinstance(parts, (str, bytes)) or not hasattr(parts, "__len__"):
+        raise bad("parts", "a list of records", type(parts).__name__)
+    parts = tuple(parts)
+    check(len(parts) >= 1, "parts", "at least one record", "none")
+    for i, p in enumerate(parts):
+        if not hasattr(p, "batch_size") or not attrs.has(type(p)):
+            raise bad(f"parts[{i}]", "a kvstate record", type(p).__name__)
+        check(
+            p.batch_size == parts[0].batch_size,
+            f"parts[{i}] batch size",
+            parts[0].batch_size,
+            p.batch_size,
+        )
+    return CompositeState(parts)
+
+
+def _one_part(name):
+    def impl(state, *args, **kwargs):
+        raise bad(
+            "state", f"one record ({name} applies to one part: state.parts[i])", "a CompositeState"
+        )
+
+    impl.__name__ = f"{name}_composite"
+    return impl
+
+
+ops.append.register(CompositeState)(_one_part("append"))
+ops.attend.register(CompositeState)(_one_part("attend"))
+ops.next_mask.register(CompositeState)(_one_part("next_mask"))
+
+
+def _each(state, fn):
+    return CompositeState(tuple(fn(p) for p in state.parts))
+
+
+@ops.fetch.register(CompositeState)
+def fetch_composite(state):
+    """Each part's ``fetch``, in order."""
+    return tuple(ops.fetch(p) for p in state.parts)
+
+
+@ops.positions.register(CompositeState)
+def positions_composite(state):
+    """The first part's positions that are not ``None`` (every part counts the same tokens)."""
+    for p in state.parts:
+        pos = ops.positions(p)
+        if pos is not None:
+            return pos
+    return None
+
+
+@ops.trim.register(CompositeState)
+def trim_composite(state, n):
+    return _each(state, lambda p: ops.trim(p, n))
+
+
+@ops.checkpoint.register(CompositeState)
+def checkpoint_composite(state):
+    return CompositeCheckpoint(tuple(ops.checkpoint(p) for p in state.parts))
+
+
+@ops.rollback.register(CompositeState)
+def rollback_composite(state, checkpoint, keep=0):
+    if not isinstance(checkpoint, CompositeCheckpoint):
+        raise bad(
+            "checkpoint",
+            "a CompositeCheckpoint (kv.checkpoint of a CompositeState)",
+            type(checkpoint).__name__,
+        )
+    check(
+        len(checkpoint.parts) == len(state.parts),
+        "checkpoint parts",
+        len(state.parts),
+        len(checkpoint.parts),
+    )
+    return CompositeState(
+        tuple(ops.rollback(p, c, keep) for p, c in zip(state.parts, checkpoint.parts))
+    )
+
+
+@ops.filter_rows.register(CompositeState)
+def filter_rows_composite(state, rows):
+    return _each(state, lambda p: ops.filter_rows(p, rows))
+
+
+@ops.extract_row.register(CompositeState)
+def extract_row_composite(state, row):
+    return _each(state, lambda p: ops.extract_row(p, row))
+
+
+@ops._merge.register(CompositeState)
+def merge_composite(first, states):
+    kinds = tuple(type(p) for p in first.parts)
+    for i, s in enumerate(states):
+        got = tuple(type(p) for p in s.parts)
+        check(
+            got == kinds,
+            f"states[{i}] parts",
+            [k.__name__ for k in kinds],
+            [k.__name__ for k in got],
+        )
+    return CompositeState(
+        tuple(ops.merge_rows([s.parts[j] for s in states]) for j in range(len(kinds)))
+    )
