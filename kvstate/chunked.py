@@ -161,6 +161,34 @@ def checkpoint_chunked(state):
     return Checkpoint(state.offsets, (0,) * state.batch_size)
 
 
+def _rolled_back(b: int, t: int, start: int, offset: int, cs: int):
+    """``(start, lengths)`` of row ``b`` back at ``t`` tokens seen, or refused.
+
+    Exact when the row still holds every position of ``t``'s chunk before
+    ``t`` (``[t // cs * cs, t)``), all that a later query can read of its
+    past. One forward after a checkpoint always leaves that (its
+    ``trim_front`` keeps the last ``chunk_size`` tokens); a later forward
+    may have dropped them.
+    """
+    check(
+        t <= offset,
+        f"checkpoint + keep for row {b}",
+        f"<= {offset} (the tokens the row has seen)",
+        t,
+    )
+    first = t // cs * cs
+    if start <= first:
+        return start, t - start
+    if t == first:  # a chunk starts at t: nothing before it is read again
+        return t, 0
+    raise bad(
+        f"checkpoint + keep for row {b}",
+        f">= {start} or a multiple of chunk_size={cs} (positions {first}..{start - 1} "
+        "of its chunk were dropped by a later trim_front)",
+        t,
+    )
+
+
 @ops.rollback.register(ChunkedState)
 def rollback_chunked(state, checkpoint, keep=0):
     if not isinstance(checkpoint, Checkpoint):
@@ -172,17 +200,11 @@ def rollback_chunked(state, checkpoint, keep=0):
         checkpoint.batch_size,
     )
     keep = per_row(keep, state.batch_size, "keep")
-    lengths = []
-    for b, (c, k, s, o) in enumerate(zip(checkpoint.lengths, keep, state.start, state.offsets)):
-        t = c + k
-        check(
-            s <= t <= o,
-            f"checkpoint + keep for row {b}",
-            f"in [{s}, {o}] (the positions the row holds)",
-            t,
-        )
-        lengths.append(t - s)
-    return attrs.evolve(state, lengths=tuple(lengths))
+    rows = [
+        _rolled_back(b, c + k, s, o, state.chunk_size)
+        for b, (c, k, s, o) in enumerate(zip(checkpoint.lengths, keep, state.start, state.offsets))
+    ]
+    return attrs.evolve(state, start=tuple(r[0] for r in rows), lengths=tuple(r[1] for r in rows))
 
 
 # --- rows: filter, extract, merge ---------------------------------------------------------
