@@ -4,7 +4,7 @@ memo, and conversion to and from mlx-lm cache objects (same process)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import (ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache,
+from mlx_lm.models.cache import (BatchKVCache, ConcatenateKVCache, BatchRotatingKVCache, KVCache,
                                  QuantizedKVCache, RotatingKVCache, trim_prompt_cache)
 
 import kvstate as kv
@@ -380,7 +380,7 @@ def test_quantized_round_trip(llama):
 
 def test_conversion_bad_input(llama):
     with pytest.raises(kv.KVStateError, match=r"caches\[0\]"):
-        br.from_prompt_cache([ArraysCache(2)])
+        br.from_prompt_cache([ConcatenateKVCache()])  # (a cache kvstate has no record for)
     q = br.make_states(llama, 2, kv_bits=8, kv_group_size=32)
     with pytest.raises(kv.KVStateError, match="batch size"):
         br.to_prompt_cache(q)
