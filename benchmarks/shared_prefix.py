@@ -97,6 +97,15 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="a .gguf or mlx-lm directory (default: "
+                    "kvstate's default real model, SmolLM2-135M-Instruct)")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random llama (development)")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--system", type=int, default=512)
+    ap.add_argument("--user", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args(argv)
     if args.part == "attention":
         attention_part(args)
@@ -104,8 +113,190 @@ def main(argv=None):
         model_part(args)
 
 
-def model_part(args):  # filled in below
-    raise SystemExit("model part: not written yet")
+# --- the real model ------------------------------------------------------------------------
+
+
+def load(args):
+    """The model: the real SmolLM2-135M (float32, dequantized) or a tiny llama (``--tiny``)."""
+    if args.tiny:
+        from kvstate.cli import tiny_llama
+
+        return tiny_llama(0), "tiny llama (random weights)"
+    from kvstate.models import load_model
+
+    loaded = load_model(args.model, dequantize=True, dtype=mx.float32)
+    return loaded.model, loaded.name
+
+
+def tokens(rng, n, vocab):
+    return rng.integers(1, vocab, n).tolist()
+
+
+def lm_bytes(caches) -> int:
+    return sum(c.nbytes for c in caches)
+
+
+def decode(model, logits, states, steps, key):
+    """``steps`` sampled decode steps (temperature 0.8); returns the median step
+    time, the states and the peak KV bytes held."""
+    from kvstate import mlx_lm as bridge
+    from kvstate.shared import held_bytes
+
+    times, peak = [], held_bytes(states)
+    for _ in range(steps):
+        key, k = mx.random.split(key)
+        tok = mx.random.categorical(logits * (1 / 0.8), key=k)
+        t = time.perf_counter()
+        logits, states = bridge.step(model, tok, states)
+        mx.eval(logits)
+        times.append(time.perf_counter() - t)
+        peak = max(peak, held_bytes(states))
+    return statistics.median(times), states, peak
+
+
+def samples_round(model, prompt, n, steps, seed):
+    """n samples of one prompt, three ways. Returns {side: (ttft, step, peak bytes)}."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.server import LRUPromptCache
+
+    from kvstate import mlx_lm as bridge
+
+    out = {}
+    for side in ("shared", "unshared", "mlx-lm LRU"):
+        mx.clear_cache()
+        t = time.perf_counter()
+        if side == "mlx-lm LRU":
+            lru = LRUPromptCache()
+            cache = make_prompt_cache(model)
+            logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
+            mx.eval(logits)
+            lru.insert_cache("m", prompt, cache)
+            rows = [lru.fetch_nearest_cache("m", prompt)[0] for _ in range(n)]
+            mx.eval([c.state for r in rows for c in r])
+            first = mx.argmax(logits, axis=-1)
+            mx.eval(first)
+            ttft = time.perf_counter() - t
+            out[side] = (ttft, float("nan"), lm_bytes(cache) + sum(lm_bytes(r) for r in rows))
+            continue
+        logits, states = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
+        logits = logits[:, -1, :]
+        if side == "shared":
+            states = kv.fork(states, 0, n - 1)
+        else:
+            states = [kv.filter_rows(s, [0] * n) for s in states]
+        logits = mx.repeat(logits, n, axis=0)
+        first = mx.argmax(logits, axis=-1)
+        mx.eval(first, [p for s in states for p in getattr(s, "planes", ())])
+        ttft = time.perf_counter() - t
+        step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
+        out[side] = (ttft, step, peak)
+    return out
+
+
+def system_round(model, system, users, steps, seed):
+    """R requests sharing a system prompt, served one after another then decoded
+    together. Returns {side: (mean ttft, prefill tokens, step, peak bytes)}."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.server import LRUPromptCache
+
+    from kvstate import mlx_lm as bridge
+    from kvstate.prefix_cache import PrefixCache, prefill
+    from kvstate.shared import held_bytes
+
+    prompts = [system + u for u in users]
+    out = {}
+    for side in ("shared", "unshared", "mlx-lm LRU"):
+        mx.clear_cache()
+        t0 = time.perf_counter()
+        ttfts, ran = [], 0
+        if side == "mlx-lm LRU":
+            lru, running = LRUPromptCache(), []
+            for p in prompts:
+                cache, rest = lru.fetch_nearest_cache("m", p)
+                if cache is None:
+                    cache, rest = make_prompt_cache(model), p
+                logits = model(mx.array([rest]), cache=cache)[:, -1, :]
+                mx.eval(mx.argmax(logits, axis=-1))
+                ttfts.append(time.perf_counter() - t0)
+                ran += len(rest)
+                import copy
+
+                lru.insert_cache("m", p, copy.deepcopy(cache))
+                running.append(cache)
+            peak = sum(lm_bytes(r) for r in running) + lru.nbytes
+            out[side] = (statistics.mean(ttfts), ran, float("nan"), peak)
+            continue
+        cache = PrefixCache(1 << 34) if side == "shared" else None
+        rows, last, leases = [], [], []
+        for p in prompts:
+            if side == "shared":
+                logits, states, held, count = prefill(model, [p], cache)
+                leases += held
+            else:
+                logits, states = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
+                logits, count = logits[:, -1, :], [len(p)]
+            mx.eval(mx.argmax(logits, axis=-1))
+            ttfts.append(time.perf_counter() - t0)
+            ran += count[0]
+            rows.append(states)
+            last.append(logits)
+        states = bridge.merge_rows(rows)
+        logits = mx.concatenate(last, axis=0)
+        extra = [] if cache is None else [s for e in cache._entries.values() for s in e.states]
+        peak0 = held_bytes(list(states) + extra)
+        step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
+        peak = max(peak0, peak + (held_bytes(list(states) + extra) - held_bytes(states)))
+        for lease in leases:
+            lease.release()
+        out[side] = (statistics.mean(ttfts), ran, step, peak)
+    return out
+
+
+def model_part(args):
+    model, name = load(args)
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    prompt = tokens(rng, args.prompt, vocab)
+    system = tokens(rng, args.system, vocab)
+    users = [tokens(rng, args.user, vocab) for _ in range(args.requests)]
+    print(f"# model: {name}, float32, device={mx.default_device()}, rounds={args.rounds}, "
+          f"decode steps={args.steps}")
+    res = {}
+    for r in range(args.rounds):
+        for n in args.samples:
+            for side, v in samples_round(model, prompt, n, args.steps, r).items():
+                res.setdefault(("samples", n, side), []).append(v)
+        if args.requests:
+            for side, v in system_round(model, system, users, args.steps, r).items():
+                res.setdefault(("system", args.requests, side), []).append(v)
+        print(f"# round {r} done", flush=True)
+    print(f"\n## n samples of one {args.prompt}-token prompt")
+    print("| n | side | peak KV bytes | / unshared | TTFT ms | decode step ms | step / unshared |")
+    print("|---|---|---|---|---|---|---|")
+    for n in args.samples:
+        base = res[("samples", n, "unshared")]
+        for side in ("shared", "unshared", "mlx-lm LRU"):
+            v = res[("samples", n, side)]
+            peak = v[0][2]
+            steps = [x[1] for x in v]
+            sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[1] for x in base])
+            st = "-" if side == "mlx-lm LRU" else spread(steps)
+            print(f"| {n} | {side} | {peak} | {peak / base[0][2]:.3f} | "
+                  f"{spread([x[0] for x in v])} | {st} | {sr} |")
+    if args.requests:
+        print(f"\n## {args.requests} requests sharing a {args.system}-token system prompt "
+              f"(+{args.user} tokens each)")
+        print("| side | tokens prefilled | peak KV bytes | / unshared | mean TTFT ms | "
+              "decode step ms | step / unshared |")
+        print("|---|---|---|---|---|---|---|")
+        base = res[("system", args.requests, "unshared")]
+        for side in ("shared", "unshared", "mlx-lm LRU"):
+            v = res[("system", args.requests, side)]
+            steps = [x[2] for x in v]
+            sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[2] for x in base])
+            st = "-" if side == "mlx-lm LRU" else spread(steps)
+            print(f"| {side} | {v[0][1]} | {v[0][3]} | {v[0][3] / base[0][3]:.3f} | "
+                  f"{spread([x[0] for x in v])} | {st} | {sr} |")
 
 
 if __name__ == "__main__":

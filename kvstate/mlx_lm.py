@@ -34,7 +34,8 @@ from .records import CacheState, QuantizedState, RotatingState
 from .dense import (Plans, next_mask_array as dense_next_mask_array,
                     update_and_fetch as dense_update_and_fetch)
 from .rotating import next_mask_array as ring_next_mask_array, read as ring_read
-from .shared import SharedState, next_mask_array as shared_next_mask_array
+from .shared import (SharedState, next_mask_array as shared_next_mask_array,
+                     prefix_groups as shared_prefix_groups, read as shared_read)
 from .dense import geometry as dense_geometry
 
 __all__ = [
@@ -50,10 +51,11 @@ class _Forward:
     """What the shells of one forward share: the memo, its leases, the
     offsets and the dense append plans (host work done once per layout)."""
 
-    __slots__ = ("memo", "leases", "plans", "started", "_positions", "_last")
+    __slots__ = ("memo", "leases", "plans", "started", "route", "_positions", "_last")
 
     def __init__(self, memo: MaskMemo, start_early: bool = False):
         self.memo = memo
+        self.route = None  # a _cascade while shared rows are read by the cascade
         self.leases = []
         self.plans = Plans()
         self.started = not start_early
@@ -237,13 +239,37 @@ class _RingShell(_Shell):
 
 
 class _SharedShell(_Shell):
-    """A ``SharedState`` layer: the model reads the rows materialized (each
-    row's prefix view, then its suffix: ``kvstate.shared.materialize``), with
-    the mask laid out over those columns."""
+    """A ``SharedState`` layer of dense rows.
+
+    Read by the cascade (``_cascade``: each shared prefix read once for all
+    its rows) when the forward routes the model's attention; otherwise the
+    model reads the rows materialized (each row's prefix view, then its
+    suffix: ``kvstate.shared.materialize``), with the mask laid out over
+    those columns.
+    """
 
     __slots__ = ()
 
     _next_mask_array = staticmethod(shared_next_mask_array)
+
+    def update_and_fetch(self, keys, values):
+        fwd = self._fwd
+        if not fwd.started:
+            fwd.start(keys, values)
+        rec = self.record
+        suffix, sk, sv = dense_update_and_fetch(rec.suffix, keys, values, fwd.plans)
+        self.record = SharedState(rec.prefixes, rec.source, rec.prefix_row, rec.shared, suffix)
+        self._offset = None
+        route = fwd.route
+        if route is None:
+            return ops.fetch(self.record)
+        route.pending[id(self)] = (sk, sv)  # the cascade reads the suffix columns
+        return sk, sv
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        if self._fwd.route is not None and window_size is None and not return_array:
+            return None  # the cascade builds its own suffix mask
+        return super().make_mask(N, window_size, return_array)
 
     @property
     def keys(self):
@@ -258,9 +284,13 @@ class _SharedShell(_Shell):
 
 
 class _SharedQuantizedShell(_SharedShell, _QuantizedShell):
-    """Quantized shared rows (``bits``/``group_size`` from the suffix record)."""
+    """Quantized shared rows (``bits``/``group_size`` from the suffix record):
+    always read materialized, through mlx-lm's quantized attention."""
 
     __slots__ = ()
+
+    update_and_fetch = _Shell.update_and_fetch
+    make_mask = _Shell.make_mask
 
     @property
     def bits(self) -> int:
@@ -269,6 +299,70 @@ class _SharedQuantizedShell(_SharedShell, _QuantizedShell):
     @property
     def group_size(self) -> int:
         return self.record.suffix.group_size
+
+
+class _cascade:
+    """While the model runs, its attention reads of shared dense rows take the
+    cascade (``kvstate.shared.read``: each shared prefix read once for all the
+    rows reading it) instead of materialized columns.
+
+    mlx-lm's attention calls its module's ``scaled_dot_product_attention(q, k,
+    v, cache=..., scale=..., mask=...)``; for the duration of the call that
+    global is a dispatcher sending a ``_SharedShell`` to the cascade and every
+    other call, unchanged, to mlx-lm's function. A shell's
+    ``update_and_fetch`` hands the model only its suffix columns, so every
+    one must be read by the dispatcher: one that is not (a model whose
+    attention does not read through that global) raises ``KVStateError``
+    after the forward instead of giving a wrong result.
+    """
+
+    def __init__(self, model, fwd):
+        from .compiled import _attention_modules, _patch_lock
+
+        self.mods, self.lock, self.fwd = _attention_modules(model), _patch_lock, fwd
+        self.pending = {}
+        self.groups = {}
+
+    def _groups(self, record):
+        key = (record.source, record.prefix_row, record.shared)
+        g = self.groups.get(key)
+        if g is None:
+            g = self.groups[key] = shared_prefix_groups(record)
+        return g
+
+    def __enter__(self):
+        from mlx_lm.models import base
+
+        original = self.original = base.scaled_dot_product_attention
+        pending, memo = self.pending, self.fwd.memo
+
+        def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
+            if type(cache) is _SharedShell and sinks is None and id(cache) in pending:
+                suffix_kv = pending.pop(id(cache))
+                record = cache.record
+                return shared_read(record, queries, scale=scale, memo=memo,
+                                   groups=self._groups(record), suffix_kv=suffix_kv)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                            sinks=sinks)
+
+        self.lock.acquire()
+        for mod in self.mods:
+            mod.scaled_dot_product_attention = dispatch
+        self.fwd.route = self
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            for mod in self.mods:
+                mod.scaled_dot_product_attention = self.original
+        finally:
+            self.fwd.route = None
+            self.lock.release()
+        if exc[0] is None and self.pending:
+            raise bad("model", "attention that reads shared rows through mlx-lm's "
+                      "scaled_dot_product_attention (the cascade read)",
+                      f"{len(self.pending)} layer reads that bypassed it")
+        return False
 
 
 def _shared_shell(record, fwd):
@@ -391,7 +485,11 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
         V, dtype = _logits_shape(model)
         return mx.zeros((0, shape[1], V), dtype), list(states)
     try:
-        logits = model(tokens, cache=shells)
+        if any(type(sh) is _SharedShell for sh in shells):
+            with _cascade(model, fwd):
+                logits = model(tokens, cache=shells)
+        else:
+            logits = model(tokens, cache=shells)
     finally:
         fwd.release()
     return logits, [sh.record for sh in shells]

@@ -36,7 +36,7 @@ import mlx.core as mx
 from . import ops, persist
 from .errors import as_int, bad, check
 from .records import CacheState, QuantizedState
-from .shared import SharedState, fork, materialize
+from .shared import SharedState, fork, held_bytes, materialize
 
 __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
 
@@ -132,17 +132,6 @@ def _compact(state):
     return ops.extract_row(state, 0)
 
 
-def _records(states) -> list:
-    """Every distinct record an entry's states hold (shared prefixes once)."""
-    out = []
-    for s in states:
-        if isinstance(s, SharedState):
-            out += list(s.prefixes) + [s.suffix]
-        else:
-            out.append(s)
-    return out
-
-
 class PrefixCache:
     """Token prefixes -> one-row records per layer, LRU within a byte budget.
 
@@ -172,13 +161,7 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Bytes the entries hold, each shared record counted once."""
-        seen, total = set(), 0
-        for e in self._entries.values():
-            for r in _records(e.states):
-                if id(r) not in seen:
-                    seen.add(id(r))
-                    total += r.nbytes
-        return total
+        return held_bytes([s for e in self._entries.values() for s in e.states])
 
     @property
     def pinned(self) -> int:

@@ -102,12 +102,20 @@ class SharedState:
     @property
     def nbytes(self) -> int:
         """Bytes this record holds, each shared prefix counted once."""
-        seen, total = set(), self.suffix.nbytes
-        for p in self.prefixes:
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.nbytes
-        return total
+        return held_bytes([self])
+
+
+def held_bytes(records) -> int:
+    """Bytes held by ``records`` (any kinds, e.g. every layer of every batch and
+    cache entry alive), each record counted once however many rows or
+    ``SharedState``s read it."""
+    seen, total = set(), 0
+    for r in records:
+        for x in (*r.prefixes, r.suffix) if isinstance(r, SharedState) else (r,):
+            if id(x) not in seen:
+                seen.add(id(x))
+                total += x.nbytes
+    return total
 
 
 def _check_shared(state: SharedState) -> SharedState:
@@ -550,8 +558,21 @@ def _(state: SharedState, q, *, scale: float, memo=None, window=None):
     check(n <= short, "q tokens (shape[2])",
           f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",
           n)
-    groups = prefix_groups(state)
-    suffix_kv = ops.fetch(state.suffix)
+    return read(state, q, scale=scale, memo=memo)
+
+
+def read(state: SharedState, q, *, scale: float, memo=None, groups=None, suffix_kv=None):
+    """The cascade read behind ``attend``, without its argument checks (the
+    bridge calls it with the model's own queries).
+
+    ``groups``: ``prefix_groups(state)`` when already known (equal for every
+    layer of a forward); ``suffix_kv``: the suffix columns when already fetched.
+    """
+    n = q.shape[2]
+    if groups is None:
+        groups = prefix_groups(state)
+    if suffix_kv is None:
+        suffix_kv = ops.fetch(state.suffix)
     mask, held = dense.read_mask(state.suffix, n, memo, None)
     try:
         if isinstance(mask, str):

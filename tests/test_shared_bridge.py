@@ -114,3 +114,53 @@ def test_cached_prefix_prefills_only_the_rest():
         assert [t[r] for t in toks] == want_toks
     # Nothing is reused without a cache.
     assert prefill(model, prompts, None)[3] == [15, 17, 16]
+
+
+def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
+    """The model's attention over shared dense rows goes to the cascade (one call
+    per layer per forward), not to the materialized columns."""
+    from kvstate import shared
+
+    calls = []
+    real = shared.cascade_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shared, "cascade_attention", counted)
+    model = llama_model(layers=3)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3, 4]]), bridge.make_states(model, 1))
+    forked = kv.fork(states, 0, 2)
+    logits, _ = bridge.step(model, mx.array([5, 6, 7]), forked)
+    mx.eval(logits)
+    assert len(calls) == 3
+    # The materialized read gives the same logits.
+    monkeypatch.setattr(bridge, "_cascade", _NoRoute)
+    again, _ = bridge.step(model, mx.array([5, 6, 7]), forked)
+    assert len(calls) == 3
+    np.testing.assert_allclose(np.array(logits), np.array(again), atol=2e-5, rtol=1e-5)
+
+
+class _NoRoute:
+    def __init__(self, model, fwd):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_read_that_bypasses_the_cascade_is_refused(monkeypatch):
+    """A model whose attention does not read through mlx-lm's global (simulated:
+    no module found to route) would see only suffix columns: refused, not wrong."""
+    from kvstate import compiled
+
+    model = llama_model(layers=2)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
+    forked = kv.fork(states, 0, 1)
+    monkeypatch.setattr(compiled, "_attention_modules", lambda model: set())
+    with pytest.raises(kv.KVStateError, match="bypassed"):
+        bridge.step(model, mx.array([4, 5]), forked)
