@@ -45,7 +45,9 @@ from .chunked import chunked_state as chunked_state
 from .composite import composite_state as composite_state
 from .persist import load as load, save as save
 from .shared import SharedState as SharedState, fork as fork, materialize as materialize
+from .batch import Batch as Batch
 from .sampling import (
+    Sampling as Sampling,
     row_keys as row_keys,
     sample as sample,
     sample_arrays as sample_arrays,

@@ -21,12 +21,14 @@ from __future__ import annotations
 import weakref
 from typing import Optional, Sequence
 
+import attrs
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
 from . import ops
 from .errors import as_int, bad, check
+from .batch import Batch, sample_batch
 from .masks import MaskMemo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
@@ -40,7 +42,7 @@ from .dense import geometry as dense_geometry
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
-    "merge_rows", "filter_rows", "extend", "extract_row",
+    "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance",
 ]
 
 
@@ -551,3 +553,54 @@ def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
     check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
     logits, states = forward(model, tokens[:, None], states, memo=memo, start_early=start_early)
     return logits[:, -1, :], states
+
+
+# --- a batch in flight (kv.Batch) -------------------------------------------------------
+
+
+def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, seeds=None, keys=None,
+          ids=None, payload=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
+    """Prefill ``prompts`` and sample each row's first token: a ``kv.Batch`` ready to decode.
+
+    Args:
+        prompts: lists of token ids, one per row (each prefilled alone, then merged).
+        sampling: one ``kv.Sampling`` for every row, or one per row (default greedy).
+        seeds: one int per row for its PRNG key (default ``0 .. B-1``), or ``keys``.
+        ids, payload: one value per row (default ``None``).
+        make: ``max_kv_size``, ``kv_bits``, ``kv_group_size`` for ``make_states``.
+
+    Returns:
+        A ``kv.Batch`` whose ``tokens`` are the first sampled tokens: emitted,
+        not in the cache yet (the pending-token rule, ``kvstate.batch``).
+    """
+    logits, states = prefill(model, prompts, memo=memo, **make)
+    B = len(prompts)
+    given = {"sampling": sampling, "ids": ids, "payload": payload,
+             "keys": keys if keys is not None or seeds is None else kv.row_keys(seeds)}
+    pending = Batch(states, mx.zeros((B,), mx.uint32),
+                    **{k: v for k, v in given.items() if v is not None})
+    tokens, keys = sample_batch(logits, pending)
+    return attrs.evolve(pending, tokens=tokens, keys=keys)
+
+
+def advance(model, batch: Batch, *, step=None, memo: Optional[MaskMemo] = None) -> Batch:
+    """One decode step of every row: feed the pending tokens, sample the next ones.
+
+    Each row samples with its own ``kv.Sampling`` and PRNG key. Pure: ``batch``
+    is left unchanged; the new batch's ``tokens`` are the tokens to emit.
+
+    Args:
+        batch: a ``kv.Batch``.
+        step: a callable ``(tokens [B], states) -> (logits [B, V], states)``,
+            e.g. ``kv.compiled_decoder(model)``; default this module's ``step``.
+    """
+    if not isinstance(batch, Batch):
+        raise bad("batch", "a kv.Batch (kvstate.mlx_lm.admit makes one)", type(batch).__name__)
+    if batch.batch_size == 0:  # nothing to feed, nothing to sample
+        return batch
+    if step is None:
+        logits, states = globals()["step"](model, batch.tokens, list(batch.states), memo=memo)
+    else:
+        logits, states = step(batch.tokens, list(batch.states))
+    tokens, keys = sample_batch(logits, batch)
+    return attrs.evolve(batch, states=states, tokens=tokens, keys=keys)

@@ -26,11 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import attrs
 import mlx.core as mx
 
 from .errors import as_int, bad
 
-__all__ = ["filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]
+__all__ = ["Sampling", "filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]
 
 PerRow = float | int | Sequence | mx.array
 
@@ -114,6 +115,27 @@ def _ints(value, B: int, arg: str) -> list:
         if v < 0:
             raise bad(f"{arg}[{i}]" if isinstance(value, (list, tuple)) else arg, ">= 0", v)
     return out
+
+
+def _one(arg, low, high):
+    return lambda v: _floats(v, 1, arg, low, high)[0]
+
+
+@attrs.frozen
+class Sampling:
+    """One row's sampling parameters, checked when made (``KVStateError`` names the field).
+
+    Attributes:
+        temperature: >= 0; 0 is greedy (argmax).
+        top_p: in [0, 1]; 0 or 1 keeps every token.
+        top_k: >= 0; 0 keeps every token.
+        min_p: in [0, 1]; 0 keeps every token.
+    """
+
+    temperature: float = attrs.field(default=0.0, converter=_one("temperature", 0.0, math.inf))
+    top_p: float = attrs.field(default=1.0, converter=_one("top_p", 0.0, 1.0))
+    top_k: int = attrs.field(default=0, converter=lambda v: _ints(v, 1, "top_k")[0])
+    min_p: float = attrs.field(default=0.0, converter=_one("min_p", 0.0, 1.0))
 
 
 def filter_logprobs(
