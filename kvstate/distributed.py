@@ -1,0 +1,462 @@
+"""Rows that move between processes over ``mx.distributed``.
+
+Disaggregated serving prefills a request on one rank and decodes it on
+another; a replica that is full hands rows to one that is not. ``send_rows``
+takes chosen rows out of a batch (one record per layer, any record kind) and
+``recv_rows`` merges them into the receiver's batch::
+
+    rank 0 (prefill)                          rank 1 (decode)
+    states = send_rows(states, [2], dst=1)    states = recv_rows(states, src=0)
+      rows without row 2                        its rows, then row 2 of rank 0
+
+Each moved row travels as ``kv.extract_row`` makes it (its tokens only: no
+padding, no stale or spare columns; a ring as the ``held`` entries in ring
+order), so a row's bytes on the wire are its tokens' bytes, and the receiver
+gets back exactly the record the sender held (lengths, padding, ring
+position, quantization planes), merged with ``kv.merge_rows``.
+
+One migration is a handshake, then the arrays::
+
+    receiver                                   sender
+    READY  {receiver's layer signatures}  ──▶
+                                          ◀──  OFFER {layer signatures, records,
+                                                      tensor specs}  or  ABORT {error}
+    both check OFFER against READY with one function (``mismatch``):
+    a mismatch raises KVStateError on both sides and nothing more is sent
+                                          ◀──  the arrays, in the offer's order
+
+Every message is a fixed header ``int32[4] = (MAGIC, VERSION, kind, n)``
+followed by ``n`` bytes of UTF-8 JSON. The sender checks everything it can
+(rows, records, ``dst``) before the handshake and answers ABORT with its
+error when a check fails, so the receiver raises too instead of waiting. A
+peer that never answers (a ``dst`` that names no rank reaches nobody) is
+caught by ``timeout``: the handshake waits at most that long.
+
+Two transports carry the messages: ``"p2p"`` (``mx.distributed.send`` /
+``recv``: the ring and MPI backends) and ``"collective"`` (``all_gather``
+only: NCCL, which has no send/recv in MLX 0.32; the two ranks each give a
+buffer of one agreed size, so it needs a group of exactly two ranks). The
+default picks ``"collective"`` when the default device is a GPU, else
+``"p2p"``. Decisions are in ``notes/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Optional, Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from . import dense, ops, persist
+from .errors import KVStateError, as_int, bad, check, row_list
+
+__all__ = ["send_rows", "recv_rows", "signature", "mismatch", "pack", "unpack"]
+
+MAGIC = 0x6B767374  # "kvst"
+VERSION = 1
+READY, OFFER, ABORT = 1, 2, 3
+_KINDS = {READY: "READY", OFFER: "OFFER", ABORT: "ABORT"}
+TRANSPORTS = ("auto", "p2p", "collective")
+
+# Dtypes an array on the wire may have, by the name ``str(dtype)`` ends with.
+_DTYPES = {str(d).rsplit(".", 1)[-1]: d for d in (
+    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
+    mx.int64, mx.float16, mx.bfloat16, mx.float32)}
+
+# Host fields that describe rows, not the layer: everything else that is not
+# an array is part of a layer's signature (group_size, bits, max_size, keep).
+_ROW_FIELDS = {"lengths", "left_pad", "held", "step"}
+
+
+# --- what a layer is, and whether rows fit a batch -------------------------------
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def signature(state) -> dict:
+    """What rows need to agree on to share a batch: the record kind, its geometry
+    ``[H, Dk, Dv, dtype]`` (``None`` before the first append) and its layer
+    fields (``group_size``/``bits``, ``max_size``/``keep``); JSON-ready."""
+    cls = type(state)
+    if persist.RECORDS.get(cls.__name__) is not cls:
+        raise bad("state", f"a kvstate record ({', '.join(persist.RECORDS)})", cls.__name__)
+    geo = dense.geometry(state)
+    params = {}
+    for field in attrs.fields(cls):
+        value = getattr(state, field.name)
+        if field.name in _ROW_FIELDS or value is None or isinstance(value, (mx.array, tuple)):
+            continue
+        params[field.name] = value
+    return {"kind": cls.__name__,
+            "geometry": None if geo is None else [*geo[:3], _dtype_name(geo[3])],
+            "params": params}
+
+
+def mismatch(offered: Sequence[dict], held: Optional[Sequence[dict]]) -> Optional[str]:
+    """Why rows with layer signatures ``offered`` cannot join a batch with
+    ``held`` (``None``: the receiver has no batch yet), or ``None`` when they can.
+
+    Both ends of a migration run this on the same two lists, so they agree.
+    """
+    if held is None:
+        return None
+    if len(offered) != len(held):
+        return f"layers: expected {len(held)} (the receiver's), got {len(offered)}"
+    for i, (o, h) in enumerate(zip(offered, held)):
+        for key in ("kind", "params"):
+            if o[key] != h[key]:
+                return f"layer {i} {key}: expected {h[key]} (the receiver's), got {o[key]}"
+        if o["geometry"] is not None and h["geometry"] is not None \
+                and o["geometry"] != h["geometry"]:
+            return (f"layer {i} geometry [H, Dk, Dv, dtype]: expected {h['geometry']} "
+                    f"(the receiver's), got {o['geometry']}")
+    return None
+
+
+def _layers(states, arg: str) -> list:
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad(arg, "a list of records (one per layer)", type(states).__name__)
+    states = list(states)
+    check(len(states) >= 1, arg, "at least one record (one per layer)", "none")
+    B = states[0].batch_size if hasattr(states[0], "batch_size") else None
+    for i, s in enumerate(states):
+        signature(s)  # refuses anything but a record
+        check(s.batch_size == B, f"{arg}[{i}] batch size", f"{B} (as {arg}[0])", s.batch_size)
+    return states
+
+
+# --- pure halves: rows to (JSON, arrays) and back -----------------------------------
+
+
+def pack(states: Sequence, rows: Sequence[int]) -> tuple:
+    """The offer for ``rows`` of ``states``: ``(description, arrays)``.
+
+    ``description`` is JSON-ready: the layer signatures, one ``persist``
+    entry per row and layer (host fields and array names) and the spec
+    ``[name, dtype, shape]`` of each array; ``arrays`` are in the specs'
+    order. Each row is ``kv.extract_row`` of its layer: its tokens only.
+    """
+    tensors, entries = {}, []
+    for j, r in enumerate(rows):
+        entries.append([persist._encode(j * len(states) + i, ops.extract_row(s, r), tensors)
+                        for i, s in enumerate(states)])
+    specs = [[name, _dtype_name(a.dtype), list(a.shape)] for name, a in tensors.items()]
+    desc = {"layers": [signature(s) for s in states], "rows": entries, "arrays": specs}
+    return desc, [tensors[name] for name, _, _ in specs]
+
+
+def _specs(desc) -> list:
+    """The array specs of an offer as ``(name, dtype, shape)``, each checked
+    (the description came over the wire: it is outside input)."""
+    out = []
+    try:
+        for i, (name, dtype, shape) in enumerate(desc["arrays"]):
+            check(isinstance(name, str), f"offer arrays[{i}] name", "a string", name)
+            check(dtype in _DTYPES, f"offer arrays[{i}] dtype", f"one of {sorted(_DTYPES)}",
+                  dtype)
+            check(isinstance(shape, list) and len(shape) <= 8 and all(
+                type(n) is int and n >= 0 for n in shape), f"offer arrays[{i}] shape",
+                "a list of at most 8 non-negative ints", shape)
+            out.append((name, _DTYPES[dtype], tuple(shape)))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, KVStateError):
+            raise
+        raise bad("offer arrays", "a list of [name, dtype, shape]", repr(e)) from None
+    return out
+
+
+def unpack(desc: dict, arrays: Sequence) -> list:
+    """The rows an offer carries: one list of records (one per layer) per row.
+
+    Every record is rebuilt through ``persist`` (the kinds it allows, the
+    record constructors) and must be a one-row record of the offered kind.
+    """
+    tensors = {name: a for (name, _, _), a in zip(_specs(desc), arrays)}
+    try:
+        layers, rows = desc["layers"], desc["rows"]
+    except (KeyError, TypeError):
+        raise bad("offer", "a dict with layers, rows and arrays", type(desc).__name__) from None
+    check(isinstance(rows, list) and rows, "offer rows", "a non-empty list", type(rows).__name__)
+    out = []
+    for j, entries in enumerate(rows):
+        check(isinstance(entries, list) and len(entries) == len(layers), f"offer rows[{j}]",
+              f"{len(layers)} records (one per layer)", entries)
+        row = []
+        for i, entry in enumerate(entries):
+            rec = persist._decode(j * len(layers) + i, entry, tensors)
+            check(rec.batch_size == 1, f"offer rows[{j}][{i}] batch size", 1, rec.batch_size)
+            sig = signature(rec)
+            check(mismatch([sig], [layers[i]]) is None, f"offer rows[{j}][{i}]",
+                  f"a record of the offered layer {layers[i]}", sig)
+            row.append(rec)
+        out.append(row)
+    return out
+
+
+# --- transports ----------------------------------------------------------------------
+
+
+def _header(kind: int, n: int) -> mx.array:
+    return mx.array([MAGIC, VERSION, kind, n], dtype=mx.int32)
+
+
+def _body(obj) -> tuple:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return len(data), mx.array(np.frombuffer(data, dtype=np.uint8))
+
+
+def _parse(header: mx.array, peer: int) -> tuple:
+    magic, version, kind, n = (int(x) for x in np.array(header).reshape(-1)[:4])
+    check(magic == MAGIC and version == VERSION, f"header from rank {peer}",
+          f"a kvstate migration header (magic {MAGIC:#x}, version {VERSION})",
+          f"magic {magic & 0xFFFFFFFF:#x}, version {version}")
+    check(kind in _KINDS and n >= 0, f"header from rank {peer}", "READY, OFFER or ABORT",
+          f"kind {kind}, {n} bytes")
+    return kind, n
+
+
+class _P2P:
+    """``send``/``recv`` (ring, MPI). Receivers speak first, so two blocking
+    sends never wait on each other."""
+
+    def __init__(self, group, peer: int, speaks_first: bool):
+        self.group, self.peer, self.first = group, peer, speaks_first
+
+    def exchange(self, header, n, body, stream):
+        g, p = self.group, self.peer
+
+        def send():
+            mx.eval(mx.distributed.send(header, p, group=g, stream=stream))
+            if n:
+                mx.eval(mx.distributed.send(body, p, group=g, stream=stream))
+
+        def recv():
+            h = mx.distributed.recv((4,), mx.int32, p, group=g, stream=stream)
+            mx.eval(h)
+            kind, m = _parse(h, p)
+            data = mx.distributed.recv((m,), mx.uint8, p, group=g, stream=stream) if m else None
+            if m:
+                mx.eval(data)
+            return kind, data
+
+        if self.first:
+            send()
+            return recv()
+        got = recv()
+        send()
+        return got
+
+    def move_one(self, array, dtype, shape):
+        g, p = self.group, self.peer
+        if array is not None:
+            mx.eval(mx.distributed.send(mx.contiguous(array), p, group=g, stream=mx.cpu))
+            return array
+        array = mx.distributed.recv(shape, dtype, p, group=g, stream=mx.cpu)
+        mx.eval(array)
+        return array
+
+
+class _Collective:
+    """``all_gather`` only (NCCL): each rank of a two-rank group gives a buffer of
+    one agreed size and keeps the other's."""
+
+    def __init__(self, group, peer: int):
+        self.group, self.peer = group, peer
+
+    def _gather(self, x, stream=None):
+        flat = x.reshape(1, -1)
+        return mx.distributed.all_gather(flat, group=self.group, stream=stream)[self.peer]
+
+    def exchange(self, header, n, body, stream):
+        h = self._gather(header, stream)
+        mx.eval(h)
+        kind, m = _parse(h, self.peer)
+        size = max(n, m)
+        data = None
+        if size:
+            mine = body if n == size else mx.concatenate(
+                [body if n else mx.zeros((0,), mx.uint8), mx.zeros((size - n,), mx.uint8)])
+            data = self._gather(mine, stream)[:m]
+            mx.eval(data)
+        return kind, data if m else None
+
+    def move_one(self, array, dtype, shape):
+        got = self._gather(mx.zeros(shape, dtype) if array is None else array).reshape(shape)
+        mx.eval(got)
+        return got if array is None else array
+
+
+def _move(link, arrays, specs) -> list:
+    """Carry the offer's arrays (``arrays``: the sender's, ``None`` on the
+    receiver) in the specs' order; empty arrays are made, not sent."""
+    out = []
+    for i, (_, dtype, shape) in enumerate(specs):
+        mine = None if arrays is None else arrays[i]
+        if 0 in shape:
+            out.append(mx.zeros(shape, dtype) if mine is None else mine)
+        else:
+            out.append(link.move_one(mine, dtype, shape))
+    return out
+
+
+def _transport(group, peer: int, transport: str, speaks_first: bool):
+    if transport not in TRANSPORTS:
+        raise bad("transport", f"one of {TRANSPORTS}", repr(transport))
+    if transport == "auto":
+        transport = "collective" if mx.default_device().type == mx.DeviceType.gpu else "p2p"
+    if transport == "collective":
+        check(group.size() == 2, "group size", "2 for the collective transport (make a "
+              "two-rank group with group.split, or use transport='p2p')", group.size())
+        return _Collective(group, peer)
+    return _P2P(group, peer, speaks_first)
+
+
+def _handshake(link, kind: int, obj, timeout: Optional[float], peer: int):
+    """Send one message and receive the peer's, waiting at most ``timeout`` seconds.
+
+    The wait runs on its own thread and stream: a peer that never answers
+    leaves that stream blocked, not the caller's, and the caller gets a
+    KVStateError instead of a hang.
+    """
+    n, body = _body(obj)
+    header = _header(kind, n)
+    device = mx.default_device() if isinstance(link, _Collective) else mx.cpu
+    box = {}
+
+    def run():
+        try:
+            box["out"] = link.exchange(header, n, body, mx.new_stream(device))
+        except BaseException as e:  # handed to the caller
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="kvstate-handshake", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise bad(f"rank {peer}", f"an answer within timeout={timeout} s",
+                  "none (it never reached this migration; the link to it now holds a "
+                  "pending message: re-create the group before using it again)")
+    if "err" in box:
+        raise box["err"]
+    their, data = box["out"]
+    try:
+        message = json.loads(bytes(np.array(data)).decode()) if data is not None else None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise bad(f"message from rank {peer}", "UTF-8 JSON", repr(e)) from None
+    return their, message
+
+
+# --- the two ends ------------------------------------------------------------------
+
+
+def _group(group):
+    return mx.distributed.init() if group is None else group
+
+
+def _peer(value, arg: str, group) -> int:
+    peer = as_int(value, arg)
+    rank, size = group.rank(), group.size()
+    check(0 <= peer < size and peer != rank, arg,
+          f"another rank of the group: in [0, {size}), not {rank} (this rank)", peer)
+    return peer
+
+
+def send_rows(states: Sequence, rows, dst: int, *, note=None, group=None,
+              transport: str = "auto", timeout: Optional[float] = 60.0) -> Optional[list]:
+    """Move ``rows`` of ``states`` to rank ``dst``, which calls ``recv_rows``.
+
+    Args:
+        states: one record per layer (any kinds), all with the same rows.
+        rows: the row indices to move (a non-empty list, in the order the
+            receiver appends them).
+        dst: the receiving rank of ``group``.
+        note: any JSON value delivered with the rows (request ids, each row's
+            next token: what the receiver needs to go on decoding them).
+        group: an ``mx.distributed`` group (default: ``mx.distributed.init()``).
+        transport: ``"p2p"`` (send/recv), ``"collective"`` (all_gather, a
+            two-rank group) or ``"auto"`` (see the module docstring).
+        timeout: seconds to wait for the receiver to show up (``None``: forever).
+
+    Returns:
+        The records without the moved rows (in their order), or ``None``
+        when every row moved. The input records are left unchanged.
+
+    Raises:
+        KVStateError: bad ``dst``, ``rows`` or ``states`` (before anything is
+            sent; the receiver, when ``dst`` names one, is told and raises
+            too), or rows that do not fit the receiver's batch.
+    """
+    g = _group(group)
+    peer = _peer(dst, "dst", g)  # no peer to tell: the receiver's timeout answers
+    link = _transport(g, peer, transport, speaks_first=False)
+    try:
+        states = _layers(states, "states")
+        rows = row_list(rows, states[0].batch_size)
+        check(len(set(rows)) == len(rows), "rows", "distinct row indices", rows)
+        stay = [r for r in range(states[0].batch_size) if r not in set(rows)]
+        remaining = [ops.filter_rows(s, stay) for s in states] if stay else None
+        desc, arrays = pack(states, rows)
+        try:
+            desc["note"] = json.loads(json.dumps(note))
+        except (TypeError, ValueError) as e:
+            raise bad("note", "a JSON value (dicts, lists, str, numbers, None)", repr(e)) from None
+    except KVStateError as e:
+        try:  # tell the receiver, so it raises too instead of waiting
+            _handshake(link, ABORT, {"error": str(e)}, timeout, peer)
+        except KVStateError:
+            pass
+        raise
+    their, ready = _handshake(link, OFFER, desc, timeout, peer)
+    check(their == READY, f"rank {dst}", "READY (a rank calling recv_rows)", _KINDS[their])
+    why = mismatch(desc["layers"], (ready or {}).get("layers"))
+    if why is not None:
+        raise bad(f"rows for rank {dst}", "rows that fit its batch", why)
+    _move(link, arrays, _specs(desc))
+    return remaining
+
+
+def recv_rows(states: Optional[Sequence], src: int, *, group=None, transport: str = "auto",
+              timeout: Optional[float] = 60.0) -> tuple:
+    """Receive rows that rank ``src`` sends with ``send_rows`` and append them.
+
+    Args:
+        states: this rank's batch (one record per layer), or ``None`` when it
+            has none yet (the result is then the received rows alone).
+        src: the sending rank of ``group``.
+        group, transport, timeout: as ``send_rows``.
+
+    Returns:
+        ``(states, note)``: per layer, ``kv.merge_rows`` of this rank's rows
+        followed by the received rows (in the order sent), and the sender's
+        ``note``. The input records are unchanged.
+
+    Raises:
+        KVStateError: the sender aborted (its error is in the message), the
+            rows do not fit this batch, the sender never answered within
+            ``timeout``, or what arrived is not a valid offer.
+    """
+    g = _group(group)
+    peer = _peer(src, "src", g)
+    link = _transport(g, peer, transport, speaks_first=True)
+    mine = None if states is None else _layers(states, "states")
+    held = None if mine is None else {"layers": [signature(s) for s in mine]}
+    their, offer = _handshake(link, READY, held, timeout, peer)
+    if their == ABORT:
+        raise bad(f"rows from rank {src}", "an offer",
+                  f"an abort: {(offer or {}).get('error', '(no reason given)')}")
+    check(their == OFFER and isinstance(offer, dict), f"rank {src}",
+          "OFFER (a rank calling send_rows)", _KINDS[their])
+    why = mismatch(offer.get("layers", []), None if held is None else held["layers"])
+    if why is not None:
+        raise bad(f"rows from rank {src}", "rows that fit this batch", why)
+    got = unpack(offer, _move(link, None, _specs(offer)))
+    if mine is None:
+        merged = [ops.merge_rows([row[i] for row in got]) for i in range(len(got[0]))]
+    else:
+        merged = [ops.merge_rows([s, *(row[i] for row in got)]) for i, s in enumerate(mine)]
+    return merged, offer.get("note")

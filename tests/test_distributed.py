@@ -1,0 +1,61 @@
+"""Tensor parallelism and row migration over ``mx.distributed`` (ring, loopback).
+
+The two-process tests start two real ranks (``tests/_launch.py``) and
+compare what they generate with the same scenario run in this process,
+unsharded and unmoved.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import _dist_worker as w
+from _launch import run_ranks
+from tiny_models import llama_model
+
+
+def test_tensor_parallel_matches_one_process():
+    ranks = run_ranks("tp")
+    ref = w.tp_scenario(llama_model(**w.CONFIGS["dense+ring"][0]))
+    assert ref["heads"] == [2, 2]
+    assert ref["kinds"] == ["RotatingState", "CacheState"]
+    for r in ranks:
+        assert r["tokens"] == ref["tokens"], (r["rank"], r["tokens"], ref["tokens"])
+        assert r["heads"] == [1, 1]  # each rank holds its half of the KV heads
+        assert r["kinds"] == ref["kinds"]
+
+
+@pytest.mark.parametrize("transport", ["p2p", "collective"])
+def test_prefill_on_rank0_decode_on_rank1(transport):
+    ranks = run_ranks("migrate", transport)
+    steps = w.BEFORE + w.AFTER
+    for config in w.CONFIGS:  # dense + ring, quantized + ring
+        r0, r1 = (r[config] for r in ranks)
+        for name, got in {**r0["tokens"], **r1["tokens"]}.items():
+            assert got == w.generate_alone(config, name, steps), (config, name)
+        assert sorted(r0["tokens"]) == ["b"] and sorted(r1["tokens"]) == ["a", "c", "d"]
+        # Rows arrive bit for bit (bytes, lengths, padding, ring position), in the order sent.
+        assert r1["received"] == r0["sent"]
+        assert [len(rows) for rows in r0["rows"]] == [1, 1]
+        assert [len(rows) for rows in r1["rows"]] == [3, 3]
+
+
+def test_bad_input_raises_on_both_ends():
+    r0, r1 = run_ranks("errors")
+    # Mismatched geometry (dense rows for a quantized batch): both ends raise.
+    assert "layer 0 kind" in r0["geometry"]["error"]
+    assert "QuantizedState" in r0["geometry"]["error"]
+    assert r1["geometry"]["error"] == r0["geometry"]["error"].replace(
+        "rows for rank 1: expected rows that fit its batch",
+        "rows from rank 0: expected rows that fit this batch")
+    # Rows out of range / a note that is not JSON: the sender raises, the receiver is told.
+    for case, arg in (("rows", "rows[0]"), ("note", "note")):
+        assert r0[case]["error"].startswith(arg), r0[case]
+        assert "an abort: " + r0[case]["error"] in r1[case]["error"]
+    # The link is still good: the next migration goes through.
+    assert r0["good"] == [[5], [5]] and r1["good"] == [[5, 3, 3]] * 2
+    # dst names no rank: the sender raises at once; the receiver times out.
+    assert r0["dst"]["error"].startswith("dst: expected another rank")
+    assert r0["dst"]["seconds"] < 0.5
+    assert "an answer within timeout=1.0 s" in r1["dst"]["error"]
+    assert 0.9 < r1["dst"]["seconds"] < 10
