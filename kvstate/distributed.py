@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import attrs
 import mlx.core as mx
@@ -53,7 +53,7 @@ import numpy as np
 from . import dense, ops, persist
 from .errors import KVStateError, as_int, bad, check, row_list
 
-__all__ = ["send_rows", "recv_rows", "signature", "mismatch", "pack", "unpack"]
+__all__ = ["mismatch", "pack", "recv_rows", "send_rows", "signature", "unpack"]
 
 MAGIC = 0x6B767374  # "kvst"
 VERSION = 1
@@ -62,9 +62,23 @@ _KINDS = {READY: "READY", OFFER: "OFFER", ABORT: "ABORT"}
 TRANSPORTS = ("auto", "p2p", "collective")
 
 # Dtypes an array on the wire may have, by the name ``str(dtype)`` ends with.
-_DTYPES = {str(d).rsplit(".", 1)[-1]: d for d in (
-    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-    mx.int64, mx.float16, mx.bfloat16, mx.float32)}
+_DTYPES = {
+    str(d).rsplit(".", 1)[-1]: d
+    for d in (
+        mx.bool_,
+        mx.uint8,
+        mx.uint16,
+        mx.uint32,
+        mx.uint64,
+        mx.int8,
+        mx.int16,
+        mx.int32,
+        mx.int64,
+        mx.float16,
+        mx.bfloat16,
+        mx.float32,
+    )
+}
 
 # Host fields that describe rows, not the layer: everything else that is not
 # an array is part of a layer's signature (group_size, bits, max_size, keep).
@@ -92,12 +106,14 @@ def signature(state) -> dict:
         if field.name in _ROW_FIELDS or value is None or isinstance(value, (mx.array, tuple)):
             continue
         params[field.name] = value
-    return {"kind": cls.__name__,
-            "geometry": None if geo is None else [*geo[:3], _dtype_name(geo[3])],
-            "params": params}
+    return {
+        "kind": cls.__name__,
+        "geometry": None if geo is None else [*geo[:3], _dtype_name(geo[3])],
+        "params": params,
+    }
 
 
-def mismatch(offered: Sequence[dict], held: Optional[Sequence[dict]]) -> Optional[str]:
+def mismatch(offered: Sequence[dict], held: Sequence[dict] | None) -> str | None:
     """Why rows with layer signatures ``offered`` cannot join a batch with
     ``held`` (``None``: the receiver has no batch yet), or ``None`` when they can.
 
@@ -111,10 +127,15 @@ def mismatch(offered: Sequence[dict], held: Optional[Sequence[dict]]) -> Optiona
         for key in ("kind", "params"):
             if o[key] != h[key]:
                 return f"layer {i} {key}: expected {h[key]} (the receiver's), got {o[key]}"
-        if o["geometry"] is not None and h["geometry"] is not None \
-                and o["geometry"] != h["geometry"]:
-            return (f"layer {i} geometry [H, Dk, Dv, dtype]: expected {h['geometry']} "
-                    f"(the receiver's), got {o['geometry']}")
+        if (
+            o["geometry"] is not None
+            and h["geometry"] is not None
+            and o["geometry"] != h["geometry"]
+        ):
+            return (
+                f"layer {i} geometry [H, Dk, Dv, dtype]: expected {h['geometry']} "
+                f"(the receiver's), got {o['geometry']}"
+            )
     return None
 
 
@@ -143,8 +164,12 @@ def pack(states: Sequence, rows: Sequence[int]) -> tuple:
     """
     tensors, entries = {}, []
     for j, r in enumerate(rows):
-        entries.append([persist._encode(j * len(states) + i, ops.extract_row(s, r), tensors)
-                        for i, s in enumerate(states)])
+        entries.append(
+            [
+                persist._encode(j * len(states) + i, ops.extract_row(s, r), tensors)
+                for i, s in enumerate(states)
+            ]
+        )
     specs = [[name, _dtype_name(a.dtype), list(a.shape)] for name, a in tensors.items()]
     desc = {"layers": [signature(s) for s in states], "rows": entries, "arrays": specs}
     return desc, [tensors[name] for name, _, _ in specs]
@@ -157,11 +182,15 @@ def _specs(desc) -> list:
     try:
         for i, (name, dtype, shape) in enumerate(desc["arrays"]):
             check(isinstance(name, str), f"offer arrays[{i}] name", "a string", name)
-            check(dtype in _DTYPES, f"offer arrays[{i}] dtype", f"one of {sorted(_DTYPES)}",
-                  dtype)
-            check(isinstance(shape, list) and len(shape) <= 8 and all(
-                type(n) is int and n >= 0 for n in shape), f"offer arrays[{i}] shape",
-                "a list of at most 8 non-negative ints", shape)
+            check(dtype in _DTYPES, f"offer arrays[{i}] dtype", f"one of {sorted(_DTYPES)}", dtype)
+            check(
+                isinstance(shape, list)
+                and len(shape) <= 8
+                and all(type(n) is int and n >= 0 for n in shape),
+                f"offer arrays[{i}] shape",
+                "a list of at most 8 non-negative ints",
+                shape,
+            )
             out.append((name, _DTYPES[dtype], tuple(shape)))
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, KVStateError):
@@ -184,15 +213,23 @@ def unpack(desc: dict, arrays: Sequence) -> list:
     check(isinstance(rows, list) and rows, "offer rows", "a non-empty list", type(rows).__name__)
     out = []
     for j, entries in enumerate(rows):
-        check(isinstance(entries, list) and len(entries) == len(layers), f"offer rows[{j}]",
-              f"{len(layers)} records (one per layer)", entries)
+        check(
+            isinstance(entries, list) and len(entries) == len(layers),
+            f"offer rows[{j}]",
+            f"{len(layers)} records (one per layer)",
+            entries,
+        )
         row = []
         for i, entry in enumerate(entries):
             rec = persist._decode(j * len(layers) + i, entry, tensors)
             check(rec.batch_size == 1, f"offer rows[{j}][{i}] batch size", 1, rec.batch_size)
             sig = signature(rec)
-            check(mismatch([sig], [layers[i]]) is None, f"offer rows[{j}][{i}]",
-                  f"a record of the offered layer {layers[i]}", sig)
+            check(
+                mismatch([sig], [layers[i]]) is None,
+                f"offer rows[{j}][{i}]",
+                f"a record of the offered layer {layers[i]}",
+                sig,
+            )
             row.append(rec)
         out.append(row)
     return out
@@ -212,11 +249,18 @@ def _body(obj) -> tuple:
 
 def _parse(header: mx.array, peer: int) -> tuple:
     magic, version, kind, n = (int(x) for x in np.array(header).reshape(-1)[:4])
-    check(magic == MAGIC and version == VERSION, f"header from rank {peer}",
-          f"a kvstate migration header (magic {MAGIC:#x}, version {VERSION})",
-          f"magic {magic & 0xFFFFFFFF:#x}, version {version}")
-    check(kind in _KINDS and n >= 0, f"header from rank {peer}", "READY, OFFER or ABORT",
-          f"kind {kind}, {n} bytes")
+    check(
+        magic == MAGIC and version == VERSION,
+        f"header from rank {peer}",
+        f"a kvstate migration header (magic {MAGIC:#x}, version {VERSION})",
+        f"magic {magic & 0xFFFFFFFF:#x}, version {version}",
+    )
+    check(
+        kind in _KINDS and n >= 0,
+        f"header from rank {peer}",
+        "READY, OFFER or ABORT",
+        f"kind {kind}, {n} bytes",
+    )
     return kind, n
 
 
@@ -279,8 +323,13 @@ class _Collective:
         size = max(n, m)
         data = None
         if size:
-            mine = body if n == size else mx.concatenate(
-                [body if n else mx.zeros((0,), mx.uint8), mx.zeros((size - n,), mx.uint8)])
+            mine = (
+                body
+                if n == size
+                else mx.concatenate(
+                    [body if n else mx.zeros((0,), mx.uint8), mx.zeros((size - n,), mx.uint8)]
+                )
+            )
             data = self._gather(mine, stream)[:m]
             mx.eval(data)
         return kind, data if m else None
@@ -310,13 +359,18 @@ def _transport(group, peer: int, transport: str, speaks_first: bool):
     if transport == "auto":
         transport = "collective" if mx.default_device().type == mx.DeviceType.gpu else "p2p"
     if transport == "collective":
-        check(group.size() == 2, "group size", "2 for the collective transport (make a "
-              "two-rank group with group.split, or use transport='p2p')", group.size())
+        check(
+            group.size() == 2,
+            "group size",
+            "2 for the collective transport (make a "
+            "two-rank group with group.split, or use transport='p2p')",
+            group.size(),
+        )
         return _Collective(group, peer)
     return _P2P(group, peer, speaks_first)
 
 
-def _handshake(link, kind: int, obj, timeout: Optional[float], peer: int):
+def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
     """Send one message and receive the peer's, waiting at most ``timeout`` seconds.
 
     The wait runs on its own thread and stream: a peer that never answers
@@ -331,16 +385,19 @@ def _handshake(link, kind: int, obj, timeout: Optional[float], peer: int):
     def run():
         try:
             box["out"] = link.exchange(header, n, body, mx.new_stream(device))
-        except BaseException as e:  # handed to the caller
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["err"] = e
 
     t = threading.Thread(target=run, name="kvstate-handshake", daemon=True)
     t.start()
     t.join(timeout)
     if t.is_alive():
-        raise bad(f"rank {peer}", f"an answer within timeout={timeout} s",
-                  "none (it never reached this migration; the link to it now holds a "
-                  "pending message: re-create the group before using it again)")
+        raise bad(
+            f"rank {peer}",
+            f"an answer within timeout={timeout} s",
+            "none (it never reached this migration; the link to it now holds a "
+            "pending message: re-create the group before using it again)",
+        )
     if "err" in box:
         raise box["err"]
     their, data = box["out"]
@@ -361,13 +418,25 @@ def _group(group):
 def _peer(value, arg: str, group) -> int:
     peer = as_int(value, arg)
     rank, size = group.rank(), group.size()
-    check(0 <= peer < size and peer != rank, arg,
-          f"another rank of the group: in [0, {size}), not {rank} (this rank)", peer)
+    check(
+        0 <= peer < size and peer != rank,
+        arg,
+        f"another rank of the group: in [0, {size}), not {rank} (this rank)",
+        peer,
+    )
     return peer
 
 
-def send_rows(states: Sequence, rows, dst: int, *, note=None, group=None,
-              transport: str = "auto", timeout: Optional[float] = 60.0) -> Optional[list]:
+def send_rows(
+    states: Sequence,
+    rows,
+    dst: int,
+    *,
+    note=None,
+    group=None,
+    transport: str = "auto",
+    timeout: float | None = 60.0,
+) -> list | None:
     """Move ``rows`` of ``states`` to rank ``dst``, which calls ``recv_rows``.
 
     Args:
@@ -420,8 +489,14 @@ def send_rows(states: Sequence, rows, dst: int, *, note=None, group=None,
     return remaining
 
 
-def recv_rows(states: Optional[Sequence], src: int, *, group=None, transport: str = "auto",
-              timeout: Optional[float] = 60.0) -> tuple:
+def recv_rows(
+    states: Sequence | None,
+    src: int,
+    *,
+    group=None,
+    transport: str = "auto",
+    timeout: float | None = 60.0,
+) -> tuple:
     """Receive rows that rank ``src`` sends with ``send_rows`` and append them.
 
     Args:
@@ -447,10 +522,17 @@ def recv_rows(states: Optional[Sequence], src: int, *, group=None, transport: st
     held = None if mine is None else {"layers": [signature(s) for s in mine]}
     their, offer = _handshake(link, READY, held, timeout, peer)
     if their == ABORT:
-        raise bad(f"rows from rank {src}", "an offer",
-                  f"an abort: {(offer or {}).get('error', '(no reason given)')}")
-    check(their == OFFER and isinstance(offer, dict), f"rank {src}",
-          "OFFER (a rank calling send_rows)", _KINDS[their])
+        raise bad(
+            f"rows from rank {src}",
+            "an offer",
+            f"an abort: {(offer or {}).get('error', '(no reason given)')}",
+        )
+    check(
+        their == OFFER and isinstance(offer, dict),
+        f"rank {src}",
+        "OFFER (a rank calling send_rows)",
+        _KINDS[their],
+    )
     why = mismatch(offer.get("layers", []), None if held is None else held["layers"])
     if why is not None:
         raise bad(f"rows from rank {src}", "rows that fit this batch", why)

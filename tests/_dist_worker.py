@@ -15,19 +15,21 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
+import mlx.core as mx
+import numpy as np
+from tiny_models import llama_model, prompt
 
-import kvstate as kv  # noqa: E402
-import kvstate.mlx_lm as kl  # noqa: E402
-from kvstate.distributed import recv_rows, send_rows  # noqa: E402
-from tiny_models import llama_model, prompt  # noqa: E402
+import kvstate as kv
+import kvstate.mlx_lm as kl
+from kvstate.distributed import recv_rows, send_rows
 
 WINDOW = 6  # sliding layers wrap within the few tokens the tests generate
 CONFIGS = {  # name -> (model kwargs, make_states kwargs): every record kind
     "dense+ring": ({"layers": 2, "sliding_window": WINDOW}, {}),
-    "quantized+ring": ({"layers": 2, "sliding_window": WINDOW},
-                       {"kv_bits": 8, "kv_group_size": 32}),
+    "quantized+ring": (
+        {"layers": 2, "sliding_window": WINDOW},
+        {"kv_bits": 8, "kv_group_size": 32},
+    ),
 }
 PROMPTS = {"a": prompt(11, 5), "b": prompt(12, 3), "c": prompt(13, 7), "d": prompt(14, 4)}
 
@@ -71,8 +73,12 @@ def tp_scenario(model) -> dict:
     names, nxt = names[1:], nxt[1:]
     run(2, compiled=False)
     run(2, compiled=True)
-    heads = [s.keys.shape[1] if s.keys is not None and not isinstance(s.keys, tuple)
-             else s.keys[0].shape[1] for s in states]
+    heads = [
+        s.keys.shape[1]
+        if s.keys is not None and not isinstance(s.keys, tuple)
+        else s.keys[0].shape[1]
+        for s in states
+    ]
     return {"tokens": out, "heads": heads, "kinds": [type(s).__name__ for s in states]}
 
 
@@ -89,8 +95,7 @@ def digest(states) -> str:
     """SHA-256 of a one-row list of records: host fields and every plane's bytes."""
     h = hashlib.sha256()
     for s in states:
-        h.update(repr((type(s).__name__, s.lengths, s.left_pad,
-                       getattr(s, "held", None))).encode())
+        h.update(repr((type(s).__name__, s.lengths, s.left_pad, getattr(s, "held", None))).encode())
         for p in s.planes:
             h.update(str(p.dtype).encode() + str(p.shape).encode())
             h.update(np.array(p).tobytes())
@@ -148,7 +153,7 @@ def migrate_one(group, config: str, transport: str) -> dict:
     decode = kv.compiled_decoder(model, attention="mask")
     for i in range(AFTER):
         tokens = mx.array([toks[n][-1] for n in names])
-        logits, states = (decode(tokens, states) if i % 2 else kl.step(model, tokens, states))
+        logits, states = decode(tokens, states) if i % 2 else kl.step(model, tokens, states)
         for n, t in zip(names, greedy(logits)):
             toks[n].append(t)
     out["tokens"] = toks

@@ -39,10 +39,16 @@ def run_ranks(*args: str, n: int = 2, timeout: float = 60.0) -> list:
         hostfile = Path(tmp) / "hosts.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
         env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "PYTHONUNBUFFERED": "1"}
-        procs = [subprocess.Popen([sys.executable, str(WORKER), *args],
-                                  env={**env, "MLX_RANK": str(r)}, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-                 for r in range(n)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env={**env, "MLX_RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(n)
+        ]
         deadline = time.monotonic() + timeout
         outs = []
         try:
@@ -50,8 +56,9 @@ def run_ranks(*args: str, n: int = 2, timeout: float = 60.0) -> list:
                 try:
                     out, err = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
                 except subprocess.TimeoutExpired:
-                    raise AssertionError(f"rank {r} of {args} still running after {timeout} s "
-                                         "(a hang)") from None
+                    raise AssertionError(
+                        f"rank {r} of {args} still running after {timeout} s (a hang)"
+                    ) from None
                 assert p.returncode == 0, f"rank {r} of {args} exited {p.returncode}:\n{err}"
                 outs.append(json.loads(out.strip().splitlines()[-1]))
         finally:

@@ -7,9 +7,8 @@ unsharded and unmoved.
 
 from __future__ import annotations
 
-import pytest
-
 import _dist_worker as w
+import pytest
 from _launch import run_ranks
 from tiny_models import llama_model
 
@@ -47,7 +46,8 @@ def test_bad_input_raises_on_both_ends():
     assert "QuantizedState" in r0["geometry"]["error"]
     assert r1["geometry"]["error"] == r0["geometry"]["error"].replace(
         "rows for rank 1: expected rows that fit its batch",
-        "rows from rank 0: expected rows that fit this batch")
+        "rows from rank 0: expected rows that fit this batch",
+    )
     # Rows out of range / a note that is not JSON: the sender raises, the receiver is told.
     for case, arg in (("rows", "rows[0]"), ("note", "note")):
         assert r0[case]["error"].startswith(arg), r0[case]

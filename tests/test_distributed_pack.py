@@ -1,0 +1,141 @@
+"""The pure halves of row migration, in one process: ``pack`` / ``unpack``
+over a JSON round trip, ``mismatch``, and the refusals that need no peer.
+
+What goes over the wire is the offer ``pack`` builds (JSON) and its arrays;
+these laws check that the receiver rebuilds exactly ``kv.extract_row`` of
+every moved row, for every record kind, and merges it as ``kv.merge_rows``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import kvstate as kv
+from kvstate import distributed as dist
+
+KINDS = {
+    "dense": lambda: kv.empty(1, step=4),
+    "quantized": lambda: kv.quantized(1, group_size=32, bits=4),
+    "ring": lambda: kv.rotating(1, max_size=5, keep=1, step=2),
+}
+
+
+@st.composite
+def batches(draw, kind):
+    """A ragged batch of ``kind`` (padding, stale tails, wrapped rings) and its layer count."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    rows = []
+    for _ in range(draw(st.integers(1, 4))):
+        s = KINDS[kind]()
+        for n in draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)):
+            k, v = (
+                mx.array(rng.standard_normal((1, 2, n, 32)).astype(np.float32)) for _ in range(2)
+            )
+            s = kv.append(s, k, v)
+        if kind != "ring" and draw(st.booleans()):
+            s = kv.trim(s, 1)
+        rows.append(s)
+    return kv.merge_rows(rows)
+
+
+def wire(desc):
+    """The offer as the receiver parses it."""
+    return json.loads(json.dumps(desc, separators=(",", ":")))
+
+
+def same(a, b):
+    assert type(a) is type(b)
+    assert (a.lengths, a.left_pad, getattr(a, "held", None)) == (
+        b.lengths,
+        b.left_pad,
+        getattr(b, "held", None),
+    )
+    assert len(a.planes) == len(b.planes)
+    for p, q in zip(a.planes, b.planes):
+        assert p.dtype == q.dtype and p.shape == q.shape
+        np.testing.assert_array_equal(np.array(p), np.array(q))
+
+
+@given(
+    st.sampled_from(sorted(KINDS)).flatmap(lambda k: st.tuples(batches(k), batches(k), st.data()))
+)
+def test_unpack_of_pack_is_extract_row_and_merges(args):
+    sender, receiver, data = args
+    rows = data.draw(st.lists(st.integers(0, sender.batch_size - 1), min_size=1, unique=True))
+    note(f"rows {rows} of lengths {sender.lengths}")
+    states = [sender, sender]  # two layers
+    desc, arrays = dist.pack(states, rows)
+    got = dist.unpack(wire(desc), arrays)
+    assert len(got) == len(rows)
+    for row, r in zip(got, rows):
+        for rec, s in zip(row, states):
+            same(rec, kv.extract_row(s, r))
+    assert dist.mismatch(desc["layers"], [dist.signature(receiver)] * 2) is None
+    merged = kv.merge_rows([receiver, *(row[0] for row in got)])
+    want = kv.merge_rows([receiver, *(kv.extract_row(sender, r) for r in rows)])
+    same(merged, want)
+    # Bytes on the wire are the moved rows' tokens, never the batch's capacity.
+    held = getattr(sender, "held", sender.lengths)
+    per_column = sum(p[:1, :, :1].nbytes for p in sender.planes)
+    assert sum(a.nbytes for a in arrays) == 2 * per_column * sum(held[r] for r in rows)
+
+
+def test_signatures_and_mismatch():
+    dense = kv.append(kv.empty(1), mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+    ring = kv.rotating(1, max_size=4, keep=1)
+    quant = kv.quantized(1, group_size=32, bits=8)
+    assert dist.signature(dense) == {
+        "kind": "CacheState",
+        "geometry": [2, 8, 8, "float32"],
+        "params": {},
+    }
+    assert dist.signature(ring)["params"] == {"max_size": 4, "keep": 1}
+    assert dist.signature(quant)["params"] == {"group_size": 32, "bits": 8}
+    sig = dist.signature
+    assert dist.mismatch([sig(dense)], None) is None
+    assert dist.mismatch([sig(dense)], [sig(kv.empty(1))]) is None  # no geometry yet: fits
+    assert "layers: expected 2" in dist.mismatch([sig(dense)], [sig(dense)] * 2)
+    assert "layer 0 kind" in dist.mismatch([sig(dense)], [sig(quant)])
+    assert "layer 0 params" in dist.mismatch([sig(ring)], [sig(kv.rotating(1, max_size=8, keep=1))])
+    other = kv.append(kv.empty(1), mx.zeros((1, 1, 3, 8)), mx.zeros((1, 1, 3, 8)))
+    assert "layer 0 geometry" in dist.mismatch([sig(dense)], [sig(other)])
+
+
+def test_unpack_refuses_bad_offers():
+    s = kv.append(kv.empty(2), mx.ones((2, 1, 2, 4)), mx.ones((2, 1, 2, 4)))
+    desc, arrays = dist.pack([s], [1])
+    cases = {
+        "dtype": lambda d: d["arrays"][0].__setitem__(1, "complex64"),
+        "shape": lambda d: d["arrays"][0].__setitem__(2, [-1, 2]),
+        "kind": lambda d: d["rows"][0][0].__setitem__("kind", "os.system"),
+        "layers": lambda d: d["rows"].__setitem__(0, []),
+        "signature": lambda d: d["layers"][0].__setitem__("kind", "QuantizedState"),
+        "lengths": lambda d: d["rows"][0][0]["host"].__setitem__("lengths", [2, 2]),
+    }
+    for name, spoil in cases.items():
+        bad = wire(desc)
+        spoil(bad)
+        with pytest.raises(kv.KVStateError):
+            dist.unpack(bad, arrays)
+            pytest.fail(f"the spoiled {name} was taken")
+    with pytest.raises(kv.KVStateError, match="offer"):
+        dist.unpack({"rows": []}, arrays)
+
+
+def test_refused_before_any_communication():
+    # A process started without a launcher is a group of one: no rank to talk to.
+    s = [kv.append(kv.empty(1), mx.ones((1, 1, 2, 4)), mx.ones((1, 1, 2, 4)))]
+    with pytest.raises(kv.KVStateError, match=r"dst: expected another rank .* got 1"):
+        dist.send_rows(s, [0], 1)
+    with pytest.raises(kv.KVStateError, match=r"dst: expected another rank .* got 0"):
+        dist.send_rows(s, [0], 0)
+    with pytest.raises(kv.KVStateError, match="src: expected another rank"):
+        dist.recv_rows(s, -1)
+    with pytest.raises(kv.KVStateError, match="dst: expected an int"):
+        dist.send_rows(s, [0], "1")
