@@ -37,6 +37,11 @@ def parse(argv=None):
     p.add_argument("--transport", default="auto", choices=["auto", "p2p", "collective"])
     p.add_argument("--backend", default="any", help="mx.distributed.init backend")
     p.add_argument(
+        "--timeout",
+        default="60",
+        help="handshake timeout in seconds, or 'none' (wait in the caller's thread)",
+    )
+    p.add_argument(
         "--gpu-per-rank",
         action="store_true",
         help="set CUDA_VISIBLE_DEVICES to this rank (MLX_RANK) before MLX starts",
@@ -58,6 +63,7 @@ def main(argv=None):
     if group.size() != 2:
         sys.exit(f"run on 2 ranks (got {group.size()})")
     dtype = getattr(mx, args.dtype)
+    timeout = None if args.timeout == "none" else float(args.timeout)
     link = dist._transport(group, 1 - rank, args.transport, speaks_first=rank == 1)
     transport = type(link).__name__.strip("_").lower()
 
@@ -77,9 +83,9 @@ def main(argv=None):
 
     def migrate():
         if rank == 0:
-            dist.send_rows(states, [0], 1, group=group, transport=args.transport)
+            dist.send_rows(states, [0], 1, group=group, transport=args.transport, timeout=timeout)
             return None
-        got, _ = dist.recv_rows(None, 0, group=group, transport=args.transport)
+        got, _ = dist.recv_rows(None, 0, group=group, transport=args.transport, timeout=timeout)
         mx.eval([s.planes for s in got])
         return got
 

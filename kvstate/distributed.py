@@ -381,6 +381,9 @@ def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
     header = _header(kind, n)
     device = mx.default_device() if isinstance(link, _Collective) else mx.cpu
     box = {}
+    if timeout is None:  # wait in the caller's thread, on the default stream
+        their, data = link.exchange(header, n, body, mx.cpu if device == mx.cpu else None)
+        return their, _message(data, peer)
 
     def run():
         try:
@@ -401,11 +404,15 @@ def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
     if "err" in box:
         raise box["err"]
     their, data = box["out"]
+    return their, _message(data, peer)
+
+
+def _message(data, peer: int):
+    """The JSON a message's body holds (``None`` for an empty body)."""
     try:
-        message = json.loads(bytes(np.array(data)).decode()) if data is not None else None
+        return None if data is None else json.loads(bytes(np.array(data)).decode())
     except (UnicodeDecodeError, ValueError) as e:
         raise bad(f"message from rank {peer}", "UTF-8 JSON", repr(e)) from None
-    return their, message
 
 
 # --- the two ends ------------------------------------------------------------------
@@ -449,7 +456,8 @@ def send_rows(
         group: an ``mx.distributed`` group (default: ``mx.distributed.init()``).
         transport: ``"p2p"`` (send/recv), ``"collective"`` (all_gather, a
             two-rank group) or ``"auto"`` (see the module docstring).
-        timeout: seconds to wait for the receiver to show up (``None``: forever).
+        timeout: seconds to wait for the receiver to show up (``None``: forever,
+            in the caller's thread).
 
     Returns:
         The records without the moved rows (in their order), or ``None``

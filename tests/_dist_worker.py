@@ -136,16 +136,20 @@ def migrate_one(group, config: str, transport: str) -> dict:
         for n, t in zip(names, greedy(logits)):
             toks[n].append(t)
     out = {}
+    # The collective runs wait in the caller's thread (timeout=None); p2p on a thread.
+    timeout = None if transport == "collective" else 60.0
     t0 = time.perf_counter()
     if rank == 0:
         moved = [2, 0]
         out["sent"] = [digest(kl.extract_row(states, r)) for r in moved]
         note = {n: toks[n] for n in ("c", "a")}
-        states = send_rows(states, moved, 1, note=note, group=group, transport=transport)
+        states = send_rows(
+            states, moved, 1, note=note, group=group, transport=transport, timeout=timeout
+        )
         names = ["b"]
         out["sent_tokens"] = {n: toks.pop(n) for n in ("c", "a")}
     else:
-        states, note = recv_rows(states, 0, group=group, transport=transport)
+        states, note = recv_rows(states, 0, group=group, transport=transport, timeout=timeout)
         out["received"] = [digest(kl.extract_row(states, r)) for r in (1, 2)]
         names += list(note)
         toks.update(note)
