@@ -80,11 +80,6 @@ _DTYPES = {
     )
 }
 
-# Host fields that describe rows, not the layer: everything else that is not
-# an array is part of a layer's signature (group_size, bits, max_size, keep).
-_ROW_FIELDS = {"lengths", "left_pad", "held", "step"}
-
-
 # --- what a layer is, and whether rows fit a batch -------------------------------
 
 
@@ -92,25 +87,65 @@ def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def _geometry(state):
+    """``[H, Dk, Dv, dtype]`` of a KV record (``dense.geometry``); for a record
+    of fixed-size arrays (recurrent slots), ``[dtype, *shape[1:]]`` per array
+    (``None`` for a slot not yet written); ``None`` before the first write."""
+    try:
+        geo = dense.geometry(state)
+        return None if geo is None else [*geo[:3], _dtype_name(geo[3])]
+    except NotImplementedError:
+        pass
+    out = []
+    for field in attrs.fields(type(state)):
+        value = getattr(state, field.name)
+        if persist._is_arrays(value):
+            out += [None if a is None else [_dtype_name(a.dtype), *a.shape[1:]] for a in value]
+    return out or None
+
+
 def signature(state) -> dict:
-    """What rows need to agree on to share a batch: the record kind, its geometry
-    ``[H, Dk, Dv, dtype]`` (``None`` before the first append) and its layer
-    fields (``group_size``/``bits``, ``max_size``/``keep``); JSON-ready."""
+    """What rows need to agree on to share a batch, JSON-ready: the record
+    kind, its geometry (``_geometry``), its layer fields (the host fields that
+    are not per-row tuples: ``group_size``/``bits``, ``max_size``/``keep``,
+    ``chunk_size``; ``step`` may differ) and the signatures of nested parts."""
     cls = type(state)
     if persist.RECORDS.get(cls.__name__) is not cls:
         raise bad("state", f"a kvstate record ({', '.join(persist.RECORDS)})", cls.__name__)
-    geo = dense.geometry(state)
-    params = {}
+    sig = {"kind": cls.__name__, "geometry": _geometry(state), "params": {}}
     for field in attrs.fields(cls):
         value = getattr(state, field.name)
-        if field.name in _ROW_FIELDS or value is None or isinstance(value, (mx.array, tuple)):
-            continue
-        params[field.name] = value
-    return {
-        "kind": cls.__name__,
-        "geometry": None if geo is None else [*geo[:3], _dtype_name(geo[3])],
-        "params": params,
-    }
+        if persist._is_records(value):
+            sig.setdefault("parts", {})[field.name] = [signature(p) for p in value]
+        elif field.name != "step" and isinstance(value, (bool, int, float, str)):
+            sig["params"][field.name] = value
+    return sig
+
+
+def _fits(offered, held) -> bool:
+    """Geometries agree where both are known (``None`` fits anything)."""
+    if offered is None or held is None:
+        return True
+    if isinstance(offered, list) and isinstance(held, list):
+        return len(offered) == len(held) and all(map(_fits, offered, held))
+    return offered == held
+
+
+def _differ(o: dict, h: dict, where: str) -> str | None:
+    for key in ("kind", "params"):
+        if o[key] != h[key]:
+            return f"{where} {key}: expected {h[key]} (the receiver's), got {o[key]}"
+    if not _fits(o["geometry"], h["geometry"]):
+        return f"{where} geometry: expected {h['geometry']} (the receiver's), got {o['geometry']}"
+    for field, parts in h.get("parts", {}).items():
+        theirs = o.get("parts", {}).get(field, [])
+        if len(theirs) != len(parts):
+            return f"{where} {field}: expected {len(parts)} parts, got {len(theirs)}"
+        for j, (a, b) in enumerate(zip(theirs, parts)):
+            why = _differ(a, b, f"{where} {field}[{j}]")
+            if why:
+                return why
+    return None
 
 
 def mismatch(offered: Sequence[dict], held: Sequence[dict] | None) -> str | None:
@@ -124,18 +159,9 @@ def mismatch(offered: Sequence[dict], held: Sequence[dict] | None) -> str | None
     if len(offered) != len(held):
         return f"layers: expected {len(held)} (the receiver's), got {len(offered)}"
     for i, (o, h) in enumerate(zip(offered, held)):
-        for key in ("kind", "params"):
-            if o[key] != h[key]:
-                return f"layer {i} {key}: expected {h[key]} (the receiver's), got {o[key]}"
-        if (
-            o["geometry"] is not None
-            and h["geometry"] is not None
-            and o["geometry"] != h["geometry"]
-        ):
-            return (
-                f"layer {i} geometry [H, Dk, Dv, dtype]: expected {h['geometry']} "
-                f"(the receiver's), got {o['geometry']}"
-            )
+        why = _differ(o, h, f"layer {i}")
+        if why:
+            return why
     return None
 
 
@@ -460,8 +486,8 @@ def send_rows(
             in the caller's thread).
 
     Returns:
-        The records without the moved rows (in their order), or ``None``
-        when every row moved. The input records are left unchanged.
+        The records without the moved rows (in their order; an empty, B = 0,
+        batch when every row moved). The input records are left unchanged.
 
     Raises:
         KVStateError: bad ``dst``, ``rows`` or ``states`` (before anything is
@@ -476,7 +502,7 @@ def send_rows(
         rows = row_list(rows, states[0].batch_size)
         check(len(set(rows)) == len(rows), "rows", "distinct row indices", rows)
         stay = [r for r in range(states[0].batch_size) if r not in set(rows)]
-        remaining = [ops.filter_rows(s, stay) for s in states] if stay else None
+        remaining = [ops.filter_rows(s, stay) for s in states]  # B = 0 when all move
         desc, arrays = pack(states, rows)
         try:
             desc["note"] = json.loads(json.dumps(note))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,48 +19,79 @@ from hypothesis import strategies as st
 
 import kvstate as kv
 from kvstate import distributed as dist
-
-KINDS = {
-    "dense": lambda: kv.empty(1, step=4),
-    "quantized": lambda: kv.quantized(1, group_size=32, bits=4),
-    "ring": lambda: kv.rotating(1, max_size=5, keep=1, step=2),
-}
+from kvstate import recurrent as rec
 
 
-@st.composite
-def batches(draw, kind):
-    """A ragged batch of ``kind`` (padding, stale tails, wrapped rings) and its layer count."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    rows = []
-    for _ in range(draw(st.integers(1, 4))):
-        s = KINDS[kind]()
+def kv_row(make):
+    """One row of a KV kind: ``make()`` then a few appends of random tokens."""
+
+    def build(draw, rng):
+        s = make()
         for n in draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)):
             k, v = (
                 mx.array(rng.standard_normal((1, 2, n, 32)).astype(np.float32)) for _ in range(2)
             )
             s = kv.append(s, k, v)
-        if kind != "ring" and draw(st.booleans()):
+        if hasattr(s, "left_pad") and not hasattr(s, "max_size") and draw(st.booleans()):
             s = kv.trim(s, 1)
-        rows.append(s)
-    return kv.merge_rows(rows)
+        return s
+
+    return build
+
+
+def recurrent_row(draw, rng):
+    s = rec.recurrent_state(1, slots=3)
+    s = rec.set_slot(s, 0, mx.array(rng.standard_normal((1, 3, 8)).astype(np.float32)))
+    if draw(st.booleans()):  # slot 2 may stay unwritten
+        s = rec.set_slot(s, 2, mx.array(rng.integers(0, 9, (1, 2, 4)).astype(np.int32)))
+    return rec.advance(s, draw(st.integers(1, 5)))
+
+
+def composite_row(draw, rng):
+    return kv.composite_state([KINDS["ring"](draw, rng), recurrent_row(draw, rng)])
+
+
+KINDS = {  # every record kind a migration carries
+    "dense": kv_row(lambda: kv.empty(1, step=4)),
+    "quantized": kv_row(lambda: kv.quantized(1, group_size=32, bits=4)),
+    "ring": kv_row(lambda: kv.rotating(1, max_size=5, keep=1, step=2)),
+    "chunked": kv_row(lambda: kv.chunked_state(1, chunk_size=4, step=4)),
+    "recurrent": recurrent_row,
+    "composite": composite_row,
+}
+
+
+@st.composite
+def batches(draw, kind):
+    """A ragged batch of ``kind`` (padding, stale tails, wrapped rings, unwritten slots)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    return kv.merge_rows([KINDS[kind](draw, rng) for _ in range(draw(st.integers(1, 4)))])
+
+
+def same(a, b):
+    """Two records hold the same fields: host values equal, arrays bit for bit."""
+    assert type(a) is type(b)
+    for f in attrs.fields(type(a)):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, mx.array):
+            assert x.dtype == y.dtype and x.shape == y.shape, f.name
+            np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f.name)
+        elif isinstance(x, tuple) and any(isinstance(e, mx.array) or attrs.has(type(e)) for e in x):
+            assert len(x) == len(y), f.name
+            for e, g in zip(x, y):
+                if attrs.has(type(e)):
+                    same(e, g)
+                else:
+                    assert (e is None) == (g is None), f.name
+                    if e is not None:
+                        np.testing.assert_array_equal(np.array(e), np.array(g), err_msg=f.name)
+        else:
+            assert x == y, (f.name, x, y)
 
 
 def wire(desc):
     """The offer as the receiver parses it."""
     return json.loads(json.dumps(desc, separators=(",", ":")))
-
-
-def same(a, b):
-    assert type(a) is type(b)
-    assert (a.lengths, a.left_pad, getattr(a, "held", None)) == (
-        b.lengths,
-        b.left_pad,
-        getattr(b, "held", None),
-    )
-    assert len(a.planes) == len(b.planes)
-    for p, q in zip(a.planes, b.planes):
-        assert p.dtype == q.dtype and p.shape == q.shape
-        np.testing.assert_array_equal(np.array(p), np.array(q))
 
 
 @given(
@@ -74,16 +106,14 @@ def test_unpack_of_pack_is_extract_row_and_merges(args):
     got = dist.unpack(wire(desc), arrays)
     assert len(got) == len(rows)
     for row, r in zip(got, rows):
-        for rec, s in zip(row, states):
-            same(rec, kv.extract_row(s, r))
+        for record, s in zip(row, states):
+            same(record, kv.extract_row(s, r))
     assert dist.mismatch(desc["layers"], [dist.signature(receiver)] * 2) is None
     merged = kv.merge_rows([receiver, *(row[0] for row in got)])
     want = kv.merge_rows([receiver, *(kv.extract_row(sender, r) for r in rows)])
     same(merged, want)
-    # Bytes on the wire are the moved rows' tokens, never the batch's capacity.
-    held = getattr(sender, "held", sender.lengths)
-    per_column = sum(p[:1, :, :1].nbytes for p in sender.planes)
-    assert sum(a.nbytes for a in arrays) == 2 * per_column * sum(held[r] for r in rows)
+    # Bytes on the wire are what the moved rows own, never the batch's capacity.
+    assert sum(a.nbytes for a in arrays) == 2 * sum(kv.extract_row(sender, r).nbytes for r in rows)
 
 
 def test_signatures_and_mismatch():
@@ -103,6 +133,14 @@ def test_signatures_and_mismatch():
     assert "layers: expected 2" in dist.mismatch([sig(dense)], [sig(dense)] * 2)
     assert "layer 0 kind" in dist.mismatch([sig(dense)], [sig(quant)])
     assert "layer 0 params" in dist.mismatch([sig(ring)], [sig(kv.rotating(1, max_size=8, keep=1))])
+    r1 = rec.set_slot(rec.recurrent_state(1, slots=2), 0, mx.zeros((1, 3, 8)))
+    r2 = rec.set_slot(rec.recurrent_state(1, slots=2), 0, mx.zeros((1, 3, 4)))
+    assert sig(r1)["geometry"] == [["float32", 3, 8], None]
+    assert "layer 0 geometry" in dist.mismatch([sig(r1)], [sig(r2)])
+    assert dist.mismatch([sig(r1)], [sig(rec.recurrent_state(1, slots=2))]) is None
+    c1 = kv.composite_state([kv.rotating(1, max_size=4), r1])
+    c2 = kv.composite_state([kv.rotating(1, max_size=8), r1])
+    assert "layer 0 parts[0] params" in dist.mismatch([sig(c1)], [sig(c2)])
     other = kv.append(kv.empty(1), mx.zeros((1, 1, 3, 8)), mx.zeros((1, 1, 3, 8)))
     assert "layer 0 geometry" in dist.mismatch([sig(dense)], [sig(other)])
 
