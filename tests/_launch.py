@@ -67,3 +67,36 @@ def run_ranks(*args: str, n: int = 2, timeout: float = 60.0) -> list:
                     p.kill()
                     p.communicate()
     return outs
+
+
+def launch(*args: str, n: int = 2, timeout: float = 90.0) -> str:
+    """``mlx.launch -n n --backend ring args...`` on loopback; its stdout.
+
+    The launcher and its ranks run in their own session, killed whole on
+    timeout (a hang fails the test).
+    """
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
+        "-n",
+        str(n),
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(free_ports(1)[0]),
+        "--python",
+        sys.executable,
+        *args,
+    ]
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+        p.communicate()
+        raise AssertionError(f"mlx.launch {args} still running after {timeout} s") from None
+    assert p.returncode == 0, f"mlx.launch {args} exited {p.returncode}:\n{err}"
+    return out

@@ -7,9 +7,12 @@ unsharded and unmoved.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import _dist_worker as w
 import pytest
-from _launch import run_ranks
+from _launch import launch, run_ranks
 from tiny_models import llama_model
 
 
@@ -59,3 +62,12 @@ def test_bad_input_raises_on_both_ends():
     assert r0["dst"]["seconds"] < 0.5
     assert "an answer within timeout=1.0 s" in r1["dst"]["error"]
     assert 0.9 < r1["dst"]["seconds"] < 10
+
+
+def test_example_prefill_on_one_rank_decode_on_another():
+    """``examples/disaggregated.py`` under the real launcher (ring, loopback)."""
+    example = Path(__file__).parents[1] / "examples" / "disaggregated.py"
+    out = launch(str(example), "--check", "--max-tokens", "5", "--every", "2")
+    done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(d["id"] for d in done) == [0, 1, 2, 3]
+    assert all(len(d["tokens"]) == 5 and d["same_as_one_process"] for d in done), done
