@@ -139,12 +139,21 @@ def _differ(o: dict, h: dict, where: str) -> str | None:
         return f"{where} geometry: expected {h['geometry']} (the receiver's), got {o['geometry']}"
     for field, parts in h.get("parts", {}).items():
         theirs = o.get("parts", {}).get(field, [])
-        if len(theirs) != len(parts):
-            return f"{where} {field}: expected {len(parts)} parts, got {len(theirs)}"
-        for j, (a, b) in enumerate(zip(theirs, parts)):
-            why = _differ(a, b, f"{where} {field}[{j}]")
-            if why:
-                return why
+        why = _differ_all(theirs, parts, f"{where} {field}")
+        if why:
+            return why
+    return None
+
+
+def _differ_all(offered: Sequence[dict], held: Sequence[dict], where: str) -> str | None:
+    """The first difference between two lists of signatures (item ``j`` is
+    named ``where[j]``), or ``None``."""
+    if len(offered) != len(held):
+        return f"{where}: expected {len(held)} (the receiver's), got {len(offered)}"
+    for j, (o, h) in enumerate(zip(offered, held)):
+        why = _differ(o, h, f"{where}[{j}]")
+        if why:
+            return why
     return None
 
 
@@ -154,15 +163,7 @@ def mismatch(offered: Sequence[dict], held: Sequence[dict] | None) -> str | None
 
     Both ends of a migration run this on the same two lists, so they agree.
     """
-    if held is None:
-        return None
-    if len(offered) != len(held):
-        return f"layers: expected {len(held)} (the receiver's), got {len(offered)}"
-    for i, (o, h) in enumerate(zip(offered, held)):
-        why = _differ(o, h, f"layer {i}")
-        if why:
-            return why
-    return None
+    return None if held is None else _differ_all(offered, held, "layers")
 
 
 def _layers(states, arg: str) -> list:

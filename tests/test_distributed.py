@@ -45,7 +45,7 @@ def test_prefill_on_rank0_decode_on_rank1(transport):
 def test_bad_input_raises_on_both_ends():
     r0, r1 = run_ranks("errors")
     # Mismatched geometry (dense rows for a quantized batch): both ends raise.
-    assert "layer 0 kind" in r0["geometry"]["error"]
+    assert "layers[0] kind" in r0["geometry"]["error"]
     assert "QuantizedState" in r0["geometry"]["error"]
     assert r1["geometry"]["error"] == r0["geometry"]["error"].replace(
         "rows for rank 1: expected rows that fit its batch",

@@ -131,18 +131,20 @@ def test_signatures_and_mismatch():
     assert dist.mismatch([sig(dense)], None) is None
     assert dist.mismatch([sig(dense)], [sig(kv.empty(1))]) is None  # no geometry yet: fits
     assert "layers: expected 2" in dist.mismatch([sig(dense)], [sig(dense)] * 2)
-    assert "layer 0 kind" in dist.mismatch([sig(dense)], [sig(quant)])
-    assert "layer 0 params" in dist.mismatch([sig(ring)], [sig(kv.rotating(1, max_size=8, keep=1))])
+    assert "layers[0] kind" in dist.mismatch([sig(dense)], [sig(quant)])
+    assert "layers[0] params" in dist.mismatch(
+        [sig(ring)], [sig(kv.rotating(1, max_size=8, keep=1))]
+    )
     r1 = rec.set_slot(rec.recurrent_state(1, slots=2), 0, mx.zeros((1, 3, 8)))
     r2 = rec.set_slot(rec.recurrent_state(1, slots=2), 0, mx.zeros((1, 3, 4)))
     assert sig(r1)["geometry"] == [["float32", 3, 8], None]
-    assert "layer 0 geometry" in dist.mismatch([sig(r1)], [sig(r2)])
+    assert "layers[0] geometry" in dist.mismatch([sig(r1)], [sig(r2)])
     assert dist.mismatch([sig(r1)], [sig(rec.recurrent_state(1, slots=2))]) is None
     c1 = kv.composite_state([kv.rotating(1, max_size=4), r1])
     c2 = kv.composite_state([kv.rotating(1, max_size=8), r1])
-    assert "layer 0 parts[0] params" in dist.mismatch([sig(c1)], [sig(c2)])
+    assert "layers[0] parts[0] params" in dist.mismatch([sig(c1)], [sig(c2)])
     other = kv.append(kv.empty(1), mx.zeros((1, 1, 3, 8)), mx.zeros((1, 1, 3, 8)))
-    assert "layer 0 geometry" in dist.mismatch([sig(dense)], [sig(other)])
+    assert "layers[0] geometry" in dist.mismatch([sig(dense)], [sig(other)])
 
 
 def test_unpack_refuses_bad_offers():
