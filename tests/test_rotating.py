@@ -537,7 +537,7 @@ class RingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def extract(self, data):
         b = data.draw(st.integers(0, self.s.batch_size - 1))
-        if self.refs[b].length:
+        if self.refs[b].entries:  # a trimmed ring row can hold a length but no entry
             assert_row(kv.extract_row(self.s, b), 0, self.refs[b])
 
     @invariant()
