@@ -17,9 +17,11 @@ from .records import (
     CompositeCheckpoint as CompositeCheckpoint,
 )
 from .ops import (
+    anchor as anchor,
     append as append,
     attend as attend,
     checkpoint as checkpoint,
+    commit as commit,
     extend as extend,
     extract_row as extract_row,
     fetch as fetch,

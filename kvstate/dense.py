@@ -447,6 +447,16 @@ def _(state: _Rows, checkpoint, keep=0):
     return attrs.evolve(state, lengths=check_checkpoint(state, checkpoint, keep))
 
 
+@ops.anchor.register
+def _(state: _Rows):
+    return ops.checkpoint(state)
+
+
+@ops.commit.register
+def _(state: _Rows, anchor, keep=0):
+    return ops.rollback(state, anchor, keep)
+
+
 # --- rows: merge, filter, extract ------------------------------------------------
 
 

@@ -89,6 +89,33 @@ def rollback(state, checkpoint, keep=0):
 
 
 @singledispatch
+def anchor(state):
+    """What ``commit`` needs to bring ``state`` back after later appends.
+
+    A ``Checkpoint`` (no arrays) for dense and quantized rows, whose rollback
+    is free; the record itself for a ring, whose single-token appends
+    overwrite entries a rollback of more than one token needs.
+    """
+    return _unsupported("anchor")(state)
+
+
+@singledispatch
+def commit(state, anchor, keep=0):
+    """Rows return to ``anchor`` plus the first ``keep`` tokens appended since
+    (int or per row), as appending those tokens one position at a time would
+    have left them.
+
+    ``anchor`` is ``anchor(earlier)`` of an earlier record of this one's
+    history (same rows). With a ``Checkpoint`` this is ``rollback``; with a
+    ring record it takes the kept tokens' entries from ``state`` and writes
+    them, position by position, into the earlier ring, so any accepted count
+    comes back however the draft was appended (one token at a time or as
+    one block).
+    """
+    return _unsupported("commit")(state)
+
+
+@singledispatch
 def filter_rows(state, rows: Sequence[int]):
     """Keep ``rows`` in that order, then drop the padding columns every survivor shares."""
     return _unsupported("filter_rows")(state)
@@ -133,5 +160,5 @@ def extend(state, other):
 
 __all__ = [
     "KVStateError", "append", "fetch", "attend", "next_mask", "positions", "trim", "checkpoint",
-    "rollback", "filter_rows", "extract_row", "merge_rows", "extend",
+    "rollback", "anchor", "commit", "filter_rows", "extract_row", "merge_rows", "extend",
 ]

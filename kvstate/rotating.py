@@ -462,6 +462,78 @@ def _(state: RotatingState, checkpoint, keep=0):
     return _trim_to(state, dense.checkpoint_target(state, checkpoint, keep), "checkpoint + keep")
 
 
+@ops.anchor.register
+def _(state: RotatingState):
+    return state  # single-token appends overwrite what a longer rollback needs
+
+
+@ops.commit.register
+def _(state: RotatingState, anchor, keep=0):
+    """Decode by position: ``anchor`` (the earlier ring) plus the first
+    ``keep[b]`` positions ``state`` appended since, written one position at
+    a time, so each row ends exactly as single-token decoding leaves it::
+
+        anchor (C = 8):  0 1 | 2 3 4 5 6 7   held 8 (positions 2..9 at col(p))
+        state:  4 draft tokens appended one at a time overwrote positions 4..7
+        commit(state, anchor, 2): anchor + positions 10, 11 copied from state
+                         at col(10), col(11): positions 4, 5 evicted, 6..11 held
+
+    The kept positions are read from ``state`` (they must still be there:
+    each is among the newest ``capacity - keep`` it wrote). The capacity
+    only grows (as the single-token appends would have grown it). With a
+    ``Checkpoint`` as ``anchor`` this is ``rollback``.
+    """
+    if isinstance(anchor, Checkpoint):
+        return ops.rollback(state, anchor, keep)
+    if not isinstance(anchor, RotatingState):
+        raise bad("anchor", "a Checkpoint or a RotatingState (kv.anchor of an earlier record)",
+                  type(anchor).__name__)
+    B, ms, kp = state.batch_size, state.max_size, state.keep
+    check(anchor.batch_size == B, "anchor batch size", B, anchor.batch_size)
+    check((anchor.max_size, anchor.keep) == (ms, kp), "anchor (max_size, keep)", (ms, kp),
+          (anchor.max_size, anchor.keep))
+    keep = per_row(keep, B, "keep")
+    La = max(state.capacity - kp, 1)
+    for b, (k, n0, n) in enumerate(zip(keep, anchor.lengths, state.lengths)):
+        check(n0 + k <= n, f"anchor + keep for row {b}",
+              f"<= {n} (tokens the row has seen)", n0 + k)
+        if k:
+            oldest = max(n0, kp)
+            check(n - La <= oldest or n0 + k <= kp, f"keep for row {b}",
+                  f"positions still in the ring (from {n - La}; the state holds "
+                  f"{state.capacity} columns)", f"positions {n0}..{n0 + k - 1}")
+    lengths, held = list(anchor.lengths), list(anchor.held)
+    for b, k in enumerate(keep):
+        for _ in range(k):
+            h = _after_eviction(lengths[b], held[b], ms, kp) + 1
+            lengths[b], held[b] = lengths[b] + 1, h
+    K = max(keep)
+    if K == 0:
+        return anchor
+    check(anchor.keys is not None and state.keys is not None, "anchor",
+          "a ring holding keys (append first)", "an empty ring")
+    need, C = max(held), anchor.capacity
+    planes = anchor.planes
+    if need > C:
+        new_c = min(dense.round_up(need, anchor.step), max(ms, need))
+        planes = _relayout(planes, anchor.lengths, anchor.held, kp, C, new_c)
+        C = new_c
+    # Slot j of row b is position anchor.lengths[b] + j; a row's slots past its
+    # keep repeat its last kept slot (equal writes to one column), and a row
+    # keeping nothing writes back what it holds.
+    k = np.array(keep)[:, None]
+    slot = np.minimum(np.arange(K)[None, :], np.maximum(k - 1, 0))
+    pos = np.array(anchor.lengths, np.int64)[:, None] + slot
+    dst = column_of(pos, kp, C)
+    new = _gather(state.planes, column_of(pos, kp, state.capacity))
+    old = _gather(planes, dst)
+    mask = mx.array(k > 0)[:, None, :, None]
+    keys, values = (_write(p, mx.where(mask, x, o), dst.tolist())
+                    for p, x, o in zip(planes, new, old))
+    return attrs.evolve(anchor, lengths=tuple(lengths), held=tuple(held), keys=keys,
+                        values=values)
+
+
 # --- rows: merge, filter, extract --------------------------------------------------------
 
 

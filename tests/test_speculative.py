@@ -1,0 +1,335 @@
+"""Batched speculative decoding: greedy exactness against the plain loop (row by
+row: llama, gemma3 rings, quantized rows, the compiled verify), rows joining
+and leaving mid-speculation, ring commits, and the rejection rule's
+distribution (chi-square against the target's exact probabilities)."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from mlx.utils import tree_map
+from mlx_lm.models import llama as lm_llama
+
+import kvstate as kv
+from kvstate import mlx_lm as br
+from kvstate import speculative as sp
+from kvstate.drafts import DraftModel, Lookup, lookup, truncated
+
+import tiny_models as tm
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tm.llama_model(layers=3)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tm.gemma3_model(layers=4, sliding_window=8)
+
+
+def plain(model, prompts, T, **make):
+    """The plain greedy loop: ``T + 1`` tokens per row (prefill, then ``T`` steps)."""
+    logits, states = br.prefill(model, prompts, **make)
+    y = mx.argmax(logits, axis=-1)
+    out = [[t] for t in y.tolist()]
+    for _ in range(T):
+        logits, states = br.step(model, y, states)
+        y = mx.argmax(logits, axis=-1)
+        for o, t in zip(out, y.tolist()):
+            o.append(t)
+    return out
+
+
+def speculate(model, prompts, T, drafter, num_draft, forward=None, **make):
+    """The speculative loop until every row has ``T + 1`` tokens; also the rounds."""
+    batch = sp.start(model, prompts, drafter=drafter, num_draft=num_draft, **make)
+    rounds = []
+    while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T + 1:
+        batch, r = sp.step(model, batch, drafter=drafter, forward=forward)
+        rounds.append(r)
+    return [list(c[len(p):len(p) + T + 1]) for c, p in zip(batch.context, prompts)], rounds
+
+
+def repetitive(seed, n, period):
+    """``n`` tokens repeating a random ``period``-token phrase (lookup finds matches)."""
+    return (tm.prompt(seed, period) * (n // period + 1))[:n]
+
+
+prompt_sets = st.lists(
+    st.tuples(st.integers(1, 14), st.integers(2, 5), st.integers(0, 10_000)),
+    min_size=1, max_size=3,
+).map(lambda rows: [repetitive(s, n, p) for n, p, s in rows])
+
+
+# --- greedy exactness ---------------------------------------------------------------
+
+
+@settings(max_examples=6)
+@given(prompts=prompt_sets, k=st.integers(1, 5), use_model=st.booleans())
+def test_greedy_equals_plain_llama(llama, prompts, k, use_model):
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(max_ngram=3, min_ngram=1)
+    want = plain(llama, prompts, 10)
+    got, rounds = speculate(llama, prompts, 10, drafter, k)
+    assert got == want
+    assert all(a <= d <= k for r in rounds for d, a in zip(r.drafted, r.accepted))
+
+
+def test_lookup_accepts_on_a_repeating_model_and_saves_rounds(llama):
+    """On prompts the model continues by copying, the loop needs fewer rounds
+    than tokens (the acceptance is real, not only the equality)."""
+    prompts = [repetitive(3, 24, 4), repetitive(4, 30, 3)]
+    got, rounds = speculate(llama, prompts, 16, Lookup(min_ngram=1), 4)
+    assert got == plain(llama, prompts, 16)
+    drafted = sum(sum(r.drafted) for r in rounds)
+    accepted = sum(sum(r.accepted) for r in rounds)
+    assert drafted > 0 and accepted > 0
+    assert len(rounds) < 16
+
+
+@settings(max_examples=4)
+@given(prompts=prompt_sets, k=st.integers(1, 5), draft=st.sampled_from(["lookup", "rings"]))
+def test_greedy_equals_plain_gemma3_rings(gemma, prompts, k, draft):
+    """gemma3's sliding layers are rings of 8: 10 steps after prompts of up to
+    14 tokens wrap them; the draft model (gemma3's first 2 layers) takes its
+    draft one token at a time into rings and comes back by commit."""
+    drafter = DraftModel(truncated(gemma, 2)) if draft == "rings" else Lookup(min_ngram=1)
+    got, _ = speculate(gemma, prompts, 10, drafter, k)
+    assert got == plain(gemma, prompts, 10)
+
+
+def test_greedy_equals_plain_quantized_rows(llama):
+    prompts = [repetitive(7, 9, 3), repetitive(8, 14, 4), repetitive(9, 3, 2)]
+    make = dict(kv_bits=8, kv_group_size=32)
+    got, rounds = speculate(llama, prompts, 10, Lookup(min_ngram=1), 3, **make)
+    assert got == plain(llama, prompts, 10, **make)
+    assert any(sum(r.accepted) for r in rounds)
+
+
+def test_greedy_equals_plain_compiled_verify(llama):
+    """The verify window ``[B, 1 + K]`` through one compiled step (dense rows,
+    per-row rollback after it); traces stay one per window width and bucket."""
+    prompts = [repetitive(11, 10, 3), repetitive(12, 5, 2)]
+    forward = sp.compiled(llama)
+    got, rounds = speculate(llama, prompts, 12, Lookup(min_ngram=1), 3, forward=forward)
+    assert got == plain(llama, prompts, 12)
+    widths = {r.width for r in rounds}
+    assert forward.decoder.traces <= 2 * len(widths)
+
+
+# --- rows join and leave ----------------------------------------------------------
+
+
+@settings(max_examples=4)
+@given(rows=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 12), st.integers(2, 4),
+                               st.integers(1, 8), st.integers(1, 4), st.integers(0, 999)),
+                     min_size=2, max_size=4),
+       use_model=st.booleans())
+def test_rows_join_and_leave_mid_speculation(llama, rows, use_model):
+    """Rows arrive at different rounds, each with its own draft limit, and leave
+    when they have their tokens: every row equals its prompt decoded alone."""
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    reqs = [(arrive, repetitive(seed, n, period), new, k)
+            for arrive, n, period, new, k, seed in rows]
+    batch, live, done, t = None, [], {}, 0
+    while len(done) < len(reqs):
+        for i, (arrive, p, new, k) in enumerate(reqs):
+            if arrive == t:
+                one = sp.start(llama, [p], drafter=drafter, num_draft=k)
+                batch = one if batch is None else sp.join(batch, one)
+                live.append(i)
+        if batch is not None:
+            batch, _ = sp.step(llama, batch, drafter=drafter)
+            stay = []
+            for j, i in enumerate(live):
+                p, new = reqs[i][1], reqs[i][2]
+                if len(batch.context[j]) - len(p) >= new + 1:
+                    done[i] = list(batch.context[j][len(p):len(p) + new + 1])
+                else:
+                    stay.append(j)
+            live = [live[j] for j in stay]
+            batch = sp.leave(batch, stay) if stay else None
+        t += 1
+    for i, (_, p, new, _) in enumerate(reqs):
+        assert done[i] == plain(llama, [p], new)[0], f"request {i}"
+
+
+def test_rounds_without_drafts_are_plain_steps(llama):
+    """No lookup match in any row: the verify window is one token (a plain
+    step); after a rejection a row drafts less next round."""
+    batch = sp.start(llama, [[1, 2, 3, 4], [5, 6, 7, 9]], drafter=Lookup(), num_draft=4)
+    batch, r = sp.step(llama, batch, drafter=Lookup())
+    assert r.width == 1 and r.drafted == (0, 0) and len(r.emitted[0]) == 1
+    assert sp.next_num_draft(4, 4, 1, 6) == 3 and sp.next_num_draft(1, 1, 0, 6) == 1
+    assert sp.next_num_draft(4, 4, 4, 5) == 5 and sp.next_num_draft(3, 0, 0, 5) == 3
+
+
+def test_lookup_takes_the_latest_longest_match():
+    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup(ctx, 2, max_ngram=3, min_ngram=1) == [7, 8]
+    assert lookup([1, 2, 3], 4) == []
+    assert lookup([4, 4, 4, 4], 3, min_ngram=1) == [4]
+
+
+# --- the ring: commit after a draft taken one token at a time ------------------------
+
+
+@settings(max_examples=30)
+@given(max_size=st.integers(3, 9), keep=st.integers(0, 2), prefix=st.integers(1, 30),
+       block=st.booleans(), draft=st.integers(1, 5), data=st.data())
+def test_ring_commit_equals_single_token_decoding(max_size, keep, prefix, block, draft, data):
+    """After ``draft`` single-token appends (which evict), ``commit`` to any
+    accepted count per row equals the anchor plus that many single-token
+    appends: same lengths, held, and entries in temporal order."""
+    keep = min(keep, max_size - 1)
+    draft = min(draft, max_size - keep)
+    B, H, D = 2, 1, 4
+    rng = np.random.default_rng(prefix * 31 + draft)
+    tok = lambda n: mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32))  # noqa
+    s = kv.rotating(B, max_size=max_size, keep=keep, step=4)
+    if block:
+        x = tok(prefix)
+        s = kv.append(s, x, x)
+    else:
+        for _ in range(prefix):
+            x = tok(1)
+            s = kv.append(s, x, x)
+    anchor, news = kv.anchor(s), [tok(1) for _ in range(draft)]
+    after = s
+    for x in news:
+        after = kv.append(after, x, x)
+    accepted = data.draw(st.lists(st.integers(0, draft), min_size=B, max_size=B))
+    got = kv.commit(after, anchor, accepted)
+    for b in range(B):
+        want = kv.extract_row(s, b)
+        for x in news[:accepted[b]]:
+            want = kv.append(want, x[b:b + 1], x[b:b + 1])
+        row = kv.extract_row(got, b)
+        assert (row.lengths, row.held) == (want.lengths, want.held)
+        for p, q in zip(kv.fetch(row), kv.fetch(want)):
+            np.testing.assert_array_equal(np.array(p), np.array(q))
+
+
+def test_ring_rollback_after_single_tokens_is_refused_but_commit_works():
+    s = kv.rotating(2, max_size=4, keep=0)
+    x = mx.ones((2, 1, 6, 2))
+    s = kv.append(s, x, x)
+    cp, anchor, after = kv.checkpoint(s), kv.anchor(s), s
+    for _ in range(4):
+        y = mx.zeros((2, 1, 1, 2))
+        after = kv.append(after, y, y)
+    with pytest.raises(kv.KVStateError, match="checkpoint \\+ keep for row 0"):
+        kv.rollback(after, cp, [1, 0])
+    assert kv.commit(after, anchor, [1, 0]).lengths == (7, 6)
+    with pytest.raises(kv.KVStateError, match="anchor \\+ keep for row 1"):
+        kv.commit(after, anchor, [0, 5])
+
+
+# --- sampled verification: the output has the target's distribution --------------------
+
+
+def _chi2_p(counts, probs):
+    """p-value of a chi-square goodness-of-fit test, pooling cells expected < 5."""
+    counts, expected = np.asarray(counts, float), np.asarray(probs, float) * np.sum(counts)
+    order = np.argsort(expected)
+    small = expected[order] < 5
+    pooled_c = [counts[order][small].sum()] if small.any() else []
+    pooled_e = [expected[order][small].sum()] if small.any() else []
+    c = np.concatenate([counts[order][~small], pooled_c])
+    e = np.concatenate([expected[order][~small], pooled_e])
+    e = e * c.sum() / e.sum()
+    x, df = float(((c - e) ** 2 / e).sum()), len(c) - 1
+    # chi-square survival function by the Wilson-Hilferty normal approximation
+    z = ((x / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_rejection_rule_emits_the_target_distribution(with_q):
+    """Rule level, 40000 rows: drafts from ``q`` (or a fixed lookup token), the
+    first emitted token follows ``p`` exactly (and a broken rule is caught)."""
+    V, K, B = 6, 3, 40_000
+    rng = np.random.default_rng(5)
+    p = rng.dirichlet(np.ones(V), size=K + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(V), size=K).astype(np.float32)
+    if with_q:
+        drafts = np.stack([rng.choice(V, size=B, p=q[i] / q[i].sum()) for i in range(K)], 1)
+        qb = mx.broadcast_to(mx.array(q)[None], (B, K, V))
+    else:
+        drafts, qb = np.tile(np.array([2, 0, 5]), (B, 1)), None
+    counts = mx.array(rng.integers(1, K + 1, size=B), dtype=mx.int32)
+    pb = mx.broadcast_to(mx.array(p)[None], (B, K + 1, V))
+    d = mx.array(drafts, dtype=mx.int32)
+    accepted, nxt = sp.accept_sampled(d, counts, pb, qb, mx.random.key(3))
+    accepted, nxt = np.array(accepted), np.array(nxt)
+    first = np.where(accepted > 0, drafts[:, 0], nxt)
+    assert _chi2_p(np.bincount(first, minlength=V), p[0]) > 1e-3
+    # control: always accepting the drafts is detected as a different distribution
+    assert _chi2_p(np.bincount(drafts[:, 0], minlength=V), p[0]) < 1e-6
+
+
+def _vocab6(seed, layers):
+    mx.random.seed(seed)
+    args = lm_llama.ModelArgs(
+        model_type="llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
+        vocab_size=6, tie_word_embeddings=False)
+    model = lm_llama.Model(args)
+    model.update(tree_map(lambda w: w * 4 if w.ndim == 2 else w, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_sampled_loop_matches_the_target_joint_distribution(drafter):
+    """End to end on a 6-token vocabulary, 3000 rows of one prompt: the first two
+    tokens after the last context token follow the target's exact joint
+    distribution (computed from its own logits), whether the drafts come
+    from a different random model or from prompt lookup."""
+    target, draft = _vocab6(0, 2), _vocab6(1, 1)
+    prompt, y, B, T = [1, 2, 3, 1, 2, 3, 1, 2], 3, 3000, 1.0
+    use = DraftModel(draft) if drafter == "model" else Lookup(min_ngram=1)
+    _, one = br.prefill(target, [prompt])
+    states = [kv.merge_rows([s] * B) for s in one]
+    dstates = None
+    if drafter == "model":
+        _, d1 = br.prefill(draft, [prompt])
+        dstates = [kv.merge_rows([s] * B) for s in d1]
+    batch = sp.Speculation(states, [prompt + [y]] * B, (3,) * B, (3,) * B, dstates)
+    key = mx.random.key(11)
+    while min(len(c) for c in batch.context) < len(prompt) + 3:
+        key, sub = mx.random.split(key)
+        batch, _ = sp.step(target, batch, drafter=use, temperature=T, key=sub)
+    pairs = np.array([c[len(prompt) + 1:len(prompt) + 3] for c in batch.context])
+    counts = np.bincount(pairs[:, 0] * 6 + pairs[:, 1], minlength=36)
+    logits = target(mx.array([prompt + [y]]))[0, -1]
+    p1 = np.array(sp.distribution(logits, T))
+    second = target(mx.array([prompt + [y, t] for t in range(6)]))[:, -1]
+    p2 = np.array(sp.distribution(second, T))
+    joint = (p1[:, None] * p2).reshape(-1)
+    assert _chi2_p(counts, joint) > 1e-3
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_refused(llama):
+    batch = sp.start(llama, [[1, 2, 3]], drafter=Lookup())
+    with pytest.raises(kv.KVStateError, match="drafter"):
+        sp.step(llama, batch, drafter="ngram")
+    with pytest.raises(kv.KVStateError, match="key"):
+        sp.step(llama, batch, drafter=Lookup(), temperature=0.7)
+    with pytest.raises(kv.KVStateError, match="temperature"):
+        sp.step(llama, batch, drafter=Lookup(), temperature=-1.0)
+    with pytest.raises(kv.KVStateError, match="num_draft"):
+        sp.start(llama, [[1, 2]], num_draft=-1)
+    with pytest.raises(kv.KVStateError, match="drafter"):
+        sp.step(llama, batch, drafter=DraftModel(truncated(llama, 1)))
+    with pytest.raises(kv.KVStateError, match="min_ngram"):
+        Lookup(min_ngram=0)
+    with pytest.raises(kv.KVStateError, match="rows"):
+        sp.leave(batch, [3])
