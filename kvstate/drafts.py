@@ -18,10 +18,9 @@ one forward (``kvstate.speculative``). Two sources:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import attrs
-import mlx.core as mx
 import numpy as np
 
 from .errors import as_int, bad, check
@@ -85,7 +84,7 @@ def lookup(context: Sequence[int], k: int, *, max_ngram: int = 3, min_ngram: int
     return []
 
 
-def validate_drafter(drafter) -> Optional[object]:
+def validate_drafter(drafter) -> object | None:
     """``drafter`` if it is ``None``, a ``Lookup`` or a ``DraftModel``, else KVStateError."""
     if drafter is None or isinstance(drafter, (Lookup, DraftModel)):
         return drafter
@@ -119,4 +118,4 @@ def truncated(model, layers: int):
     return draft
 
 
-__all__ = ["Lookup", "DraftModel", "lookup", "truncated", "validate_drafter"]
+__all__ = ["DraftModel", "Lookup", "lookup", "truncated", "validate_drafter"]

@@ -27,7 +27,7 @@ the output has the target's distribution. Decisions: ``notes/speculative.md``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import mlx.core as mx
@@ -35,7 +35,7 @@ import mlx.core as mx
 from . import mlx_lm as bridge
 from . import ops
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
-from .errors import as_int, bad, check, per_row, row_list
+from .errors import bad, check, per_row, row_list
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
 
@@ -59,7 +59,7 @@ class Speculation:
     context: tuple = attrs.field(converter=lambda c: tuple(tuple(r) for r in c))
     num_draft: tuple = attrs.field(converter=tuple)
     max_draft: tuple = attrs.field(converter=tuple)
-    draft_states: Optional[tuple] = attrs.field(
+    draft_states: tuple | None = attrs.field(
         default=None, converter=lambda s: None if s is None else tuple(s))
 
     @property
@@ -107,7 +107,7 @@ def accept_greedy(drafts: Sequence[Sequence[int]], target: Sequence[Sequence[int
     return tuple(accepted), tuple(nxt)
 
 
-def accept_sampled(drafts: mx.array, counts: mx.array, p: mx.array, q: Optional[mx.array],
+def accept_sampled(drafts: mx.array, counts: mx.array, p: mx.array, q: mx.array | None,
                    key: mx.array) -> tuple:
     """The rejection rule of speculative sampling, for every row at once.
 
@@ -182,7 +182,7 @@ def _first_tokens(logits, temperature, key):
 
 
 def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4,
-          temperature: float = 0.0, key: Optional[mx.array] = None, **make) -> Speculation:
+          temperature: float = 0.0, key: mx.array | None = None, **make) -> Speculation:
     """Prefill ``prompts`` (each alone, then merged) and pick every row's first token.
 
     Args:
@@ -226,7 +226,7 @@ def leave(batch: Speculation, rows) -> Speculation:
     drafts = None
     if batch.draft_states is not None:
         drafts = bridge.filter_rows(batch.draft_states, rows)
-    pick = lambda t: tuple(t[r] for r in rows)  # noqa: E731
+    pick = lambda t: tuple(t[r] for r in rows)
     return Speculation(bridge.filter_rows(batch.states, rows), pick(batch.context),
                        pick(batch.num_draft), pick(batch.max_draft), drafts)
 
@@ -295,7 +295,7 @@ def _settle_model(drafter: DraftModel, states, anchors, drafts, accepted):
 
 
 def step(target, batch: Speculation, *, drafter=None, temperature: float = 0.0,
-         key: Optional[mx.array] = None, forward: Optional[Forward] = None) -> tuple:
+         key: mx.array | None = None, forward: Forward | None = None) -> tuple:
     """One speculative round for every row: draft, verify in one target forward, roll back.
 
     Args:
@@ -371,6 +371,18 @@ def step(target, batch: Speculation, *, drafter=None, temperature: float = 0.0,
 
 
 __all__ = [
-    "Speculation", "Round", "start", "step", "join", "leave", "accept_greedy", "accept_sampled",
-    "distribution", "next_num_draft", "eager", "compiled", "Lookup", "DraftModel",
+    "DraftModel",
+    "Lookup",
+    "Round",
+    "Speculation",
+    "accept_greedy",
+    "accept_sampled",
+    "compiled",
+    "distribution",
+    "eager",
+    "join",
+    "leave",
+    "next_num_draft",
+    "start",
+    "step",
 ]

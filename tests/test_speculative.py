@@ -8,7 +8,9 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+import tiny_models as tm
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx.utils import tree_map
 from mlx_lm.models import llama as lm_llama
 
@@ -16,8 +18,6 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 from kvstate import speculative as sp
 from kvstate.drafts import DraftModel, Lookup, lookup, truncated
-
-import tiny_models as tm
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -104,7 +104,7 @@ def test_greedy_equals_plain_gemma3_rings(gemma, prompts, k, draft):
 
 def test_greedy_equals_plain_quantized_rows(llama):
     prompts = [repetitive(7, 9, 3), repetitive(8, 14, 4), repetitive(9, 3, 2)]
-    make = dict(kv_bits=8, kv_group_size=32)
+    make = {"kv_bits": 8, "kv_group_size": 32}
     got, rounds = speculate(llama, prompts, 10, Lookup(min_ngram=1), 3, **make)
     assert got == plain(llama, prompts, 10, **make)
     assert any(sum(r.accepted) for r in rounds)
@@ -189,7 +189,7 @@ def test_ring_commit_equals_single_token_decoding(max_size, keep, prefix, block,
     draft = min(draft, max_size - keep)
     B, H, D = 2, 1, 4
     rng = np.random.default_rng(prefix * 31 + draft)
-    tok = lambda n: mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32))  # noqa
+    tok = lambda n: mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32))
     s = kv.rotating(B, max_size=max_size, keep=keep, step=4)
     if block:
         x = tok(prefix)
