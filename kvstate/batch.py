@@ -233,11 +233,16 @@ fork.register(Batch, fork_batch)
 def sample_batch(logits: mx.array, b: Batch) -> tuple:
     """``(tokens [B], keys [B, 2])``: each row's next token from ``logits`` ``[B, V]``
     with its own sampling parameters and key (``kv.sample_arrays``)."""
+    return sample_arrays(logits, b.keys, *sampling_arrays(b))
+
+
+def sampling_arrays(b: Batch) -> tuple:
+    """The rows' sampling parameters as ``sample_arrays`` takes them:
+    ``(temperature, top_p, top_k, min_p)``, each ``[B]``."""
     s = b.sampling
-    params = (
+    return (
         mx.array([x.temperature for x in s], mx.float32),
         mx.array([x.top_p for x in s], mx.float32),
         mx.array([x.top_k for x in s], mx.int32),
         mx.array([x.min_p for x in s], mx.float32),
     )
-    return sample_arrays(logits, b.keys, *params)

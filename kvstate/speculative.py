@@ -14,15 +14,18 @@ keep its own accepted count. One round (``step``)::
     states = rollback(states, cp, 1 + accepted)   # y and the accepted drafts stay
     row b emits d1..d_accepted[b] and the target's own next token (the new y)
 
-The target records always hold every token of a row's context except the
-last (``y``, fed by the next round). Rows join (``join``) and leave
-(``leave``) between rounds, each with its own draft limit. A round in which
-no row drafts is a plain decode step (a window of one token).
+The rows are a ``kv.Batch`` (``kvstate.mlx_lm.admit``) plus each row's
+context and draft length: the target's records hold every context token but
+the last, which is the batch's pending token (the next round's ``y``). Rows
+join (``join``) and leave (``leave``) between rounds, each with its own draft
+limit and its own ``kv.Sampling``. A round in which no row drafts is a plain
+decode step (a window of one token).
 
-Greedy verification in float32 emits exactly the plain loop's tokens;
-sampled verification uses the standard rejection rule (accept draft ``x``
-with probability ``min(1, p(x)/q(x))``, else sample ``max(p - q, 0)``), so
-the output has the target's distribution. Decisions: ``notes/speculative.md``.
+Greedy rows (temperature 0) in float32 emit exactly the plain loop's tokens;
+sampled rows use the standard rejection rule (accept draft ``x`` with
+probability ``min(1, p(x)/q(x))``, else sample ``max(p - q, 0)``) with the
+distribution ``kv.sample`` draws from, so their output has the target's
+distribution. Decisions: ``notes/speculative.md``.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ import mlx.core as mx
 
 from . import mlx_lm as bridge
 from . import ops
+from .batch import Batch, sampling_arrays
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from .errors import bad, check, per_row, row_list
+from .sampling import filter_logprobs, sample_arrays, split_keys
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
 
@@ -45,17 +50,18 @@ class Speculation:
     """A batch of rows in flight (data only; ``step``, ``join``, ``leave`` make new ones).
 
     Attributes:
-        states: the target's records, one per layer; row ``b`` holds
-            ``context[b][:-1]``.
-        context: per row, every token so far (prompt, then output); the last
-            one is not yet fed to the target.
+        batch: the target's ``kv.Batch``: its records hold ``context[b][:-1]``,
+            its pending ``tokens`` are each row's last context token, and its
+            per-row sampling parameters and PRNG keys drive drafting and
+            verification.
+        context: per row, every token so far (prompt, then output).
         num_draft: per row, how many tokens the next round drafts at most.
         max_draft: per row, the limit ``num_draft`` adapts under.
         draft_states: the draft model's records (one per layer, holding
-            ``context[b][:-1]`` like ``states``), or ``None`` without one.
+            ``context[b][:-1]`` like the target's), or ``None`` without one.
     """
 
-    states: tuple = attrs.field(converter=tuple)
+    batch: Batch
     context: tuple = attrs.field(converter=lambda c: tuple(tuple(r) for r in c))
     num_draft: tuple = attrs.field(converter=tuple)
     max_draft: tuple = attrs.field(converter=tuple)
@@ -65,6 +71,11 @@ class Speculation:
     @property
     def batch_size(self) -> int:
         return len(self.context)
+
+    @property
+    def states(self) -> tuple:
+        """The target's records."""
+        return self.batch.states
 
 
 @attrs.frozen
@@ -80,9 +91,25 @@ class Round:
 # --- distributions and the acceptance rules ------------------------------------------
 
 
-def distribution(logits: mx.array, temperature: float) -> mx.array:
-    """``softmax(logits / temperature)`` in float32 over the last axis."""
-    return mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
+def probabilities(logits: mx.array, temperature: mx.array, top_p: mx.array, top_k: mx.array,
+                  min_p: mx.array) -> mx.array:
+    """The distribution ``kv.sample_arrays`` draws from, per row and position.
+
+    ``logits`` ``[B, V]`` or ``[B, N, V]``; the parameters ``[B]``, one per row
+    (``kvstate.batch.sampling_arrays``). A row at temperature 0 gets the
+    one-hot of its argmax (the greedy sampler, as a distribution); other rows
+    the softmax of their filtered log-probabilities over the temperature.
+    """
+    shape = logits.shape
+    B, V = shape[0], shape[-1]
+    N = 1 if logits.ndim == 2 else shape[1]
+    x = logits.astype(mx.float32).reshape(B * N, V)
+    t, tp, tk, mp = (mx.repeat(a, N, axis=0) for a in (temperature, top_p, top_k, min_p))
+    kept = filter_logprobs(x - mx.logsumexp(x, axis=-1, keepdims=True), tp, tk, mp)
+    greedy = (t == 0)[:, None]
+    soft = mx.softmax(kept / mx.where(greedy, 1.0, t[:, None]), axis=-1)
+    hard = (mx.arange(V)[None, :] == mx.argmax(x, axis=-1)[:, None]).astype(mx.float32)
+    return mx.where(greedy, hard, soft).reshape(shape)
 
 
 def accept_greedy(drafts: Sequence[Sequence[int]], target: Sequence[Sequence[int]]) -> tuple:
@@ -108,14 +135,16 @@ def accept_greedy(drafts: Sequence[Sequence[int]], target: Sequence[Sequence[int
 
 
 def accept_sampled(drafts: mx.array, counts: mx.array, p: mx.array, q: mx.array | None,
-                   key: mx.array) -> tuple:
+                   uniform: mx.array, keys: mx.array) -> tuple:
     """The rejection rule of speculative sampling, for every row at once.
 
     Draft ``i`` of row ``b`` is accepted with probability
-    ``min(1, p_i(x) / q_i(x))`` while every earlier one was; at the first
-    rejection the next token is drawn from ``max(p_i - q_i, 0)`` (normalized),
-    and when all ``counts[b]`` drafts are accepted, from ``p`` after them.
-    Each emitted token then has the target's distribution.
+    ``min(1, p_i(x) / q_i(x))`` (``uniform * q < p``) while every earlier one
+    was; at the first rejection the next token is drawn from
+    ``max(p_i - q_i, 0)`` (normalized), and when all ``counts[b]`` drafts are
+    accepted, from ``p`` after them. Each emitted token then has the target's
+    distribution. With one-hot ``p`` and ``q`` (greedy rows) this is greedy
+    verification.
 
     Args:
         drafts: int32 ``[B, K]`` draft tokens (columns past ``counts[b]`` are ignored).
@@ -123,31 +152,33 @@ def accept_sampled(drafts: mx.array, counts: mx.array, p: mx.array, q: mx.array 
         p: ``[B, K + 1, V]`` the target's probabilities at each window position.
         q: ``[B, K, V]`` the draft's probabilities, or ``None`` for a
             deterministic draft (prompt lookup: ``q`` is one-hot at the draft).
-        key: a PRNG key for this round.
+        uniform: ``[B, K]`` uniform draws in ``[0, 1)``.
+        keys: ``[B, 2]`` uint32, one PRNG key per row for the next token.
 
     Returns:
-        ``(accepted, next_token)``: int32 ``[B]`` arrays.
+        ``(accepted, next_token)``: ``[B]`` arrays.
     """
     B, K = drafts.shape
-    k_u, k_s = mx.random.split(key)
-    if K == 0:
-        return mx.zeros((B,), mx.int32), mx.random.categorical(mx.log(p[:, 0]), key=k_s)
-    px = mx.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
-    qx = 1.0 if q is None else mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = mx.random.uniform(shape=(B, K), key=k_u)
-    ok = (u * qx < px) & (mx.arange(K)[None, :] < counts[:, None])
-    accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+    accepted = mx.zeros((B,), mx.int32)
+    q_a = mx.zeros_like(p[:, 0])
+    if K:
+        px = mx.take_along_axis(p[:, :K], drafts[..., None], axis=-1)[..., 0]
+        qx = 1.0 if q is None else mx.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        ok = (uniform * qx < px) & (mx.arange(K)[None, :] < counts[:, None])
+        accepted = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+        at = mx.minimum(accepted, K - 1)
+        if q is None:
+            x = mx.take_along_axis(drafts, at[:, None], axis=1)  # [B, 1]
+            q_a = (mx.arange(p.shape[-1])[None, :] == x).astype(p.dtype)
+        else:
+            q_a = mx.take_along_axis(q, at[:, None, None], axis=1)[:, 0]
+        q_a = mx.where((accepted < counts)[:, None], q_a, 0.0)
     p_a = mx.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]
-    at = mx.minimum(accepted, K - 1)
-    if q is None:
-        x = mx.take_along_axis(drafts, at[:, None], axis=1)  # [B, 1]
-        q_a = (mx.arange(p.shape[-1])[None, :] == x).astype(p_a.dtype)
-    else:
-        q_a = mx.take_along_axis(q, at[:, None, None], axis=1)[:, 0]
-    q_a = mx.where((accepted < counts)[:, None], q_a, 0.0)
     r = mx.maximum(p_a - q_a, 0.0)
     r = mx.where(r.sum(axis=-1, keepdims=True) > 0, r, p_a)  # p == q: nothing to correct
-    return accepted, mx.random.categorical(mx.log(r), key=k_s).astype(mx.int32)
+    ones = mx.ones((B,), mx.float32)
+    nxt, _ = sample_arrays(mx.log(r), keys, ones, ones, mx.zeros((B,), mx.int32), 0 * ones)
+    return accepted, nxt
 
 
 # --- forward functions --------------------------------------------------------------
@@ -175,15 +206,9 @@ def compiled(model) -> Forward:
 # --- the batch: start, join, leave -----------------------------------------------------
 
 
-def _first_tokens(logits, temperature, key):
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1).tolist()
-    return mx.random.categorical(mx.log(distribution(logits, temperature)), key=key).tolist()
-
-
 def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4,
-          temperature: float = 0.0, key: mx.array | None = None, **make) -> Speculation:
-    """Prefill ``prompts`` (each alone, then merged) and pick every row's first token.
+          sampling=None, seeds=None, ids=None, payload=None, **make) -> Speculation:
+    """Prefill ``prompts`` and sample every row's first token (``kvstate.mlx_lm.admit``).
 
     Args:
         target: the mlx-lm model whose output is kept.
@@ -191,55 +216,50 @@ def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4
         drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``; a draft
             model is prefilled on the prompts too.
         num_draft: most drafted tokens per row per round (int or one per row).
-        temperature: 0 picks the argmax; otherwise the first token is sampled.
-        key: PRNG key for sampling (``temperature > 0``).
+        sampling, seeds, ids, payload: per-row data of the ``kv.Batch``
+            (default greedy, seeds ``0 .. B-1``).
         make: ``make_states`` options for the target's records.
     """
     drafter = validate_drafter(drafter)
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
-    temperature = _temperature(temperature, key)
     limit = per_row(num_draft, len(prompts), "num_draft")
-    logits, states = bridge.prefill(target, prompts, **make)
-    first = _first_tokens(logits, temperature, key)
+    batch = bridge.admit(target, prompts, sampling=sampling, seeds=seeds, ids=ids,
+                         payload=payload, **make)
     draft_states = None
     if isinstance(drafter, DraftModel):
         _, draft_states = bridge.prefill(drafter.model, prompts, **drafter.make)
-    return Speculation(states, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit,
+    first = batch.tokens.tolist()
+    return Speculation(batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit,
                        draft_states)
 
 
-def join(batch: Speculation, other: Speculation) -> Speculation:
-    """``other``'s rows join after ``batch``'s (``kvstate.mlx_lm.extend`` on each model)."""
-    check((batch.draft_states is None) == (other.draft_states is None), "other.draft_states",
-          "draft records exactly when batch has them", other.draft_states is not None)
+def join(spec: Speculation, other: Speculation) -> Speculation:
+    """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records)."""
+    check((spec.draft_states is None) == (other.draft_states is None), "other.draft_states",
+          "draft records exactly when spec has them", other.draft_states is not None)
     drafts = None
-    if batch.draft_states is not None:
-        drafts = bridge.extend(batch.draft_states, other.draft_states)
-    return Speculation(bridge.extend(batch.states, other.states), batch.context + other.context,
-                       batch.num_draft + other.num_draft, batch.max_draft + other.max_draft,
+    if spec.draft_states is not None:
+        drafts = ops.extend(spec.draft_states, other.draft_states)
+    return Speculation(ops.extend(spec.batch, other.batch), spec.context + other.context,
+                       spec.num_draft + other.num_draft, spec.max_draft + other.max_draft,
                        drafts)
 
 
-def leave(batch: Speculation, rows) -> Speculation:
-    """Keep ``rows`` (in that order); the others leave the batch."""
-    rows = row_list(rows, batch.batch_size)
+def leave(spec: Speculation, rows) -> Speculation:
+    """Keep ``rows`` (in that order); the others leave."""
+    rows = row_list(rows, spec.batch_size)
     drafts = None
-    if batch.draft_states is not None:
-        drafts = bridge.filter_rows(batch.draft_states, rows)
-    pick = lambda t: tuple(t[r] for r in rows)
-    return Speculation(bridge.filter_rows(batch.states, rows), pick(batch.context),
-                       pick(batch.num_draft), pick(batch.max_draft), drafts)
+    if spec.draft_states is not None:
+        drafts = ops.filter_rows(spec.draft_states, rows)
+
+    def pick(t):
+        return tuple(t[r] for r in rows)
+
+    return Speculation(ops.filter_rows(spec.batch, rows), pick(spec.context),
+                       pick(spec.num_draft), pick(spec.max_draft), drafts)
 
 
 # --- one round ---------------------------------------------------------------------------
-
-
-def _temperature(temperature, key):
-    t = float(temperature)
-    check(t >= 0, "temperature", ">= 0", temperature)
-    if t > 0 and not isinstance(key, mx.array):
-        raise bad("key", "an mx.array PRNG key when temperature > 0", type(key).__name__)
-    return t
 
 
 def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
@@ -252,29 +272,28 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
     return max(k - 1, 1)
 
 
-def _propose_lookup(batch: Speculation, drafter: Lookup):
+def _propose_lookup(spec: Speculation, drafter: Lookup) -> list:
     return [lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
-            for c, k in zip(batch.context, batch.num_draft)]
+            for c, k in zip(spec.context, spec.num_draft)]
 
 
-def _propose_model(batch: Speculation, drafter: DraftModel, temperature, key):
-    """Draft ``K = max(num_draft)`` tokens for every row, one draft step each.
+def _propose_model(spec: Speculation, drafter: DraftModel, params, keys, sampled: bool):
+    """Draft ``K = max(num_draft)`` tokens for every row, one draft step each,
+    sampled with each row's own parameters and keys (``keys`` ``[B, K, 2]``).
 
-    Returns ``(drafts [B, K] int32 on the device, q [B, K, V] or None,
-    draft states after feeding y, d_1..d_{K-1})``.
+    Returns ``(drafts [B, K] on the device, q [B, K, V] or None, draft states
+    after feeding y, d_1..d_{K-1})``.
     """
-    K = max(batch.num_draft)
-    y = mx.array([c[-1] for c in batch.context], dtype=mx.int32)
-    states, drafts, qs = batch.draft_states, [], []
-    keys = mx.random.split(key, K) if temperature > 0 else None
+    K = max(spec.num_draft)
+    y = spec.batch.tokens
+    states, drafts, qs = list(spec.draft_states), [], []
     for j in range(K):
         logits, states = bridge.step(drafter.model, y, states)
-        if temperature == 0:
-            y = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if sampled:
+            qs.append(probabilities(logits, *params))
+            y, _ = sample_arrays(logits, keys[:, j], *params)
         else:
-            q = distribution(logits, temperature)
-            y = mx.random.categorical(mx.log(q), key=keys[j]).astype(mx.int32)
-            qs.append(q)
+            y = mx.argmax(logits, axis=-1)
         drafts.append(y)
     return mx.stack(drafts, axis=1), (mx.stack(qs, axis=1) if qs else None), states
 
@@ -294,79 +313,84 @@ def _settle_model(drafter: DraftModel, states, anchors, drafts, accepted):
     return [ops.commit(s, a, keep) for s, a in zip(states, anchors)]
 
 
-def step(target, batch: Speculation, *, drafter=None, temperature: float = 0.0,
-         key: mx.array | None = None, forward: Forward | None = None) -> tuple:
+def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = None) -> tuple:
     """One speculative round for every row: draft, verify in one target forward, roll back.
+
+    Each row verifies with its own ``kv.Sampling``: rows at temperature 0 by
+    greedy verification, the others by the rejection rule, with their own
+    PRNG keys (the batch's keys advance once per round).
 
     Args:
         target: the mlx-lm model (for the default ``forward``).
-        batch: the rows in flight.
-        drafter: the ``Lookup`` or ``DraftModel`` the batch was started with
+        spec: the rows in flight.
+        drafter: the ``Lookup`` or ``DraftModel`` the rows were started with
             (``None``: a plain decode step for every row).
-        temperature: 0 for greedy verification, else sampled verification at
-            this temperature (the rejection rule).
-        key: PRNG key for this round (``temperature > 0``).
         forward: ``(tokens [B, N], states) -> (logits [B, N, V], states)``;
             default ``eager(target)``; ``compiled(target)`` for a compiled verify.
 
     Returns:
-        ``(new_batch, Round)``: the batch after the round, and per row the
+        ``(new_spec, Round)``: the rows after the round, and per row the
         emitted tokens (the accepted drafts, then the target's token).
     """
     drafter = validate_drafter(drafter)
-    temperature = _temperature(temperature, key)
+    if not isinstance(spec, Speculation):
+        raise bad("spec", "a Speculation (kvstate.speculative.start makes one)",
+                  type(spec).__name__)
     is_model = isinstance(drafter, DraftModel)
-    check(is_model == (batch.draft_states is not None), "drafter",
-          "a DraftModel exactly when the batch holds draft records", type(drafter).__name__)
+    check(is_model == (spec.draft_states is not None), "drafter",
+          "a DraftModel exactly when the rows hold draft records", type(drafter).__name__)
     forward = forward or eager(target)
-    B = batch.batch_size
-    k_draft = k_verify = None
-    if temperature > 0:
-        k_draft, k_verify = mx.random.split(key)
+    batch, B = spec.batch, spec.batch_size
+    params = sampling_arrays(batch)
+    sampled = any(s.temperature > 0 for s in batch.sampling)
+    use, carry = split_keys(batch.keys)
+    Kmax = max(spec.num_draft) if is_model else 0
+    round_keys = mx.vmap(lambda k: mx.random.split(k, Kmax + 2))(use)  # [B, Kmax + 2, 2]
 
     q = None
     if is_model:
-        dcps = [ops.anchor(s) for s in batch.draft_states]
-        dev_drafts, q, dstates = _propose_model(batch, drafter, temperature, k_draft)
-        counts = batch.num_draft
-    elif drafter is not None:
-        host = _propose_lookup(batch, drafter)
+        anchors = [ops.anchor(s) for s in spec.draft_states]
+        drafts_dev, q, dstates = _propose_model(spec, drafter, params, round_keys, sampled)
+        counts = spec.num_draft
+    else:
+        host = _propose_lookup(spec, drafter) if drafter is not None else [[]] * B
         counts = tuple(len(d) for d in host)
         K = max(counts)
-        dev_drafts = mx.array([d + [0] * (K - len(d)) for d in host], dtype=mx.int32)
-        dev_drafts = dev_drafts.reshape(B, K)
-    else:
-        counts = (0,) * B
-        dev_drafts = mx.zeros((B, 0), mx.int32)
+        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host],
+                              dtype=mx.uint32).reshape(B, K)
     K = max(counts)
-    dev_drafts = dev_drafts[:, :K]
+    drafts_dev = drafts_dev[:, :K]
     if q is not None:
         q = q[:, :K]
 
-    y = mx.array([c[-1] for c in batch.context], dtype=mx.int32)[:, None]
-    window = mx.concatenate([y, dev_drafts], axis=1)  # [B, 1 + K]; rows past counts: padding
-    cps = [ops.checkpoint(s) for s in batch.states]
-    logits, states = forward(window, batch.states)
-    if temperature == 0:
-        target_tokens, host_drafts = mx.argmax(logits, axis=-1), dev_drafts
-        mx.eval(target_tokens, host_drafts)
-        drafts = [d[:c] for d, c in zip(host_drafts.tolist(), counts)]
+    window = mx.concatenate([batch.tokens[:, None].astype(mx.uint32),
+                             drafts_dev.astype(mx.uint32)], axis=1)  # pads past counts
+    cp = ops.checkpoint(batch.states)
+    logits, states = forward(window, list(batch.states))
+    if not sampled:
+        target_tokens = mx.argmax(logits, axis=-1)
+        mx.eval(target_tokens, drafts_dev)
+        drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
         accepted, nxt = accept_greedy(drafts, target_tokens.tolist())
     else:
-        p = distribution(logits, temperature)
-        acc, nx = accept_sampled(dev_drafts, mx.array(counts, dtype=mx.int32), p, q, k_verify)
-        mx.eval(acc, nx, dev_drafts)
+        p = probabilities(logits, *params)
+        uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
+        acc, nx = accept_sampled(drafts_dev.astype(mx.int32), mx.array(counts, mx.int32), p, q,
+                                 uniform, round_keys[:, Kmax + 1])
+        mx.eval(acc, nx, drafts_dev)
         accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
-        drafts = [d[:c] for d, c in zip(dev_drafts.tolist(), counts)]
-    states = [ops.rollback(s, cp, [1 + a for a in accepted]) for s, cp in zip(states, cps)]
+        drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
+    states = ops.rollback(states, cp, [1 + a for a in accepted])
     draft_states = None
     if is_model:
-        draft_states = _settle_model(drafter, dstates, dcps, dev_drafts, accepted)
+        draft_states = _settle_model(drafter, dstates, anchors, drafts_dev, accepted)
     emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
     num_draft = tuple(next_num_draft(k, c, a, m) for k, c, a, m in
-                      zip(batch.num_draft, counts, accepted, batch.max_draft))
-    new = Speculation(states, [c + e for c, e in zip(batch.context, emitted)], num_draft,
-                      batch.max_draft, draft_states)
+                      zip(spec.num_draft, counts, accepted, spec.max_draft))
+    batch = attrs.evolve(batch, states=states, tokens=mx.array(nxt, dtype=mx.uint32),
+                         keys=carry)
+    new = Speculation(batch, [c + e for c, e in zip(spec.context, emitted)], num_draft,
+                      spec.max_draft, draft_states)
     return new, Round(emitted, counts, accepted, 1 + K)
 
 
@@ -378,11 +402,11 @@ __all__ = [
     "accept_greedy",
     "accept_sampled",
     "compiled",
-    "distribution",
     "eager",
     "join",
     "leave",
     "next_num_draft",
+    "probabilities",
     "start",
     "step",
 ]

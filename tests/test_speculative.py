@@ -110,6 +110,21 @@ def test_greedy_equals_plain_quantized_rows(llama):
     assert any(sum(r.accepted) for r in rounds)
 
 
+def test_greedy_rows_stay_exact_beside_sampled_rows(llama):
+    """Per-row sampling: in one batch, greedy rows (temperature 0) give the plain
+    loop's tokens while a sampled row (temperature 1) speculates beside them."""
+    prompts = [repetitive(13, 9, 3), repetitive(14, 12, 4), repetitive(15, 8, 2)]
+    sampling = [kv.Sampling(), kv.Sampling(temperature=1.0), kv.Sampling()]
+    draft = DraftModel(truncated(llama, 1))
+    spec = sp.start(llama, prompts, drafter=draft, num_draft=3, sampling=sampling,
+                    seeds=[1, 2, 3])
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 11:
+        spec, _ = sp.step(llama, spec, drafter=draft)
+    want = plain(llama, prompts, 10)
+    for b in (0, 2):
+        assert list(spec.context[b][len(prompts[b]):len(prompts[b]) + 11]) == want[b]
+
+
 def test_greedy_equals_plain_compiled_verify(llama):
     """The verify window ``[B, 1 + K]`` through one compiled step (dense rows,
     per-row rollback after it); traces stay one per window width and bucket."""
@@ -264,7 +279,9 @@ def test_rejection_rule_emits_the_target_distribution(with_q):
     counts = mx.array(rng.integers(1, K + 1, size=B), dtype=mx.int32)
     pb = mx.broadcast_to(mx.array(p)[None], (B, K + 1, V))
     d = mx.array(drafts, dtype=mx.int32)
-    accepted, nxt = sp.accept_sampled(d, counts, pb, qb, mx.random.key(3))
+    uniform = mx.random.uniform(shape=(B, K), key=mx.random.key(3))
+    keys = kv.row_keys(range(B))
+    accepted, nxt = sp.accept_sampled(d, counts, pb, qb, uniform, keys)
     accepted, nxt = np.array(accepted), np.array(nxt)
     first = np.where(accepted > 0, drafts[:, 0], nxt)
     assert _chi2_p(np.bincount(first, minlength=V), p[0]) > 1e-3
@@ -294,22 +311,23 @@ def test_sampled_loop_matches_the_target_joint_distribution(drafter):
     prompt, y, B, T = [1, 2, 3, 1, 2, 3, 1, 2], 3, 3000, 1.0
     use = DraftModel(draft) if drafter == "model" else Lookup(min_ngram=1)
     _, one = br.prefill(target, [prompt])
-    states = [kv.merge_rows([s] * B) for s in one]
+    states = kv.merge_rows([one] * B)
     dstates = None
     if drafter == "model":
         _, d1 = br.prefill(draft, [prompt])
-        dstates = [kv.merge_rows([s] * B) for s in d1]
-    batch = sp.Speculation(states, [prompt + [y]] * B, (3,) * B, (3,) * B, dstates)
-    key = mx.random.key(11)
-    while min(len(c) for c in batch.context) < len(prompt) + 3:
-        key, sub = mx.random.split(key)
-        batch, _ = sp.step(target, batch, drafter=use, temperature=T, key=sub)
+        dstates = kv.merge_rows([d1] * B)
+    batch = kv.Batch(states, [y] * B, keys=kv.row_keys(range(100, 100 + B)),
+                     sampling=kv.Sampling(temperature=T))
+    spec = sp.Speculation(batch, [prompt + [y]] * B, (3,) * B, (3,) * B, dstates)
+    while min(len(c) for c in spec.context) < len(prompt) + 3:
+        spec, _ = sp.step(target, spec, drafter=use)
+    batch = spec
     pairs = np.array([c[len(prompt) + 1:len(prompt) + 3] for c in batch.context])
     counts = np.bincount(pairs[:, 0] * 6 + pairs[:, 1], minlength=36)
     logits = target(mx.array([prompt + [y]]))[0, -1]
-    p1 = np.array(sp.distribution(logits, T))
+    p1 = np.array(mx.softmax(logits / T))
     second = target(mx.array([prompt + [y, t] for t in range(6)]))[:, -1]
-    p2 = np.array(sp.distribution(second, T))
+    p2 = np.array(mx.softmax(second / T, axis=-1))
     joint = (p1[:, None] * p2).reshape(-1)
     assert _chi2_p(counts, joint) > 1e-3
 
@@ -318,18 +336,16 @@ def test_sampled_loop_matches_the_target_joint_distribution(drafter):
 
 
 def test_bad_arguments_are_refused(llama):
-    batch = sp.start(llama, [[1, 2, 3]], drafter=Lookup())
+    spec = sp.start(llama, [[1, 2, 3]], drafter=Lookup())
     with pytest.raises(kv.KVStateError, match="drafter"):
-        sp.step(llama, batch, drafter="ngram")
-    with pytest.raises(kv.KVStateError, match="key"):
-        sp.step(llama, batch, drafter=Lookup(), temperature=0.7)
-    with pytest.raises(kv.KVStateError, match="temperature"):
-        sp.step(llama, batch, drafter=Lookup(), temperature=-1.0)
+        sp.step(llama, spec, drafter="ngram")
+    with pytest.raises(kv.KVStateError, match="spec"):
+        sp.step(llama, spec.batch, drafter=Lookup())
     with pytest.raises(kv.KVStateError, match="num_draft"):
         sp.start(llama, [[1, 2]], num_draft=-1)
     with pytest.raises(kv.KVStateError, match="drafter"):
-        sp.step(llama, batch, drafter=DraftModel(truncated(llama, 1)))
+        sp.step(llama, spec, drafter=DraftModel(truncated(llama, 1)))
     with pytest.raises(kv.KVStateError, match="min_ngram"):
         Lookup(min_ngram=0)
     with pytest.raises(kv.KVStateError, match="rows"):
-        sp.leave(batch, [3])
+        sp.leave(spec, [3])
