@@ -100,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="a .gguf or mlx-lm directory (default: "
                     "kvstate's default real model, SmolLM2-135M-Instruct)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random llama (development)")
+    ap.add_argument("--quantized", action="store_true",
+                    help="keep the GGUF's quantized linears (GPU); default: dequantized")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--system", type=int, default=512)
@@ -124,8 +126,9 @@ def load(args):
         return tiny_llama(0), "tiny llama (random weights)"
     from kvstate.models import load_model
 
-    loaded = load_model(args.model, dequantize=True, dtype=mx.float32)
-    return loaded.model, loaded.name
+    dtype = getattr(mx, args.dtype)
+    loaded = load_model(args.model, dequantize=not args.quantized, dtype=dtype)
+    return loaded.model, f"{loaded.name} ({'quantized' if args.quantized else args.dtype})"
 
 
 def tokens(rng, n, vocab):
@@ -154,8 +157,11 @@ def decode(model, logits, states, steps, key):
     return statistics.median(times), states, peak
 
 
-def samples_round(model, prompt, n, steps, seed):
-    """n samples of one prompt, three ways. Returns {side: (ttft, step, peak bytes)}."""
+def samples_round(model, prompt, ns, steps, seed):
+    """n samples of one prompt, for each n in ``ns``, three ways; each side
+    prefills the prompt once per round (timed) and serves every n from it:
+    TTFT = that prefill + the side's own fork or copies and first token.
+    Returns {(n, side): (ttft, step, peak bytes)}."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import LRUPromptCache
 
@@ -169,27 +175,35 @@ def samples_round(model, prompt, n, steps, seed):
             lru = LRUPromptCache()
             cache = make_prompt_cache(model)
             logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
-            mx.eval(logits)
+            mx.eval(logits, [c.state for c in cache])
             lru.insert_cache("m", prompt, cache)
-            rows = [lru.fetch_nearest_cache("m", prompt)[0] for _ in range(n)]
-            mx.eval([c.state for r in rows for c in r])
-            first = mx.argmax(logits, axis=-1)
-            mx.eval(first)
-            ttft = time.perf_counter() - t
-            out[side] = (ttft, float("nan"), lm_bytes(cache) + sum(lm_bytes(r) for r in rows))
+            prefill_s = time.perf_counter() - t
+            for n in ns:
+                t = time.perf_counter()
+                rows = [lru.fetch_nearest_cache("m", prompt)[0] for _ in range(n)]
+                first = mx.argmax(mx.repeat(logits, n, axis=0), axis=-1)
+                mx.eval(first, [c.state for r in rows for c in r])
+                out[(n, side)] = (prefill_s + time.perf_counter() - t, float("nan"),
+                                  lm_bytes(cache) + sum(lm_bytes(r) for r in rows))
+                del rows
             continue
-        logits, states = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
+        logits, base = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
         logits = logits[:, -1, :]
-        if side == "shared":
-            states = kv.fork(states, 0, n - 1)
-        else:
-            states = [kv.filter_rows(s, [0] * n) for s in states]
-        logits = mx.repeat(logits, n, axis=0)
-        first = mx.argmax(logits, axis=-1)
-        mx.eval(first, [p for s in states for p in getattr(s, "planes", ())])
-        ttft = time.perf_counter() - t
-        step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
-        out[side] = (ttft, step, peak)
+        mx.eval(logits, [p for s in base for p in s.planes])
+        prefill_s = time.perf_counter() - t
+        for n in ns:
+            t = time.perf_counter()
+            if side == "shared":
+                states = kv.fork(base, 0, n - 1)
+            else:
+                states = [kv.filter_rows(s, [0] * n) for s in base]
+            rows = mx.repeat(logits, n, axis=0)
+            first = mx.argmax(rows, axis=-1)
+            mx.eval(first, [p for s in states for p in s.planes])
+            ttft = prefill_s + time.perf_counter() - t
+            step, states, peak = decode(model, rows, states, steps, mx.random.key(seed))
+            out[(n, side)] = (ttft, step, peak)
+            del states
     return out
 
 
@@ -259,13 +273,12 @@ def model_part(args):
     prompt = tokens(rng, args.prompt, vocab)
     system = tokens(rng, args.system, vocab)
     users = [tokens(rng, args.user, vocab) for _ in range(args.requests)]
-    print(f"# model: {name}, float32, device={mx.default_device()}, rounds={args.rounds}, "
+    print(f"# model: {name}, device={mx.default_device()}, rounds={args.rounds}, "
           f"decode steps={args.steps}")
     res = {}
     for r in range(args.rounds):
-        for n in args.samples:
-            for side, v in samples_round(model, prompt, n, args.steps, r).items():
-                res.setdefault(("samples", n, side), []).append(v)
+        for (n, side), v in samples_round(model, prompt, args.samples, args.steps, r).items():
+            res.setdefault(("samples", n, side), []).append(v)
         if args.requests:
             for side, v in system_round(model, system, users, args.steps, r).items():
                 res.setdefault(("system", args.requests, side), []).append(v)

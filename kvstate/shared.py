@@ -32,6 +32,7 @@ design, the alternatives and the measurements are in ``notes/prefix.md``.
 
 from __future__ import annotations
 
+import functools
 import operator
 from functools import singledispatch
 
@@ -40,6 +41,7 @@ import mlx.core as mx
 
 from . import dense, ops
 from .errors import as_int, bad, check, per_row, row_index, row_list
+from .masks import MaskKey, lease, rows_mask
 from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
@@ -565,24 +567,42 @@ def read(state: SharedState, q, *, scale: float, memo=None, groups=None, suffix_
     """The cascade read behind ``attend``, without its argument checks (the
     bridge calls it with the model's own queries).
 
+    The suffix is read over its whole capacity with a per-row mask, and the
+    read runs as one ``mx.compile``'d function per static layout (the prefix
+    groups, the views, the scale), so its shapes change only when the suffix
+    grows a block: the elementwise work of the merge fuses, and a decode
+    loop traces once per capacity bucket.
+
     ``groups``: ``prefix_groups(state)`` when already known (equal for every
-    layer of a forward); ``suffix_kv``: the suffix columns when already fetched.
+    layer of a forward); ``suffix_kv``: ignored (kept for callers that
+    fetched the suffix already).
     """
     n = q.shape[2]
     if groups is None:
         groups = prefix_groups(state)
-    if suffix_kv is None:
-        suffix_kv = ops.fetch(state.suffix)
-    mask, held = dense.read_mask(state.suffix, n, memo, None)
+    suffix = state.suffix
+    C = suffix.capacity
+    left_pad, ends = suffix.left_pad, suffix.ends
+    key = MaskKey("shared-suffix", (n, left_pad, ends, C))
+    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, C))
     try:
-        if isinstance(mask, str):
-            W = suffix_kv[0].shape[2]
-            mask = (mx.arange(W - n, W)[:, None] >= mx.arange(W)[None])[None, None]
-        return cascade_attention(q, group_kv(state, groups), [g[2] for g in groups],
-                                 state.shared, suffix_kv, mask, scale=scale)
+        fn = _compiled_read(tuple(g[2] for g in groups), state.shared, float(scale))
+        return fn(q, suffix.keys, suffix.values, held.mask,
+                  *[x for kv_ in group_kv(state, groups) for x in kv_])
     finally:
-        if held is not None:
-            held.release()
+        held.release()
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_read(groups: tuple, shared: tuple, scale: float):
+    """The cascade for one static layout, compiled (a bounded cache of them)."""
+
+    def fn(q, suffix_k, suffix_v, mask, *prefix):
+        pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
+        return cascade_attention(q, pairs, groups, shared, (suffix_k, suffix_v), mask,
+                                 scale=scale)
+
+    return mx.compile(fn)
 
 
 def dense_attend_reference(state: SharedState, q, *, scale: float):

@@ -122,13 +122,13 @@ def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
     from kvstate import shared
 
     calls = []
-    real = shared.cascade_attention
+    real = shared.read
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(shared, "cascade_attention", counted)
+    monkeypatch.setattr(bridge, "shared_read", counted)
     model = llama_model(layers=3)
     _, states = bridge.forward(model, mx.array([[1, 2, 3, 4]]), bridge.make_states(model, 1))
     forked = kv.fork(states, 0, 2)
