@@ -28,21 +28,7 @@ import attrs
 import mlx.core as mx
 
 import kvstate as kv
-
-
-def tiny_llama(seed: int = 0, *, layers: int = 4, hidden: int = 256, heads: int = 8,
-               kv_heads: int = 4, head_dim=None, vocab: int = 512, **extra):
-    """A real ``mlx_lm.models.llama.Model`` with seeded random float32 weights."""
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-                           intermediate_size=2 * hidden, num_attention_heads=heads,
-                           num_key_value_heads=kv_heads, head_dim=head_dim,
-                           rms_norm_eps=1e-5, vocab_size=vocab, **extra)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+from .models import tiny_llama as tiny_llama
 
 
 # --- requests and the scheduler ----------------------------------------------------

@@ -522,28 +522,87 @@ extract_row = ops.extract_row
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None,
-            **make) -> tuple:
-    """Prefill each prompt alone, then merge the rows.
+            prefill_step_size: int = 512, **make) -> tuple:
+    """Prefill every prompt in one batch; ``(last logits [B, V], states)``.
+
+    All but each prompt's last token run together, right-padded to the
+    longest and in chunks of at most ``prefill_step_size`` tokens; then each
+    row's padding is trimmed and the last tokens run as one ``step``, which
+    writes each row at its own end and gives the logits (no ``[B, N, V]``
+    logits are ever computed)::
+
+        right-padded, one forward per chunk      trimmed: row b holds its prompt
+        row 0:  a a a a a a . .                  row 0:  a a a a a a ~ ~
+        row 1:  b b b . . . . .        ->        row 1:  b b b ~ ~ ~ ~ ~
+        row 2:  c c c c c c c c                  row 2:  c c c c c c c c
+
+    (``.`` padding, ``~`` stale columns past a row's end, which masks never
+    expose and the next append overwrites). Padding comes after a row's
+    tokens, so causal attention never lets a real token see it. A model with
+    records other than dense and quantized ones (sliding-window rings, ...)
+    runs each whole prompt alone in one forward and merges the rows, as
+    before: padding written into a ring would evict real tokens, and
+    splitting a prompt changes what a ring shows its last tokens
+    (``_prefill_alone``).
 
     Args:
         prompts: lists of token ids, one per row (lengths may differ).
+        prefill_step_size: most tokens per forward (bounds the attention
+            scores' memory on long prompts).
         make: ``max_kv_size``, ``kv_bits``, ``kv_group_size`` for ``make_states``.
 
     Returns:
         ``(logits [B, V], states)``: each row's logits after its last prompt
-        token, and the merged states (rows left-padded to a common end).
+        token, and the states (row ``b`` holds prompt ``b``, no left padding).
     """
     if not prompts:  # an empty batch
         V, dtype = _logits_shape(model)
         return mx.zeros((0, V), dtype), make_states(model, 0, **make)
-    last, rows = [], []
+    prompts = [list(p) for p in prompts]
     for i, p in enumerate(prompts):
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
-        logits, states = forward(model, mx.array([list(p)]), make_states(model, 1, **make),
-                                 memo=memo)
+    step_size = as_int(prefill_step_size, "prefill_step_size")
+    check(step_size >= 1, "prefill_step_size", ">= 1", step_size)
+    states = make_states(model, len(prompts), **make)
+    if not all(type(s) in _PADDABLE for s in states):
+        return _prefill_alone(model, prompts, memo, make)
+    return _prefill_rows(model, prompts, states, step_size, memo)
+
+
+# Records whose padding columns a trim removes exactly; a ring would evict real
+# tokens for padding, a recurrent state would absorb it.
+_PADDABLE = (CacheState, QuantizedState)
+
+
+def _prefill_alone(model, prompts, memo, make):
+    """Each whole prompt in one forward on its own records, then the rows merged.
+
+    For ring layers: a ring's multi-token append keeps every new token
+    visible to the block, so splitting a prompt (into chunks, or into its
+    head and last token) would change what its last tokens see.
+    """
+    last, rows = [], []
+    for p in prompts:
+        logits, states = forward(model, mx.array([p]), make_states(model, 1, **make), memo=memo)
         last.append(logits[:, -1, :])
         rows.append(states)
     return mx.concatenate(last, axis=0), merge_rows(rows)
+
+
+def _prefill_rows(model, prompts, states, step_size, memo):
+    """``prefill`` on validated prompts and empty ``states`` of their batch size."""
+    heads = [p[:-1] for p in prompts]
+    width = max(len(h) for h in heads)
+    if width:
+        tokens = mx.array([h + [0] * (width - len(h)) for h in heads], dtype=mx.int32)
+        for start in range(0, width, step_size):
+            if start:  # bound the graph (and memory) of long prompts, as mlx-lm does
+                mx.eval([s.planes for s in states])
+            _, states = forward(model, tokens[:, start:start + step_size], states, memo=memo)
+        cut = tuple(width - len(h) for h in heads)
+        if any(cut):
+            states = [kv.trim(s, cut) for s in states]
+    return step(model, mx.array([p[-1] for p in prompts], dtype=mx.int32), states, memo=memo)
 
 
 def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
