@@ -1,49 +1,52 @@
 """The ``kvstate`` command: continuous batched generation on kvstate records.
 
-``kvstate generate`` serves a stream of requests that arrive and finish at
-different times. One scheduler drives an *engine*; each step it admits the
-requests that have arrived (prefilled alone, then joined to the batch with
-``extend``), decodes one token for every active row, and drops finished
-rows with ``filter_rows``::
+``kvstate generate`` runs a real model (SmolLM2-135M-Instruct by default,
+fetched and cached on first use) on real prompts: the built-in set, or
+``--prompt`` (repeatable), or ``--prompts FILE``. Each prompt goes through
+the model's chat template; requests are prefilled together, decode as one
+batch, and leave as they finish (``kvstate.engine``). Each completion is
+printed as it finishes (``--json``: one JSON object per line), then a table.
 
-    step:      0   1   2   3   4   5   6   7   8
-    req 0:     P   d   d   d   d   x                 P prefill + join
-    req 1:         P   d   d   d   d   d   x         d one decode step
-    req 2:                 P   d   d   x             x finished, filtered out
+``--model tiny`` is the built-in tiny llama with random weights on random
+token ids (no download, no tokenizer): the arrival-schedule workload of
+``--requests``, ``--prompt-len``, ``--gen-len`` and ``--arrival-gap``.
 
-``--compare`` runs the same schedule on mlx-lm's own batch caches
-(``BatchKVCache`` merge/extend/filter) in the same process, and reports
-whether every request got the same tokens, and the speed ratio.
-Decisions are in ``notes/cli.md``.
+``--compare`` runs the same requests on mlx-lm's own batch caches in the
+same process and reports token parity and the speed ratio. Decisions are
+in ``notes/cli.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-import attrs
 import mlx.core as mx
 
 import kvstate as kv
-from .models import tiny_llama as tiny_llama
+
+from .engine import Completion, KVStateEngine, MlxLmEngine, Request, serve
+from .models import tiny_llama
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for sleeping better.",
+    "What is the boiling point of water in Fahrenheit?",
+    "Explain what a cache is in one sentence.",
+    "Name three primary colors.",
+)
 
 
-# --- requests and the scheduler ----------------------------------------------------
-
-
-@attrs.define
-class Request:
-    arrival: int          # the decode step at which it arrives
-    prompt: list          # token ids
-    max_new: int          # tokens to generate
-    out: list = attrs.Factory(list)
+# --- requests ---------------------------------------------------------------------------
 
 
 def make_requests(n, prompt_len, gen_len, gap, vocab, seed) -> list:
-    """``n`` requests with random prompts, lengths uniform in the given ranges."""
+    """``n`` requests with random token prompts (the tiny model's workload): lengths
+    uniform in the given ranges, arrival gaps uniform in ``[0, 2 * gap]`` steps."""
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
     plen = mx.random.randint(prompt_len[0], prompt_len[1] + 1, (n,), key=k1).tolist()
@@ -51,119 +54,90 @@ def make_requests(n, prompt_len, gen_len, gap, vocab, seed) -> list:
     gaps = mx.random.randint(0, 2 * gap + 1, (n,), key=k3).tolist()
     toks = mx.random.randint(0, vocab, (n, max(plen)), key=k4).tolist()
     arrivals = [sum(gaps[:i]) for i in range(n)]
-    return [Request(a, toks[i][:p], g) for i, (a, p, g) in enumerate(zip(arrivals, plen, glen))]
+    return [
+        Request(i, tuple(toks[i][:p]), g, arrival=a)
+        for i, (a, p, g) in enumerate(zip(arrivals, plen, glen))
+    ]
 
 
-def serve(engine, requests, batch_size, progress=None) -> dict:
-    """Run every request to completion; returns timing and cache figures."""
-    pending = sorted(requests, key=lambda r: r.arrival)
-    for r in pending:
-        r.out = []
-    active, batch, t, bytes_per_tok = [], None, 0, []
-    start = time.perf_counter()
-    while pending or active:
-        while pending and pending[0].arrival <= t and len(active) < batch_size:
-            r = pending.pop(0)
-            logits, row = engine.prefill(r.prompt)
-            r.out.append(mx.argmax(logits, axis=-1).item())
-            if len(r.out) >= r.max_new:
-                continue
-            batch = row if batch is None else engine.join(batch, row)
-            active.append(r)
-        if not active:  # idle until the next arrival
-            t = max(t + 1, pending[0].arrival) if pending else t
+def read_prompts(path: Path) -> list:
+    """Prompts from a file: one per line, or JSON lines.
+
+    A JSON line is a string, a list of chat messages, or an object with
+    ``"prompt"`` (text) or ``"messages"``, and optionally ``"max_tokens"``,
+    ``"temperature"``, ``"top_p"``, ``"seed"``. Blank lines are skipped.
+    Returns ``(prompt text or messages, overrides)`` pairs.
+    """
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
             continue
-        tokens = mx.array([r.out[-1] for r in active], dtype=mx.int32)
-        logits, batch = engine.step(batch, tokens)
-        for r, tok in zip(active, mx.argmax(logits, axis=-1).tolist()):
-            r.out.append(tok)
-        held = sum(len(r.prompt) + len(r.out) - 1 for r in active)
-        bytes_per_tok.append(engine.nbytes(batch) / held)
-        keep = [i for i, r in enumerate(active) if len(r.out) < r.max_new]
-        if len(keep) < len(active):
-            active = [active[i] for i in keep]
-            batch = engine.leave(batch, keep) if keep else None
-        t += 1
-        if progress:
-            progress(sum(len(r.out) for r in requests), len(active), len(pending))
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "steps": t,
-            "bytes_per_token": sum(bytes_per_tok) / max(len(bytes_per_tok), 1)}
+        if line[0] not in '{["':
+            out.append((line, {}))
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"kvstate generate: --prompts {path}:{n}: not JSON ({e})") from None
+        if isinstance(item, dict):
+            prompt = item.get("messages", item.get("prompt"))
+            extra = {
+                k: item[k] for k in ("max_tokens", "temperature", "top_p", "seed") if k in item
+            }
+        else:
+            prompt, extra = item, {}
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise SystemExit(
+                f"kvstate generate: --prompts {path}:{n}: expected a prompt "
+                "string or a list of messages"
+            )
+        out.append((prompt, extra))
+    if not out:
+        raise SystemExit(f"kvstate generate: --prompts {path}: no prompts in the file")
+    return out
 
 
-# --- engines: kvstate records, and mlx-lm's own caches --------------------------------
+def text_requests(args, tokenizer) -> list:
+    """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set)."""
+    items = [(p, {}) for p in args.prompt] if args.prompt else []
+    if args.prompts:
+        items += read_prompts(args.prompts)
+    items = items or [(p, {}) for p in PROMPTS]
+    reqs = []
+    for i, (prompt, extra) in enumerate(items):
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if args.raw or not tokenizer.has_chat_template:
+            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            ids = tokenizer.encode(text)
+        else:
+            ids = tokenizer.chat(messages)
+            text = messages[-1]["content"]
+        if not ids:
+            raise SystemExit(f"kvstate generate: prompt {i} has no tokens")
+        settings = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed + i,
+            **extra,
+        }
+        reqs.append(
+            Request(
+                i,
+                tuple(ids),
+                int(settings["max_tokens"]),
+                text,
+                float(settings["temperature"]),
+                float(settings["top_p"]),
+                int(settings["seed"]),
+                stop=tokenizer.eos_ids,
+            )
+        )
+    return reqs
 
 
-class KVStateEngine:
-    """Rows are kvstate records, driven through ``kvstate.mlx_lm``."""
-
-    name = "kvstate"
-
-    def __init__(self, model, compiled=False):
-        from . import mlx_lm as bridge
-
-        self.model, self.bridge = model, bridge
-        self._step = bridge.step
-        if compiled:
-            try:
-                from .compiled import make_step
-            except ImportError:
-                raise SystemExit("kvstate generate: --compile needs kvstate.compiled.make_step, "
-                                 "which this install does not have yet") from None
-            self._step = make_step(model)  # step(model, tokens, states) -> (logits, states)
-            self.name = "kvstate (compiled)"
-
-    def prefill(self, prompt):
-        states = self.bridge.make_states(self.model, 1)
-        logits, states = self.bridge.forward(self.model, mx.array([prompt]), states)
-        return logits[:, -1, :], states
-
-    def join(self, batch, row):
-        return self.bridge.extend(batch, row)
-
-    def step(self, batch, tokens):
-        return self._step(self.model, tokens, batch)
-
-    def leave(self, batch, keep):
-        return self.bridge.filter_rows(batch, keep)
-
-    def nbytes(self, batch):
-        return sum(s.nbytes for s in batch)
-
-
-class MlxLmEngine:
-    """Rows are mlx-lm caches: ``KVCache`` per prompt, ``BatchKVCache`` for the batch."""
-
-    name = "mlx-lm"
-
-    def __init__(self, model):
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.model, self.make = model, make_prompt_cache
-
-    def prefill(self, prompt):
-        caches = self.make(self.model)
-        logits = self.model(mx.array([prompt]), cache=caches)
-        return logits[:, -1, :], [type(c).merge([c]) for c in caches]
-
-    def join(self, batch, row):
-        for b, r in zip(batch, row):
-            b.extend(r)  # in place, as mlx-lm's BatchGenerator does
-        return batch
-
-    def step(self, batch, tokens):
-        return self.model(tokens[:, None], cache=batch)[:, -1, :], batch
-
-    def leave(self, batch, keep):
-        for b in batch:
-            b.filter(mx.array(keep))
-        return batch
-
-    def nbytes(self, batch):
-        return sum(c.nbytes for c in batch)
-
-
-# --- the command -----------------------------------------------------------------------
+# --- the command ------------------------------------------------------------------------
 
 
 def _range(text: str):
@@ -175,30 +149,99 @@ def _range(text: str):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="kvstate", description="KV-cache state for MLX models: "
-                                "continuous batched generation on kvstate records.")
+    p = argparse.ArgumentParser(
+        prog="kvstate",
+        description="KV-cache state for MLX models: "
+        "continuous batched generation on kvstate records.",
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="continuous batched generation on kvstate records",
-                       description="Requests arrive and finish at different times; rows join "
-                       "the batch with extend and leave with filter_rows. Prints a table of "
-                       "requests, tokens, tokens/s, peak memory and cache bytes per token.")
-    g.add_argument("--model", type=Path, help="a local mlx-lm model directory "
-                   "(default: a built-in tiny llama with seeded random weights)")
-    g.add_argument("--requests", type=int, default=16, help="number of requests (16)")
-    g.add_argument("--prompt-len", type=_range, default=(16, 64), metavar="LO:HI",
-                   help="prompt lengths, uniform (16:64)")
-    g.add_argument("--gen-len", type=_range, default=(8, 48), metavar="LO:HI",
-                   help="tokens generated per request, uniform (8:48)")
+    g = sub.add_parser(
+        "generate",
+        help="continuous batched generation on kvstate records",
+        description="Real prompts in, text out: requests are prefilled together, "
+        "decode as one batch and leave as they finish. Prints each completion, "
+        "then a table of requests, tokens, tokens/s, time to first token, peak "
+        "memory and cache bytes per token.",
+    )
+    g.add_argument(
+        "--model",
+        help="a llama-family .gguf file, an mlx-lm model directory, or "
+        "'tiny' (random weights and token ids); default: SmolLM2-135M-Instruct, "
+        "fetched on first use",
+    )
+    g.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt (repeatable); default: a built-in set",
+    )
+    g.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="prompts, one per line, or JSON lines (text, messages, or objects "
+        "with prompt/messages and max_tokens/temperature/top_p/seed)",
+    )
+    g.add_argument("--raw", action="store_true", help="no chat template: the prompt text as is")
+    g.add_argument("--max-tokens", type=int, default=48, help="most tokens per completion (48)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="request i samples with seed SEED + i; tiny: weights and workload (0)",
+    )
     g.add_argument("--batch-size", type=int, default=8, help="most rows decoded at once (8)")
-    g.add_argument("--arrival-gap", type=int, default=2,
-                   help="mean decode steps between arrivals (2)")
-    g.add_argument("--seed", type=int, default=0, help="seed for weights and requests (0)")
-    g.add_argument("--repeat", type=int, default=1,
-                   help="runs per engine, alternating engines; the fastest is reported (1)")
-    g.add_argument("--compare", action="store_true",
-                   help="also run mlx-lm's own batch caches; report token parity and speed")
+    g.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=512,
+        help="most prompt tokens per prefill forward (512)",
+    )
+    g.add_argument(
+        "--float32",
+        action="store_true",
+        help="dequantize a quantized model to float32 (parity tests use this)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per request on stdout (the table goes to stderr)",
+    )
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run mlx-lm's own batch caches; report token parity and speed",
+    )
     g.add_argument("--compile", action="store_true", help="decode with a compiled step")
+    g.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per engine, alternating engines; the fastest is reported (1)",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    t = g.add_argument_group("tiny model workload (--model tiny)")
+    t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
+    t.add_argument(
+        "--prompt-len",
+        type=_range,
+        default=(16, 64),
+        metavar="LO:HI",
+        help="prompt lengths, uniform (16:64)",
+    )
+    t.add_argument(
+        "--gen-len",
+        type=_range,
+        default=(8, 48),
+        metavar="LO:HI",
+        help="tokens generated per request, uniform (8:48)",
+    )
+    t.add_argument(
+        "--arrival-gap", type=int, default=2, help="mean decode steps between arrivals (2)"
+    )
     return p
 
 
@@ -211,27 +254,31 @@ def _progress(label, total, stream):
         if not final and now - last[0] < 0.1:
             return
         last[0] = now
-        filled = int(30 * tokens / max(total, 1))
+        filled = int(30 * min(tokens, total) / max(total, 1))
         rate = tokens / max(now - start, 1e-9)
-        stream.write(f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {tokens}/{total} tok"
-                     f"  {active} active  {queued} queued  {rate:,.0f} tok/s ")
+        stream.write(
+            f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {tokens}/{total} tok"
+            f"  {active} active  {queued} queued  {rate:,.1f} tok/s "
+        )
         stream.write("\n" if final else "")
         stream.flush()
 
     return show
 
 
-def _load_model(args):
-    if args.model is None:
-        return tiny_llama(args.seed), "tiny llama (random weights, float32)"
-    from mlx_lm.utils import load_model
+def load(args, err):
+    """``kvstate.models.Loaded`` for ``--model`` (``None`` tokenizer: random token ids)."""
+    from . import models
 
-    args.model = args.model.expanduser()
-    if not (args.model / "config.json").is_file():
-        raise SystemExit(f"kvstate generate: --model {args.model}: no config.json there "
-                         "(expected a local mlx-lm model directory)")
-    model, _ = load_model(args.model)
-    return model, str(args.model)
+    if args.model == "tiny":
+        return models.Loaded(tiny_llama(args.seed), None, "tiny llama (random weights, float32)")
+    path = None if args.model is None else Path(args.model).expanduser()
+    if path is not None and path.suffix != ".gguf" and not (path / "config.json").is_file():
+        raise SystemExit(
+            f"kvstate generate: --model {args.model}: no config.json there "
+            "(expected a .gguf file, an mlx-lm model directory, or 'tiny')"
+        )
+    return models.load_model(path, dequantize=args.float32, log=err)
 
 
 def _vocab(model):
@@ -241,61 +288,156 @@ def _vocab(model):
     return size
 
 
-def run(engine, requests, args, stream, best=None):
+def show_completion(c: Completion, tokenizer, out, as_json: bool):
+    r = c.request
+    if as_json:
+        text = tokenizer.decode(c.tokens) if tokenizer else None
+        print(
+            json.dumps(
+                {
+                    "id": r.id,
+                    "prompt": r.text,
+                    "completion": text,
+                    "token_ids": list(c.tokens),
+                    "prompt_tokens": len(r.prompt),
+                    "generated_tokens": len(c.tokens),
+                    "finish_reason": c.finish,
+                    "ttft_s": round(c.ttft, 4),
+                    "seconds": round(c.seconds, 4),
+                }
+            ),
+            file=out,
+            flush=True,
+        )
+        return
+    text = tokenizer.decode(c.tokens) if tokenizer else " ".join(map(str, c.tokens))
+    print(
+        f"[{r.id}] {r.text if r.text is not None else f'{len(r.prompt)} random tokens'}\n"
+        f"    {text.strip()}\n    ({len(c.tokens)} tokens, {c.finish}, "
+        f"first token after {c.ttft:.2f} s)",
+        file=out,
+        flush=True,
+    )
+
+
+def run(engine, requests, args, err, on_finish=None, best=None):
     """Serve every request once (after a short warm-up); keeps the faster of this
     run and ``best`` (a previous run's figures, whose tokens must match)."""
-    serve(engine, [Request(0, requests[0].prompt[:4], 2)], 1)
-    show = None if args.quiet else _progress(engine.name.split()[0],
-                                             sum(r.max_new for r in requests), stream)
+    warm = Request(-1, requests[0].prompt[:4], 2)
+    serve(engine, [warm], 1)
+    show = (
+        None
+        if args.quiet
+        else _progress(engine.name.split()[0], sum(r.max_tokens for r in requests), err)
+    )
     mx.reset_peak_memory()
-    stats = serve(engine, requests, args.batch_size, show)
+    completions, stats = serve(
+        engine, requests, args.batch_size, on_finish=on_finish, progress=show
+    )
     if show:
-        show(sum(len(r.out) for r in requests), 0, 0, final=True)
+        show(sum(len(c.tokens) for c in completions), 0, 0, final=True)
     stats["peak"] = mx.get_peak_memory()
-    stats["outputs"] = [list(r.out) for r in requests]
+    stats["completions"] = completions
     if best is not None:
-        if best["outputs"] != stats["outputs"]:
+        if [c.tokens for c in best["completions"]] != [c.tokens for c in completions]:
             raise SystemExit(f"kvstate generate: {engine.name} gave different tokens on a repeat")
         stats = min(best, stats, key=lambda s: s["seconds"])
     return stats
 
 
+def _table(results, requests, out):
+    head = (
+        "engine",
+        "requests",
+        "prompt tok",
+        "gen tok",
+        "time s",
+        "tok/s",
+        "ttft s",
+        "peak MB",
+        "cache B/tok",
+    )
+    print("".join(f"{h:>12}" if i else f"{h:<20}" for i, h in enumerate(head)), file=out)
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    for name, s in results:
+        cs = s["completions"]
+        gen = sum(len(c.tokens) for c in cs)
+        ttft = sum(c.ttft for c in cs) / len(cs)
+        row = (
+            name,
+            len(requests),
+            prompt_tokens,
+            gen,
+            f"{s['seconds']:.3f}",
+            f"{gen / s['seconds']:,.1f}",
+            f"{ttft:.3f}",
+            f"{s['peak'] / 2**20:,.1f}",
+            f"{s['bytes_per_token']:,.0f}",
+        )
+        print("".join(f"{v:>12}" if i else f"{v:<20}" for i, v in enumerate(row)), file=out)
+
+
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    for name in ("requests", "batch_size", "repeat"):
+    for name in ("requests", "batch_size", "repeat", "max_tokens", "prefill_step_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
-    model, label = _load_model(args)
-    requests = make_requests(args.requests, args.prompt_len, args.gen_len,
-                             max(args.arrival_gap, 0), _vocab(model), args.seed)
-    engines = [KVStateEngine(model, compiled=args.compile)]
+    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
+        raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+    loaded = load(args, err)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if tokenizer is None:
+        if args.prompt or args.prompts:
+            raise SystemExit(
+                f"kvstate generate: {loaded.name} has no tokenizer: --prompt and "
+                "--prompts need a model with one"
+            )
+        requests = make_requests(
+            args.requests,
+            args.prompt_len,
+            args.gen_len,
+            max(args.arrival_gap, 0),
+            _vocab(model),
+            args.seed,
+        )
+    else:
+        requests = text_requests(args, tokenizer)
+    compiled = args.compile
+    engines = [KVStateEngine(model, compiled=compiled, prefill_step_size=args.prefill_step_size)]
     if args.compare:
-        engines.append(MlxLmEngine(model))
-    best = [None] * len(engines)
-    for _ in range(args.repeat):
-        best = [run(e, requests, args, err, b) for e, b in zip(engines, best)]
-    results = [(e.name, s) for e, s in zip(engines, best)]
+        engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
+    table_out = err if args.json else out
+    print(
+        f"model: {loaded.name}; {len(requests)} requests, batch size {args.batch_size}",
+        file=table_out,
+        flush=True,
+    )
 
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    print(f"model: {label}; {args.requests} requests, batch size {args.batch_size}", file=out)
-    head = ("engine", "requests", "prompt tok", "gen tok", "time s", "tok/s", "peak MB",
-            "cache B/tok")
-    print("".join(f"{h:>12}" if i else f"{h:<20}" for i, h in enumerate(head)), file=out)
-    for name, s in results:
-        gen = sum(len(o) for o in s["outputs"])
-        row = (name, len(requests), prompt_tokens, gen, f"{s['seconds']:.3f}",
-               f"{gen / s['seconds']:,.1f}", f"{s['peak'] / 2**20:,.1f}",
-               f"{s['bytes_per_token']:,.0f}")
-        print("".join(f"{v:>12}" if i else f"{v:<20}" for i, v in enumerate(row)), file=out)
+    def printer(c):
+        show_completion(c, tokenizer, out, args.json)
+
+    best = [None] * len(engines)
+    for k in range(args.repeat):
+        best = [
+            run(e, requests, args, err, printer if (k == 0 and i == 0) else None, b)
+            for i, (e, b) in enumerate(zip(engines, best))
+        ]
+    results = [(e.name, s) for e, s in zip(engines, best)]
+    _table(results, requests, table_out)
     if not args.compare:
         return 0
     (_, ours), (_, theirs) = results
-    same = sum(a == b for a, b in zip(ours["outputs"], theirs["outputs"]))
-    print(f"token parity: {same}/{len(requests)} requests identical"
-          f"{'' if same == len(requests) else ' (MISMATCH)'}", file=out)
-    print(f"speed ratio (mlx-lm time / kvstate time): "
-          f"{theirs['seconds'] / ours['seconds']:.2f}", file=out)
-    return 0 if same == len(requests) else 1
+    same = sum(a.tokens == b.tokens for a, b in zip(ours["completions"], theirs["completions"]))
+    n = len(requests)
+    print(
+        f"token parity: {same}/{n} requests identical{'' if same == n else ' (MISMATCH)'}",
+        file=table_out,
+    )
+    print(
+        f"speed ratio (mlx-lm time / kvstate time): {theirs['seconds'] / ours['seconds']:.2f}",
+        file=table_out,
+    )
+    return 0 if same == n else 1
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,6 @@ continuous-batching scheduler, ``--model`` on a local directory, ``--compare``
 parity (and that a mismatch is reported), and bad arguments."""
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from kvstate import cli
 
 import tiny_models as tm
 
-SMALL = ["--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9", "--batch-size", "3",
+SMALL = ["--model", "tiny", "--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9", "--batch-size", "3",
          "--arrival-gap", "1"]
 
 
@@ -38,7 +37,7 @@ def _cells(line):
 
 def expected_tokens(argv_seed=0):
     reqs = cli.make_requests(5, (3, 12), (2, 9), 1, 512, argv_seed)
-    return sum(len(r.prompt) for r in reqs), sum(r.max_new for r in reqs)
+    return sum(len(r.prompt) for r in reqs), sum(r.max_tokens for r in reqs)
 
 
 def test_python_m_kvstate_generate_compare():
@@ -67,9 +66,9 @@ class Recording(cli.KVStateEngine):
         super().__init__(model)
         self.joins, self.leaves = [], []
 
-    def join(self, batch, row):
+    def join(self, batch, rows):
         self.joins.append(batch[0].batch_size)
-        return super().join(batch, row)
+        return super().join(batch, rows)
 
     def leave(self, batch, keep):
         self.leaves.append((batch[0].batch_size, len(keep)))
@@ -80,15 +79,14 @@ def test_rows_join_and_leave_mid_generation():
     model = cli.tiny_llama(0, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
     reqs = cli.make_requests(8, (2, 10), (2, 12), 1, 128, seed=3)
     engine = Recording(model)
-    stats = cli.serve(engine, reqs, batch_size=4)
-    assert [len(r.out) for r in reqs] == [r.max_new for r in reqs]
+    done, stats = cli.serve(engine, reqs, batch_size=4)
+    assert [len(c.tokens) for c in done] == [r.max_tokens for r in reqs]
+    assert [c.request for c in done] == reqs
     assert any(n >= 2 for n in engine.joins)                  # joined a running batch
     assert any(0 < kept < n for n, kept in engine.leaves)     # left while others go on
     assert stats["steps"] > 0 and stats["bytes_per_token"] > 0
-    ref = cli.MlxLmEngine(model)                              # same schedule on mlx-lm
-    outs = [list(r.out) for r in reqs]
-    cli.serve(ref, reqs, batch_size=4)
-    assert [list(r.out) for r in reqs] == outs
+    ref, _ = cli.serve(cli.MlxLmEngine(model), reqs, batch_size=4)  # same schedule on mlx-lm
+    assert [c.tokens for c in ref] == [c.tokens for c in done]
 
 
 @pytest.mark.parametrize("build", [
@@ -99,7 +97,8 @@ def test_local_model_directory(build, tmp_path, capsys):
     model = build()
     model.save_weights(str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(model.args)))
-    assert cli.main(["generate", "--model", str(tmp_path), "--compare", "--quiet", *SMALL]) == 0
+    argv = ["generate", "--model", str(tmp_path), "--compare", "--quiet", *SMALL[2:]]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"model: {tmp_path}" in out and "token parity: 5/5 requests identical" in out
 
@@ -116,16 +115,8 @@ def test_a_token_mismatch_is_reported(monkeypatch, capsys):
     assert "(MISMATCH)" in capsys.readouterr().out
 
 
-HAS_COMPILED = (importlib.util.find_spec("kvstate.compiled") is not None
-                and hasattr(importlib.import_module("kvstate.compiled"), "make_step"))
-
-
 def test_compile_flag(capsys):
     argv = ["generate", "--compile", "--compare", "--quiet", *SMALL]
-    if not HAS_COMPILED:
-        with pytest.raises(SystemExit, match="--compile needs kvstate.compiled.make_step"):
-            cli.main(argv)
-        return
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "kvstate (compiled)" in out and "token parity: 5/5 requests identical" in out
@@ -140,4 +131,77 @@ def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--quiet", *argv])
     assert e.value.code != 0
+    assert message in str(e.value.code) + capsys.readouterr().err
+
+
+# --- the real model (SmolLM2-135M-Instruct, fetched and cached as the first run does) ----
+
+
+def run_json(argv, capsys):
+    assert cli.main(["generate", "--json", "--quiet", *argv]) == 0
+    cap = capsys.readouterr()
+    return [json.loads(line) for line in cap.out.splitlines()], cap.err
+
+
+def test_default_model_answers_a_chat_prompt(capsys):
+    rows, err = run_json(["--prompt", "What is the capital of France?", "--max-tokens", "12"],
+                         capsys)
+    (row,) = rows
+    assert row["completion"] == "The capital of France is Paris."
+    assert row["finish_reason"] == "stop" and row["token_ids"][-1] == 2  # <|im_end|>
+    assert row["generated_tokens"] == len(row["token_ids"]) <= 12
+    assert row["prompt"] == "What is the capital of France?" and row["prompt_tokens"] > 30
+    assert row["ttft_s"] > 0
+    assert "SmolLM2-135M-Instruct" in err and "prompt tok" in err  # the table, on stderr
+
+
+def test_compare_on_the_real_model(capsys):
+    argv = ["generate", "--raw", "--float32", "--prompt", "The capital of France is",
+            "--prompt", "Hi", "--prompt", "1 2 3 4 5 6", "--max-tokens", "3", "--compare",
+            "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "token parity: 3/3 requests identical" in out
+    assert "[0] The capital of France is" in out  # each completion printed
+
+
+def test_prompts_file_and_sampling(tmp_path, capsys):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('The sky is\n'
+                 '{"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0.9, '
+                 '"seed": 5}\n\n'
+                 '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}\n')
+    argv = ["--prompts", str(f), "--raw", "--max-tokens", "4", "--temperature", "0.8",
+            "--top-p", "0.9", "--float32"]
+    first, _ = run_json(argv, capsys)
+    again, _ = run_json(argv, capsys)
+    by_id = {r["id"]: r for r in first}
+    assert sorted(by_id) == [0, 1, 2]
+    assert [by_id[i]["generated_tokens"] for i in (0, 1, 2)] == [4, 2, 1]
+    assert by_id[1]["prompt"] == "Once upon a time"
+    assert {r["id"]: r["token_ids"] for r in again} == {i: r["token_ids"]
+                                                        for i, r in by_id.items()}  # seeded
+
+
+def test_built_in_prompts_go_through_the_chat_template():
+    from kvstate import models
+
+    tok = models.load_model(None).tokenizer
+    args = cli._parser().parse_args(["generate"])
+    reqs = cli.text_requests(args, tok)
+    assert [r.text for r in reqs] == list(cli.PROMPTS)
+    for r in reqs:
+        assert tok.decode(r.prompt).endswith(f"user\n{r.text}\nassistant\n")
+        assert r.max_tokens == 48 and r.temperature == 0 and r.stop == tok.eos_ids
+    assert len({r.seed for r in reqs}) == len(reqs)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--model", "tiny"], "has no tokenizer"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_bad_real_model_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--quiet", *argv])
     assert message in str(e.value.code) + capsys.readouterr().err
