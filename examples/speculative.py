@@ -26,7 +26,7 @@ def draft(history, k):
     """Prompt lookup: the ``k`` tokens after the last earlier occurrence of the newest one."""
     for j in range(len(history) - 2, -1, -1):
         if history[j] == history[-1]:
-            got = list(history[j + 1:j + 1 + k])
+            got = list(history[j + 1 : j + 1 + k])
             return got + [history[-1]] * (k - len(got))
     return [history[-1]] * k
 
@@ -71,8 +71,9 @@ def main(k=3, max_tokens=12):
         rounds += 1
         for i, e in zip(batch.ids, emitted):
             out[i] += e
-        batch = kv.filter_rows(batch, [b for b, i in enumerate(batch.ids)
-                                       if len(out[i]) < max_tokens])
+        batch = kv.filter_rows(
+            batch, [b for b, i in enumerate(batch.ids) if len(out[i]) < max_tokens]
+        )
     ok = True
     for i, p in enumerate(prompts):
         got, ref = out[i][:max_tokens], greedy_alone(model, p, max_tokens)

@@ -40,7 +40,7 @@ from .layers import _layers
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
 from .shared import fork
 
-__all__ = ["Batch", "join_rows", "take_rows"]
+__all__ = ["Batch", "join_rows", "row_fields", "take_rows"]
 
 
 ROW = {"row": True}  # the metadata of a per-row field
@@ -78,33 +78,38 @@ _PER_ROW = attrs.Converter(_per_row, takes_self=True)
 class Batch:
     """A model's records and per-row data, one value (see the module docstring).
 
-    ``kv.Batch(states, tokens)`` fills in the rest: keys from seeds ``0 .. B-1``,
-    greedy sampling, ``None`` ids and payloads.
+    ``kv.Batch(states, tokens)`` fills in the rest: greedy sampling, keys from
+    each row's ``sampling.seed`` (the row's index when ``None``), ``None`` ids
+    and payloads.
 
     Attributes:
         states: one record per layer (a tuple), ``B`` rows each.
         tokens: ``[B]`` the pending token per row: sampled, not in the cache yet.
+        sampling: per row, a ``kv.Sampling`` (temperature, top_p, top_k, min_p,
+            seed); one ``kv.Sampling`` is taken for every row.
         keys: ``[B, 2]`` uint32, the PRNG key per row (``kv.row_keys``).
-        sampling: per row, a ``kv.Sampling`` (temperature, top_p, top_k, min_p);
-            one ``kv.Sampling`` is taken for every row.
         ids: per row, a request id (any value).
         payload: per row, any user value.
     """
 
     states: tuple = attrs.field(converter=_records)
     tokens: mx.array = attrs.field(metadata=ROW, converter=_tokens)
-    keys: mx.array = attrs.field(metadata=ROW)
     sampling: tuple = attrs.field(metadata=ROW, converter=_PER_ROW)
+    keys: mx.array = attrs.field(metadata=ROW)
     ids: tuple = attrs.field(metadata=ROW, converter=_PER_ROW)
     payload: tuple = attrs.field(metadata=ROW, converter=_PER_ROW)
-
-    @keys.default
-    def _seeded(self):
-        return row_keys(range(self.states[0].batch_size))
 
     @sampling.default
     def _greedy(self):
         return (Sampling(),) * self.states[0].batch_size
+
+    @keys.default
+    def _seeded(self):
+        sampling = self.sampling if len(self.sampling) == self.batch_size else ()
+        return row_keys(
+            [b if getattr(s, "seed", None) is None else s.seed for b, s in enumerate(sampling)]
+            or range(self.batch_size)
+        )
 
     @ids.default
     def _no_ids(self):
@@ -144,7 +149,8 @@ class Batch:
         return self.states[0].lengths
 
 
-def _row_fields():
+def row_fields() -> list:
+    """The names of ``Batch``'s per-row fields (``metadata={"row": True}``)."""
     return [f.name for f in attrs.fields(Batch) if f.metadata.get("row")]
 
 
@@ -152,7 +158,7 @@ def take_rows(b: Batch, rows: Sequence[int]) -> dict:
     """The per-row fields of rows ``rows`` (in that order), for ``attrs.evolve``."""
     idx = mx.array(list(rows), mx.int32)
     out = {}
-    for name in _row_fields():
+    for name in row_fields():
         value = getattr(b, name)
         out[name] = value[idx] if isinstance(value, mx.array) else tuple(value[r] for r in rows)
     return out
@@ -161,7 +167,7 @@ def take_rows(b: Batch, rows: Sequence[int]) -> dict:
 def join_rows(batches: Sequence[Batch]) -> dict:
     """The per-row fields of ``batches``' rows, in order, for ``attrs.evolve``."""
     out = {}
-    for name in _row_fields():
+    for name in row_fields():
         values = [getattr(b, name) for b in batches]
         if isinstance(values[0], mx.array):
             out[name] = mx.concatenate(values, axis=0)

@@ -42,7 +42,7 @@ from .dense import geometry as dense_geometry
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
-    "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance",
+    "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance", "feed",
 ]
 
 
@@ -617,14 +617,14 @@ def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
 # --- a batch in flight (kv.Batch) -------------------------------------------------------
 
 
-def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, seeds=None, keys=None,
-          ids=None, payload=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
+def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, ids=None,
+          payload=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
     """Prefill ``prompts`` and sample each row's first token: a ``kv.Batch`` ready to decode.
 
     Args:
         prompts: lists of token ids, one per row (each prefilled alone, then merged).
-        sampling: one ``kv.Sampling`` for every row, or one per row (default greedy).
-        seeds: one int per row for its PRNG key (default ``0 .. B-1``), or ``keys``.
+        sampling: one ``kv.Sampling`` for every row, or one per row (default
+            greedy); a row's PRNG key comes from its ``seed`` (or pass ``keys``).
         ids, payload: one value per row (default ``None``).
         make: ``max_kv_size``, ``kv_bits``, ``kv_group_size`` for ``make_states``.
 
@@ -633,10 +633,8 @@ def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, seeds=None,
         not in the cache yet (the pending-token rule, ``kvstate.batch``).
     """
     logits, states = prefill(model, prompts, memo=memo, **make)
-    B = len(prompts)
-    given = {"sampling": sampling, "ids": ids, "payload": payload,
-             "keys": keys if keys is not None or seeds is None else kv.row_keys(seeds)}
-    pending = Batch(states, mx.zeros((B,), mx.uint32),
+    given = {"sampling": sampling, "keys": keys, "ids": ids, "payload": payload}
+    pending = Batch(states, mx.zeros((len(prompts),), mx.uint32),
                     **{k: v for k, v in given.items() if v is not None})
     tokens, keys = sample_batch(logits, pending)
     return attrs.evolve(pending, tokens=tokens, keys=keys)
@@ -663,3 +661,35 @@ def advance(model, batch: Batch, *, step=None, memo: Optional[MaskMemo] = None) 
         logits, states = step(batch.tokens, list(batch.states))
     tokens, keys = sample_batch(logits, batch)
     return attrs.evolve(batch, states=states, tokens=tokens, keys=keys)
+
+
+def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
+         memo: Optional[MaskMemo] = None) -> Batch:
+    """Append each row's pending token and then ``tokens[b]`` (e.g. a new chat turn),
+    and sample each row's next token: a resumed session continues with this.
+
+    Rows whose inputs have one length run as one batch; otherwise each row
+    runs alone and the rows are merged back (as ``prefill`` does).
+
+    Args:
+        batch: a ``kv.Batch``.
+        tokens: per row, the token ids to append after its pending token (may be empty).
+    """
+    if not isinstance(batch, Batch):
+        raise bad("batch", "a kv.Batch (kvstate.mlx_lm.admit makes one)", type(batch).__name__)
+    if isinstance(tokens, (str, bytes)) or len(tokens) != batch.batch_size:
+        raise bad("tokens", f"{batch.batch_size} lists of token ids (one per row)",
+                  type(tokens).__name__ if isinstance(tokens, (str, bytes)) else len(tokens))
+    if batch.batch_size == 0:
+        return batch
+    seqs = [[p, *t] for p, t in zip(batch.tokens.tolist(), tokens)]
+    if len({len(s) for s in seqs}) == 1:
+        logits, states = forward(model, mx.array(seqs), list(batch.states), memo=memo)
+        last = logits[:, -1]
+    else:
+        rows = [forward(model, mx.array([s]), ops.extract_row(list(batch.states), b), memo=memo)
+                for b, s in enumerate(seqs)]
+        last = mx.concatenate([lg[:, -1] for lg, _ in rows], axis=0)
+        states = ops.merge_rows([st for _, st in rows])
+    new, keys = sample_batch(last, batch)
+    return attrs.evolve(batch, states=states, tokens=new, keys=keys)

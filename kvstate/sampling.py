@@ -42,10 +42,7 @@ def row_keys(seeds: Sequence[int]) -> mx.array:
     """One PRNG key per row, ``[B, 2]`` uint32, from one int seed per row."""
     if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
         raise bad("seeds", "a list of int seeds (one per row)", type(seeds).__name__)
-    seeds = [as_int(s, f"seeds[{i}]") for i, s in enumerate(seeds)]
-    for i, s in enumerate(seeds):
-        if not 0 <= s < 2**64:
-            raise bad(f"seeds[{i}]", "an int in [0, 2**64)", s)
+    seeds = [_seed(s, f"seeds[{i}]") for i, s in enumerate(seeds)]
     if not seeds:
         return mx.zeros((0, 2), mx.uint32)
     return mx.stack([mx.random.key(s) for s in seeds])
@@ -130,12 +127,24 @@ class Sampling:
         top_p: in [0, 1]; 0 or 1 keeps every token.
         top_k: >= 0; 0 keeps every token.
         min_p: in [0, 1]; 0 keeps every token.
+        seed: the seed of the row's PRNG key when it joins a ``kv.Batch``
+            (an int in [0, 2**64)); ``None``: the row's index in the batch made.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_one("temperature", 0.0, math.inf))
     top_p: float = attrs.field(default=1.0, converter=_one("top_p", 0.0, 1.0))
     top_k: int = attrs.field(default=0, converter=lambda v: _ints(v, 1, "top_k")[0])
     min_p: float = attrs.field(default=0.0, converter=_one("min_p", 0.0, 1.0))
+    seed: int | None = attrs.field(
+        default=None, kw_only=True, converter=lambda v: v if v is None else _seed(v, "seed")
+    )
+
+
+def _seed(value, arg: str) -> int:
+    value = as_int(value, arg)
+    if not 0 <= value < 2**64:
+        raise bad(arg, "an int in [0, 2**64)", value)
+    return value
 
 
 def filter_logprobs(

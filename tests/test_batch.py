@@ -27,11 +27,11 @@ def llama():
 
 
 REQUESTS = [  # (prompt length, tokens to generate, arrival step, sampling)
-    (5, 6, 0, kv.Sampling()),
-    (3, 4, 0, kv.Sampling(0.9, top_p=0.9)),
-    (7, 5, 2, kv.Sampling(1.3, top_k=8)),
-    (4, 3, 3, kv.Sampling(0.7, min_p=0.05)),
-    (6, 4, 9, kv.Sampling()),  # arrives after every other row has left
+    (5, 6, 0, kv.Sampling(seed=100)),
+    (3, 4, 0, kv.Sampling(0.9, top_p=0.9, seed=101)),
+    (7, 5, 2, kv.Sampling(1.3, top_k=8, seed=102)),
+    (4, 3, 3, kv.Sampling(0.7, min_p=0.05, seed=103)),
+    (6, 4, 9, kv.Sampling(seed=104)),  # arrives after every other row has left
 ]
 
 
@@ -41,7 +41,9 @@ def alone(model, prompt, n, sampling, seed):
     logits = model(mx.array([prompt]), cache=cache)[:, -1]
     keys, out = kv.row_keys([seed]), []
     for _ in range(n):
-        tok, keys = kv.sample(logits, keys, **attrs.asdict(sampling))
+        params = attrs.asdict(sampling)
+        del params["seed"]
+        tok, keys = kv.sample(logits, keys, **params)
         out.append(tok.item())
         logits = model(tok[:, None], cache=cache)[:, -1]
     return out
@@ -60,7 +62,6 @@ def continuous(model, prompts, step=None):
                     [prompts[i] for i in new],
                     ids=new,
                     sampling=[REQUESTS[i][3] for i in new],
-                    seeds=[100 + i for i in new],
                 ),
             )
         for i, tok in zip(batch.ids, batch.tokens.tolist()):
@@ -193,9 +194,8 @@ def test_fork_copies_per_row_data_and_gives_the_copies_their_own_keys(llama):
         llama,
         [tm.prompt(1, 4), tm.prompt(2, 6)],
         ids=["a", "b"],
-        sampling=[kv.Sampling(), kv.Sampling(1.0)],
+        sampling=[kv.Sampling(seed=7), kv.Sampling(1.0, seed=8)],
         payload=[1, 2],
-        seeds=[7, 8],
     )
     forked = kv.fork(batch, 1, 3)
     assert forked.ids == ("a", "b", "b", "b", "b") and forked.payload == (1, 2, 2, 2, 2)
@@ -244,3 +244,17 @@ def test_bad_batches_are_refused_by_name(llama):
         br.advance(llama, s)
     with pytest.raises(kv.KVStateError, match="^temperature: "):
         kv.Sampling(temperature=-1)
+
+
+@pytest.mark.parametrize("turns", [[[9, 4], [3, 8]], [[9, 4, 2], []]])
+def test_feed_appends_the_pending_token_then_the_turn(llama, turns):
+    """``feed`` equals prefilling prompt + pending + turn from scratch (greedy)."""
+    prompts = [tm.prompt(30, 5), tm.prompt(31, 8)]
+    batch = br.admit(llama, prompts)
+    fed = br.feed(llama, batch, turns)
+    whole = [p + [t] + turn for p, t, turn in zip(prompts, batch.tokens.tolist(), turns)]
+    logits, _ = br.prefill(llama, whole)
+    assert fed.tokens.tolist() == mx.argmax(logits, axis=-1).tolist()
+    assert fed.lengths == tuple(len(w) for w in whole)
+    with pytest.raises(kv.KVStateError, match="^tokens: expected 2 lists of token ids"):
+        br.feed(llama, batch, [[1]])
