@@ -618,7 +618,7 @@ def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
 
 
 def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, ids=None,
-          payload=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
+          payload=None, seeds=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
     """Prefill ``prompts`` and sample each row's first token: a ``kv.Batch`` ready to decode.
 
     Args:
@@ -626,6 +626,8 @@ def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, 
         sampling: one ``kv.Sampling`` for every row, or one per row (default
             greedy); a row's PRNG key comes from its ``seed`` (or pass ``keys``).
         ids, payload: one value per row (default ``None``).
+        seeds: one int per row, the seeds of the rows' keys (overriding the
+            ``kv.Sampling`` seeds; ``keys`` overrides both).
         make: ``max_kv_size``, ``kv_bits``, ``kv_group_size`` for ``make_states``.
 
     Returns:
@@ -633,6 +635,8 @@ def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, 
         not in the cache yet (the pending-token rule, ``kvstate.batch``).
     """
     logits, states = prefill(model, prompts, memo=memo, **make)
+    if keys is None and seeds is not None:
+        keys = kv.row_keys(seeds)
     given = {"sampling": sampling, "keys": keys, "ids": ids, "payload": payload}
     pending = Batch(states, mx.zeros((len(prompts),), mx.uint32),
                     **{k: v for k, v in given.items() if v is not None})
