@@ -1,14 +1,17 @@
 """Disaggregated serving: rank 0 prefills each request, rank 1 decodes them all.
 
-Rank 0 prefills one request at a time and hands its row to rank 1 with
-``kvstate.distributed.send_rows`` (the row's KV records for every layer,
-plus a note with the request id and its first token). Rank 1 decodes one
-batch: a new request joins every ``--every`` steps (``recv_rows`` merges it
-into the batch), and a request leaves when it has ``--max-tokens`` tokens.
-With ``--check``, rank 1 also generates every request alone in one process
-and says whether the tokens are the same::
+Rank 0 prefills one request at a time (``kvstate.mlx_lm.admit``: a
+``kv.Batch`` holding the row's records for every layer, its first sampled
+token, PRNG key and id) and hands the row to rank 1 with
+``kvstate.distributed.send_rows``. Rank 1 decodes one batch in flight: a new
+request joins every ``--every`` steps (``recv_rows`` merges it into the
+batch), each step feeds the pending tokens and samples the next
+(``kvstate.mlx_lm.advance``), and a request leaves when it has
+``--max-tokens`` tokens. With ``--check``, rank 1 also generates every
+request alone in one process and says whether the tokens are the same::
 
     mlx.launch -n 2 --backend ring examples/disaggregated.py --check
+    mlx.launch -n 2 --backend ring examples/disaggregated.py --check --temperature 0.8
     mlx.launch -n 2 --backend ring examples/disaggregated.py \\
         --model mlx-community/SmolLM2-135M-Instruct --prompt "Hello" --prompt "Why?"
 
@@ -63,57 +66,52 @@ def load(args):
     return model, None, prompts
 
 
-def greedy(logits) -> list:
-    return mx.argmax(logits, axis=-1).tolist()
-
-
-def alone(model, prompt, n) -> list:
+def alone(model, prompt, n, sampling, seed) -> list:
     """The single-process reference: one request, ``n`` tokens."""
-    logits, states = kl.prefill(model, [prompt])
-    out = greedy(logits)
+    batch = kl.admit(model, [prompt], sampling=sampling, seeds=[seed])
+    out = batch.tokens.tolist()
     while len(out) < n:
-        logits, states = kl.step(model, mx.array(out[-1:]), states)
-        out += greedy(logits)
+        batch = kl.advance(model, batch)
+        out += batch.tokens.tolist()
     return out
 
 
-def prefill_rank(model, prompts, group):
+def prefill_rank(model, prompts, sampling, group):
     for i, prompt in enumerate(prompts):
-        logits, states = kl.prefill(model, [prompt])
-        left = send_rows(states, [0], 1, note={"id": i, "tokens": greedy(logits)}, group=group)
-        assert left[0].batch_size == 0  # the row went: nothing stays on the prefill rank
+        # prefill and the first sampled token; the row's PRNG key is seeded by its id
+        batch = kl.admit(model, [prompt], sampling=sampling, seeds=[i], ids=[i])
+        left = send_rows(batch, [0], 1, group=group)  # the row, its pending token, key, id
+        assert left.batch_size == 0  # nothing stays on the prefill rank
 
 
-def decode_rank(model, tokenizer, prompts, args, group):
-    states = kl.make_states(model, 0)  # an empty batch (B = 0)
-    ids, tokens = [], []  # per row: request id, tokens so far
+def decode_rank(model, tokenizer, prompts, sampling, args, group):
+    batch = kv.Batch(kl.make_states(model, 0), [])  # an empty batch in flight (B = 0)
+    emitted = {}  # request id -> tokens so far
     step, waiting = 0, len(prompts)
-    while waiting or ids:
+    while waiting or batch.batch_size:
         if waiting and step % args.every == 0:
-            states, note = recv_rows(states, 0, group=group)
-            ids.append(note["id"])
-            tokens.append(note["tokens"])
+            batch, _ = recv_rows(batch, 0, group=group)  # joins at the end of the batch
+            emitted[batch.ids[-1]] = [batch.tokens[-1].item()]  # sampled on rank 0
             waiting -= 1
-        if ids:
-            logits, states = kl.step(model, mx.array([t[-1] for t in tokens]), states)
-            for t, nxt in zip(tokens, greedy(logits)):
-                t.append(nxt)
-            done = [b for b, t in enumerate(tokens) if len(t) >= args.max_tokens]
-            if done:
-                stay = [b for b in range(len(ids)) if b not in done]
-                for b in done:
-                    report(model, tokenizer, prompts, ids[b], tokens[b], args)
-                states = kv.filter_rows(states, stay)
-                ids, tokens = [ids[b] for b in stay], [tokens[b] for b in stay]
+        if batch.batch_size:
+            batch = kl.advance(model, batch)  # feed the pending tokens, sample the next
+            for i, t in zip(batch.ids, batch.tokens.tolist()):
+                emitted[i].append(t)
+            stay = [b for b, i in enumerate(batch.ids) if len(emitted[i]) < args.max_tokens]
+            for i in batch.ids:
+                if len(emitted[i]) >= args.max_tokens:
+                    report(model, tokenizer, prompts, sampling, i, emitted[i], args)
+            if len(stay) < batch.batch_size:
+                batch = kv.filter_rows(batch, stay)
         step += 1
 
 
-def report(model, tokenizer, prompts, i, tokens, args):
+def report(model, tokenizer, prompts, sampling, i, tokens, args):
     out = {"id": i, "prompt_tokens": len(prompts[i]), "tokens": tokens}
     if tokenizer is not None:
         out["text"] = tokenizer.decode(tokens)
     if args.check:
-        out["same_as_one_process"] = tokens == alone(model, prompts[i], len(tokens))
+        out["same_as_one_process"] = tokens == alone(model, prompts[i], len(tokens), sampling, i)
     print(json.dumps(out), flush=True)
 
 
@@ -123,6 +121,7 @@ def main(argv=None):
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--every", type=int, default=3, help="decode steps between new requests")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     p.add_argument("--check", action="store_true", help="compare with one-process runs")
     args = p.parse_args(argv)
     if args.prompt and not args.model:
@@ -131,10 +130,11 @@ def main(argv=None):
     if group.size() != 2:
         p.error(f"run under mlx.launch -n 2 (this group has {group.size()} rank)")
     model, tokenizer, prompts = load(args)
+    sampling = kv.Sampling(temperature=args.temperature)
     if group.rank() == 0:
-        prefill_rank(model, prompts, group)
+        prefill_rank(model, prompts, sampling, group)
     else:
-        decode_rank(model, tokenizer, prompts, args, group)
+        decode_rank(model, tokenizer, prompts, sampling, args, group)
 
 
 if __name__ == "__main__":

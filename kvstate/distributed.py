@@ -45,15 +45,19 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from functools import singledispatch
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
+from . import batch as batches
 from . import dense, ops, persist
+from .batch import Batch
 from .errors import KVStateError, as_int, bad, check, row_list
+from .sampling import Sampling
 
-__all__ = ["mismatch", "pack", "recv_rows", "send_rows", "signature", "unpack"]
+__all__ = ["batch_rows", "mismatch", "pack", "recv_rows", "send_rows", "signature", "unpack"]
 
 MAGIC = 0x6B767374  # "kvst"
 VERSION = 1
@@ -202,6 +206,93 @@ def pack(states: Sequence, rows: Sequence[int]) -> tuple:
     return desc, [tensors[name] for name, _, _ in specs]
 
 
+# --- a kv.Batch's per-row data (pending token, key, sampling, id, payload) ----------
+
+_ITEMS = {"Sampling": Sampling}  # records a per-row tuple item may be, by name
+
+
+def _encode_item(x):
+    if attrs.has(type(x)) and _ITEMS.get(type(x).__name__) is type(x):
+        return {"record": type(x).__name__, "fields": attrs.asdict(x)}
+    return {"value": x}
+
+
+def _decode_item(item):
+    if "record" in item:
+        return _ITEMS[item["record"]](**item["fields"])
+    return item["value"]
+
+
+def batch_rows(b: Batch, rows: Sequence[int]) -> list:
+    """Per row of ``b`` in ``rows``: its per-row fields, JSON-ready (arrays as
+    their row's values and dtype; a ``kv.Sampling`` by its fields; ids and
+    payloads must be JSON values)."""
+    out = []
+    for r in rows:
+        item = {}
+        for name in batches._row_fields():
+            value = getattr(b, name)
+            if isinstance(value, mx.array):
+                item[name] = {"dtype": _dtype_name(value.dtype), "value": value[r].tolist()}
+            else:
+                item[name] = _encode_item(value[r])
+        out.append(item)
+    return out
+
+
+def _batch_row(layers: list, item, j: int) -> Batch:
+    """A one-row ``kv.Batch`` of ``layers`` and the per-row data ``item``
+    (received: checked by the ``Batch`` and ``Sampling`` constructors)."""
+    names = batches._row_fields()
+    check(
+        isinstance(item, dict) and sorted(item) == sorted(names),
+        f"offer batch[{j}]",
+        f"the fields {sorted(names)}",
+        item if not isinstance(item, dict) else sorted(item),
+    )
+    fields = {}
+    try:
+        for name in names:
+            x = item[name]
+            if "dtype" in x:
+                check(
+                    x["dtype"] in _DTYPES,
+                    f"offer batch[{j}].{name} dtype",
+                    f"one of {sorted(_DTYPES)}",
+                    x["dtype"],
+                )
+                fields[name] = mx.array([x["value"]], _DTYPES[x["dtype"]])
+            else:
+                fields[name] = (_decode_item(x),)
+        return Batch(tuple(layers), **fields)
+    except KVStateError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise bad(f"offer batch[{j}]", "a row of a kv.Batch", repr(e)) from None
+
+
+@singledispatch
+def _parts(states) -> tuple:
+    """``(layer records, the kv.Batch or None)`` of what a caller migrates."""
+    return _layers(states, "states"), None
+
+
+@_parts.register
+def _(states: Batch) -> tuple:
+    return _layers(states.states, "states.states"), states
+
+
+def _disagree(offer: dict, ready: dict | None) -> str | None:
+    """Why an offer does not fit the receiver (both ends run this), or ``None``."""
+    if ready is None:
+        return None
+    if bool(offer.get("batch")) != bool(ready.get("batch")):
+        want = "a kv.Batch's rows" if ready.get("batch") else "layer records (no kv.Batch)"
+        got = "a kv.Batch's rows" if offer.get("batch") else "layer records"
+        return f"rows: expected {want} (the receiver's), got {got}"
+    return mismatch(offer.get("layers", []), ready.get("layers"))
+
+
 def _specs(desc) -> list:
     """The array specs of an offer as ``(name, dtype, shape)``, each checked
     (the description came over the wire: it is outside input)."""
@@ -227,7 +318,8 @@ def _specs(desc) -> list:
 
 
 def unpack(desc: dict, arrays: Sequence) -> list:
-    """The rows an offer carries: one list of records (one per layer) per row.
+    """The rows an offer carries: one list of records (one per layer) per row,
+    or one-row ``kv.Batch``es when the offer came from a ``kv.Batch``.
 
     Every record is rebuilt through ``persist`` (the kinds it allows, the
     record constructors) and must be a one-row record of the offered kind.
@@ -259,7 +351,16 @@ def unpack(desc: dict, arrays: Sequence) -> list:
             )
             row.append(rec)
         out.append(row)
-    return out
+    if desc.get("batch") is None:
+        return out
+    data = desc["batch"]
+    check(
+        isinstance(data, list) and len(data) == len(out),
+        "offer batch",
+        f"{len(out)} rows of per-row data",
+        type(data).__name__,
+    )
+    return [_batch_row(row, item, j) for j, (row, item) in enumerate(zip(out, data))]
 
 
 # --- transports ----------------------------------------------------------------------
@@ -474,7 +575,8 @@ def send_rows(
     """Move ``rows`` of ``states`` to rank ``dst``, which calls ``recv_rows``.
 
     Args:
-        states: one record per layer (any kinds), all with the same rows.
+        states: one record per layer (any kinds), all with the same rows, or
+            a ``kv.Batch`` (its per-row data moves with the rows).
         rows: the row indices to move (a non-empty list, in the order the
             receiver appends them).
         dst: the receiving rank of ``group``.
@@ -499,16 +601,23 @@ def send_rows(
     peer = _peer(dst, "dst", g)  # no peer to tell: the receiver's timeout answers
     link = _transport(g, peer, transport, speaks_first=False)
     try:
-        states = _layers(states, "states")
-        rows = row_list(rows, states[0].batch_size)
+        layers, held = _parts(states)
+        B = layers[0].batch_size
+        rows = row_list(rows, B)
         check(len(set(rows)) == len(rows), "rows", "distinct row indices", rows)
-        stay = [r for r in range(states[0].batch_size) if r not in set(rows)]
-        remaining = [ops.filter_rows(s, stay) for s in states]  # B = 0 when all move
-        desc, arrays = pack(states, rows)
-        try:
-            desc["note"] = json.loads(json.dumps(note))
-        except (TypeError, ValueError) as e:
-            raise bad("note", "a JSON value (dicts, lists, str, numbers, None)", repr(e)) from None
+        stay = [r for r in range(B) if r not in set(rows)]
+        # B = 0 when every row moves; a kv.Batch stays a kv.Batch
+        remaining = ops.filter_rows(layers if held is None else held, stay)
+        desc, arrays = pack(layers, rows)
+        for key, value in (
+            ("note", note),
+            ("batch", None if held is None else batch_rows(held, rows)),
+        ):
+            try:
+                desc[key] = json.loads(json.dumps(value))
+            except (TypeError, ValueError) as e:
+                arg = "note" if key == "note" else "states ids and payload"
+                raise bad(arg, "JSON values (dicts, lists, str, numbers, None)", repr(e)) from None
     except KVStateError as e:
         try:  # tell the receiver, so it raises too instead of waiting
             _handshake(link, ABORT, {"error": str(e)}, timeout, peer)
@@ -517,7 +626,7 @@ def send_rows(
         raise
     their, ready = _handshake(link, OFFER, desc, timeout, peer)
     check(their == READY, f"rank {dst}", "READY (a rank calling recv_rows)", _KINDS[their])
-    why = mismatch(desc["layers"], (ready or {}).get("layers"))
+    why = _disagree(desc, ready)
     if why is not None:
         raise bad(f"rows for rank {dst}", "rows that fit its batch", why)
     _move(link, arrays, _specs(desc))
@@ -535,15 +644,17 @@ def recv_rows(
     """Receive rows that rank ``src`` sends with ``send_rows`` and append them.
 
     Args:
-        states: this rank's batch (one record per layer), or ``None`` when it
-            has none yet (the result is then the received rows alone).
+        states: this rank's batch (one record per layer, or a ``kv.Batch``),
+            or ``None`` when it has none yet (the result is then the received
+            rows alone).
         src: the sending rank of ``group``.
         group, transport, timeout: as ``send_rows``.
 
     Returns:
-        ``(states, note)``: per layer, ``kv.merge_rows`` of this rank's rows
-        followed by the received rows (in the order sent), and the sender's
-        ``note``. The input records are unchanged.
+        ``(states, note)``: ``kv.merge_rows`` of this rank's rows followed by
+        the received rows (in the order sent), and the sender's ``note``. A
+        ``kv.Batch`` sent arrives as one (its rows' pending tokens, PRNG keys,
+        sampling, ids and payloads with them). The input is unchanged.
 
     Raises:
         KVStateError: the sender aborted (its error is in the message), the
@@ -553,9 +664,11 @@ def recv_rows(
     g = _group(group)
     peer = _peer(src, "src", g)
     link = _transport(g, peer, transport, speaks_first=True)
-    mine = None if states is None else _layers(states, "states")
-    held = None if mine is None else {"layers": [signature(s) for s in mine]}
-    their, offer = _handshake(link, READY, held, timeout, peer)
+    mine, batch = (None, None) if states is None else _parts(states)
+    ready = None
+    if mine is not None:
+        ready = {"layers": [signature(s) for s in mine], "batch": batch is not None}
+    their, offer = _handshake(link, READY, ready, timeout, peer)
     if their == ABORT:
         raise bad(
             f"rows from rank {src}",
@@ -568,12 +681,9 @@ def recv_rows(
         "OFFER (a rank calling send_rows)",
         _KINDS[their],
     )
-    why = mismatch(offer.get("layers", []), None if held is None else held["layers"])
+    why = _disagree(offer, ready)
     if why is not None:
         raise bad(f"rows from rank {src}", "rows that fit this batch", why)
     got = unpack(offer, _move(link, None, _specs(offer)))
-    if mine is None:
-        merged = [ops.merge_rows([row[i] for row in got]) for i in range(len(got[0]))]
-    else:
-        merged = [ops.merge_rows([s, *(row[i] for row in got)]) for i, s in enumerate(mine)]
-    return merged, offer.get("note")
+    base = [] if mine is None else [mine if batch is None else batch]
+    return ops.merge_rows(base + got), offer.get("note")

@@ -165,6 +165,66 @@ def migrate_one(group, config: str, transport: str) -> dict:
     return out
 
 
+# --- a kv.Batch in flight: pending tokens, keys, sampling, ids, payload move too ---------
+
+SAMPLING = kv.Sampling(temperature=0.8, top_k=20)
+SEEDS = {"a": 1, "b": 2, "c": 3, "d": 4}
+
+
+def sample_alone(name: str, steps: int) -> list:
+    """The single-process reference: one request sampled alone with its seed."""
+    model = llama_model(layers=2)
+    b = kl.admit(model, [PROMPTS[name]], sampling=SAMPLING, seeds=[SEEDS[name]])
+    out = b.tokens.tolist()
+    for _ in range(steps):
+        b = kl.advance(model, b)
+        out += b.tokens.tolist()
+    return out
+
+
+def case_batch(group) -> dict:
+    """Rank 0 admits a, b, c and samples BEFORE steps, then sends its kv.Batch's
+    rows c and a to rank 1 (which holds d); both sample AFTER more steps."""
+    model = llama_model(layers=2)
+    rank = group.rank()
+    names = ["a", "b", "c"] if rank == 0 else ["d"]
+    b = kl.admit(
+        model,
+        [PROMPTS[n] for n in names],
+        sampling=SAMPLING,
+        seeds=[SEEDS[n] for n in names],
+        ids=names,
+        payload=[{"user": n} for n in names],
+    )
+    toks = {n: [t] for n, t in zip(names, b.tokens.tolist())}
+    for _ in range(BEFORE):
+        b = kl.advance(model, b)
+        for n, t in zip(b.ids, b.tokens.tolist()):
+            toks[n].append(t)
+    out = {}
+    if rank == 0:
+        b = send_rows(b, [2, 0], 1, group=group)
+        out["sent_tokens"] = {n: toks.pop(n) for n in ("c", "a")}
+    else:
+        b, _ = recv_rows(b, 0, group=group)
+        toks.update({n: [] for n in b.ids if n not in toks})
+    out["ids"], out["payload"] = list(b.ids), list(b.payload)
+    out["sampling"] = [attrs_dict(s) for s in b.sampling]
+    decode = kv.compiled_decoder(model, attention="mask")
+    for i in range(AFTER):
+        b = kl.advance(model, b, step=decode if i % 2 else None)
+        for n, t in zip(b.ids, b.tokens.tolist()):
+            toks[n].append(t)
+    out["tokens"] = toks
+    return out
+
+
+def attrs_dict(x) -> dict:
+    import attrs
+
+    return attrs.asdict(x)
+
+
 # --- bad input ----------------------------------------------------------------------
 
 
@@ -188,6 +248,7 @@ def case_errors(group) -> dict:
         out["geometry"] = _outcome(lambda: send_rows(dense, [0], 1, group=group))
         out["rows"] = _outcome(lambda: send_rows(dense, [5], 1, group=group))
         out["note"] = _outcome(lambda: send_rows(dense, [0], 1, note={1, 2}, group=group))
+        out["container"] = _outcome(lambda: send_rows(dense, [0], 1, group=group))
         left = send_rows(dense, [1], 1, group=group)
         out["good"] = [list(s.lengths) for s in left]
         out["dst"] = _outcome(lambda: send_rows(dense, [0], 2, group=group))
@@ -196,13 +257,15 @@ def case_errors(group) -> dict:
         out["geometry"] = _outcome(lambda: recv_rows(quant, 0, group=group))
         out["rows"] = _outcome(lambda: recv_rows(dense, 0, group=group))
         out["note"] = _outcome(lambda: recv_rows(dense, 0, group=group))
+        pending = kv.Batch(dense, [1, 2])  # a kv.Batch expects a kv.Batch's rows
+        out["container"] = _outcome(lambda: recv_rows(pending, 0, group=group))
         got, _ = recv_rows(dense, 0, group=group)
         out["good"] = [list(s.lengths) for s in got]
         out["dst"] = _outcome(lambda: recv_rows(dense, 0, group=group, timeout=1.0))
     return out
 
 
-CASES = {"tp": case_tp, "migrate": case_migrate, "errors": case_errors}
+CASES = {"tp": case_tp, "migrate": case_migrate, "batch": case_batch, "errors": case_errors}
 
 
 def main(argv) -> None:

@@ -42,6 +42,21 @@ def test_prefill_on_rank0_decode_on_rank1(transport):
         assert [len(rows) for rows in r1["rows"]] == [3, 3]
 
 
+def test_batch_in_flight_moves_with_its_rows():
+    """A kv.Batch's rows keep sampling on the decode rank with their own PRNG
+    keys and parameters: each request's sampled tokens equal a one-process run."""
+    r0, r1 = run_ranks("batch")
+    steps = w.BEFORE + w.AFTER
+    got = {**r0["tokens"], **r1["tokens"]}  # b stayed on rank 0, d on rank 1
+    for name in "ca":  # prefilled and sampled on rank 0, then on rank 1
+        got[name] = r0["sent_tokens"][name] + got[name]
+    for name in "abcd":
+        assert got[name] == w.sample_alone(name, steps), name
+    assert r0["ids"] == ["b"] and r1["ids"] == ["d", "c", "a"]
+    assert r1["payload"] == [{"user": n} for n in "dca"]
+    assert r1["sampling"] == [{"temperature": 0.8, "top_p": 1.0, "top_k": 20, "min_p": 0.0}] * 3
+
+
 def test_bad_input_raises_on_both_ends():
     r0, r1 = run_ranks("errors")
     # Mismatched geometry (dense rows for a quantized batch): both ends raise.
@@ -55,6 +70,12 @@ def test_bad_input_raises_on_both_ends():
     for case, arg in (("rows", "rows[0]"), ("note", "note")):
         assert r0[case]["error"].startswith(arg), r0[case]
         assert "an abort: " + r0[case]["error"] in r1[case]["error"]
+    # Layer records offered to a receiver holding a kv.Batch: both ends raise.
+    assert (
+        "rows: expected a kv.Batch's rows (the receiver's), got layer records"
+        in (r0["container"]["error"])
+    )
+    assert r1["container"]["error"].endswith(r0["container"]["error"].split(": ", 2)[-1])
     # The link is still good: the next migration goes through.
     assert r0["good"] == [[5], [5]] and r1["good"] == [[5, 3, 3]] * 2
     # dst names no rank: the sender raises at once; the receiver times out.
@@ -67,7 +88,9 @@ def test_bad_input_raises_on_both_ends():
 def test_example_prefill_on_one_rank_decode_on_another():
     """``examples/disaggregated.py`` under the real launcher (ring, loopback)."""
     example = Path(__file__).parents[1] / "examples" / "disaggregated.py"
-    out = launch(str(example), "--check", "--max-tokens", "5", "--every", "2")
+    out = launch(
+        str(example), "--check", "--max-tokens", "5", "--every", "2", "--temperature", "0.8"
+    )
     done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert sorted(d["id"] for d in done) == [0, 1, 2, 3]
     assert all(len(d["tokens"]) == 5 and d["same_as_one_process"] for d in done), done

@@ -179,3 +179,33 @@ def test_refused_before_any_communication():
         dist.recv_rows(s, -1)
     with pytest.raises(kv.KVStateError, match="dst: expected an int"):
         dist.send_rows(s, [0], "1")
+
+
+def test_batch_rows_travel_with_their_records():
+    k = mx.array(np.arange(3 * 2 * 4 * 8, dtype=np.float32).reshape(3, 2, 4, 8))
+    layers = [kv.from_arrays(k, k + 1, lengths=[4, 2, 3], left_pad=[0, 2, 1])] * 2
+    b = kv.Batch(
+        layers,
+        [5, 6, 7],
+        sampling=[kv.Sampling(), kv.Sampling(temperature=0.5), kv.Sampling(top_k=3)],
+        ids=["x", 2, None],
+        payload=[{"a": [1]}, None, "p"],
+    )
+    desc, arrays = dist.pack(list(b.states), [2, 0])
+    desc["batch"] = dist.batch_rows(b, [2, 0])
+    got = dist.unpack(wire(desc), arrays)
+    for row, r in zip(got, [2, 0]):
+        same(row, kv.extract_row(b, r))  # records, pending token, key, sampling, id, payload
+    spoiled = {
+        "sampling": lambda d: d["batch"][0]["sampling"]["fields"].__setitem__("temperature", -1),
+        "record": lambda d: d["batch"][0]["sampling"].__setitem__("record", "os.system"),
+        "tokens": lambda d: d["batch"][1]["tokens"].__setitem__("dtype", "float32"),
+        "fields": lambda d: d["batch"][1].pop("keys"),
+        "rows": lambda d: d["batch"].pop(),
+    }
+    for name, spoil in spoiled.items():
+        bad = wire(desc)
+        spoil(bad)
+        with pytest.raises(kv.KVStateError):
+            dist.unpack(bad, arrays)
+            pytest.fail(f"the spoiled {name} was taken")
