@@ -147,6 +147,16 @@ def test_signatures_and_mismatch():
     assert "layers[0] geometry" in dist.mismatch([sig(dense)], [sig(other)])
 
 
+def refused_all(desc, arrays, spoilers):
+    """Each spoiled copy of the offer ``desc`` is refused with KVStateError."""
+    for name, spoil in spoilers.items():
+        bad = wire(desc)
+        spoil(bad)
+        with pytest.raises(kv.KVStateError):
+            dist.unpack(bad, arrays)
+            pytest.fail(f"the spoiled {name} was taken")
+
+
 def test_unpack_refuses_bad_offers():
     s = kv.append(kv.empty(2), mx.ones((2, 1, 2, 4)), mx.ones((2, 1, 2, 4)))
     desc, arrays = dist.pack([s], [1])
@@ -158,12 +168,7 @@ def test_unpack_refuses_bad_offers():
         "signature": lambda d: d["layers"][0].__setitem__("kind", "QuantizedState"),
         "lengths": lambda d: d["rows"][0][0]["host"].__setitem__("lengths", [2, 2]),
     }
-    for name, spoil in cases.items():
-        bad = wire(desc)
-        spoil(bad)
-        with pytest.raises(kv.KVStateError):
-            dist.unpack(bad, arrays)
-            pytest.fail(f"the spoiled {name} was taken")
+    refused_all(desc, arrays, cases)
     with pytest.raises(kv.KVStateError, match="offer"):
         dist.unpack({"rows": []}, arrays)
 
@@ -203,9 +208,4 @@ def test_batch_rows_travel_with_their_records():
         "fields": lambda d: d["batch"][1].pop("keys"),
         "rows": lambda d: d["batch"].pop(),
     }
-    for name, spoil in spoiled.items():
-        bad = wire(desc)
-        spoil(bad)
-        with pytest.raises(kv.KVStateError):
-            dist.unpack(bad, arrays)
-            pytest.fail(f"the spoiled {name} was taken")
+    refused_all(desc, arrays, spoiled)
