@@ -230,7 +230,7 @@ def batch_rows(b: Batch, rows: Sequence[int]) -> list:
     out = []
     for r in rows:
         item = {}
-        for name in batches._row_fields():
+        for name in batches.row_fields():
             value = getattr(b, name)
             if isinstance(value, mx.array):
                 item[name] = {"dtype": _dtype_name(value.dtype), "value": value[r].tolist()}
@@ -243,7 +243,7 @@ def batch_rows(b: Batch, rows: Sequence[int]) -> list:
 def _batch_row(layers: list, item, j: int) -> Batch:
     """A one-row ``kv.Batch`` of ``layers`` and the per-row data ``item``
     (received: checked by the ``Batch`` and ``Sampling`` constructors)."""
-    names = batches._row_fields()
+    names = batches.row_fields()
     check(
         isinstance(item, dict) and sorted(item) == sorted(names),
         f"offer batch[{j}]",

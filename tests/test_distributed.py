@@ -54,7 +54,8 @@ def test_batch_in_flight_moves_with_its_rows():
         assert got[name] == w.sample_alone(name, steps), name
     assert r0["ids"] == ["b"] and r1["ids"] == ["d", "c", "a"]
     assert r1["payload"] == [{"user": n} for n in "dca"]
-    assert r1["sampling"] == [{"temperature": 0.8, "top_p": 1.0, "top_k": 20, "min_p": 0.0}] * 3
+    for got in r1["sampling"]:
+        assert (got["temperature"], got["top_p"], got["top_k"], got["min_p"]) == (0.8, 1.0, 20, 0)
 
 
 def test_bad_input_raises_on_both_ends():
