@@ -43,9 +43,11 @@ default picks ``"collective"`` when the default device is a GPU, else
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections.abc import Sequence
 from functools import singledispatch
+from typing import ClassVar
 
 import attrs
 import mlx.core as mx
@@ -498,40 +500,76 @@ def _transport(group, peer: int, transport: str, speaks_first: bool):
     return _P2P(group, peer, speaks_first)
 
 
+class _Waiter:
+    """A long-lived daemon thread with its own stream that runs handshakes.
+
+    MLX 0.32 streams belong to the thread that made them, and every new
+    stream starts threads of its own that never end, so one waiter per
+    device serves every handshake instead of a thread and a stream each.
+    A waiter whose handshake timed out stays blocked; it is dropped and
+    the next handshake makes a new one.
+    """
+
+    _lock = threading.Lock()
+    _live: ClassVar[dict] = {}  # str(device) -> _Waiter
+
+    def __init__(self, device):
+        self.device = device
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="kvstate-handshake", daemon=True).start()
+
+    def _loop(self):
+        stream = mx.new_stream(self.device)
+        while True:
+            fn, box, done = self.jobs.get()
+            try:
+                box["out"] = fn(stream)
+            except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["err"] = e
+            done.set()
+
+    @classmethod
+    def run(cls, device, fn, timeout: float):
+        """``fn(stream)`` on the waiter of ``device``; ``None`` when it timed out."""
+        key = str(device)
+        with cls._lock:
+            waiter = cls._live.get(key)
+            if waiter is None:
+                waiter = cls._live[key] = cls(device)
+        box, done = {}, threading.Event()
+        waiter.jobs.put((fn, box, done))
+        if not done.wait(timeout):
+            with cls._lock:
+                if cls._live.get(key) is waiter:
+                    del cls._live[key]
+            return None
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+
 def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
     """Send one message and receive the peer's, waiting at most ``timeout`` seconds.
 
-    The wait runs on its own thread and stream: a peer that never answers
-    leaves that stream blocked, not the caller's, and the caller gets a
-    KVStateError instead of a hang.
+    The wait runs on a waiter thread with its own stream (``_Waiter``): a
+    peer that never answers leaves that stream blocked, not the caller's,
+    and the caller gets a KVStateError instead of a hang.
     """
     n, body = _body(obj)
     header = _header(kind, n)
     device = mx.default_device() if isinstance(link, _Collective) else mx.cpu
-    box = {}
     if timeout is None:  # wait in the caller's thread, on the default stream
         their, data = link.exchange(header, n, body, mx.cpu if device == mx.cpu else None)
         return their, _message(data, peer)
-
-    def run():
-        try:
-            box["out"] = link.exchange(header, n, body, mx.new_stream(device))
-        except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
-            box["err"] = e
-
-    t = threading.Thread(target=run, name="kvstate-handshake", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
+    out = _Waiter.run(device, lambda stream: link.exchange(header, n, body, stream), timeout)
+    if out is None:
         raise bad(
             f"rank {peer}",
             f"an answer within timeout={timeout} s",
             "none (it never reached this migration; the link to it now holds a "
             "pending message: re-create the group before using it again)",
         )
-    if "err" in box:
-        raise box["err"]
-    their, data = box["out"]
+    their, data = out
     return their, _message(data, peer)
 
 

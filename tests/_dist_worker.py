@@ -138,6 +138,7 @@ def migrate_one(group, config: str, transport: str) -> dict:
     out = {}
     # The collective runs wait in the caller's thread (timeout=None); p2p on a thread.
     timeout = None if transport == "collective" else 60.0
+    threads = len(os.listdir("/proc/self/task"))
     t0 = time.perf_counter()
     if rank == 0:
         moved = [2, 0]
@@ -154,6 +155,7 @@ def migrate_one(group, config: str, transport: str) -> dict:
         names += list(note)
         toks.update(note)
     out["seconds"] = time.perf_counter() - t0
+    out["new_threads"] = len(os.listdir("/proc/self/task")) - threads
     decode = kv.compiled_decoder(model, attention="mask")
     for i in range(AFTER):
         tokens = mx.array([toks[n][-1] for n in names])

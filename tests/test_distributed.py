@@ -40,6 +40,8 @@ def test_prefill_on_rank0_decode_on_rank1(transport):
         assert r1["received"] == r0["sent"]
         assert [len(rows) for rows in r0["rows"]] == [1, 1]
         assert [len(rows) for rows in r1["rows"]] == [3, 3]
+    for r in ranks:  # the second migration reuses the first one's waiter thread
+        assert r[sorted(w.CONFIGS)[1]]["new_threads"] == 0, r
 
 
 def test_batch_in_flight_moves_with_its_rows():
