@@ -10,7 +10,7 @@ barrier (``all_sum``) starts every timed part on both ranks together; the
 receiver's clock is reported. Prints per round and the median, min and max
 of each side and of the per-round ratio kvstate / raw.
 
-    mlx.launch -n 2 --backend ring benchmarks/migration.py --dtype bfloat16
+    mlx.launch -n 2 --backend ring --python python3 benchmarks/migration.py --dtype bfloat16
     # H200 x2 (NCCL: collectives only; one GPU per rank):
     NCCL_NVLS_ENABLE=0 mlx.launch --backend nccl -n 2 --nccl-port 12345 \\
         --python python3 benchmarks/migration.py --backend nccl --gpu-per-rank
