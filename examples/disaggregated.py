@@ -11,7 +11,7 @@ batch), each step feeds the pending tokens and samples the next
 request alone in one process and says whether the tokens are the same::
 
     mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check
-    mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check \
+    mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check \\
         --temperature 0.8
     mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py \\
         --model mlx-community/SmolLM2-135M-Instruct --prompt "Hello" --prompt "Why?"
