@@ -5,7 +5,7 @@ One process, one model, the same prefilled rows for every implementation:
     mlx-lm       the model on mlx-lm's own caches: ``KVCache`` (B rows) for
                  aligned rows, ``BatchKVCache`` (left-padded) for ragged rows
     eager        ``kvstate.mlx_lm.step`` (the bridge: records behind cache shells)
-    compiled     ``kvstate.compiled.Decoder(attention="mask")``: forward and
+    compiled     ``kvstate.mlx_lm.Decoder(attention="mask")``: forward and
                  state update in one ``mx.compile``d function, per-row bool mask
     kernel       ``Decoder(attention="kernel")``: the same, dense decode reads
                  through ``ragged_attention`` (mask-free split-K CUDA kernel;
@@ -47,9 +47,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import kvstate as kv  # noqa: E402
-from kvstate import compiled as kc  # noqa: E402
+from kvstate import _rows, kernels  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
-from kvstate.dense import round_up  # noqa: E402
+from kvstate._rows import round_up  # noqa: E402
 from kvstate.masks import rows_mask  # noqa: E402
 
 MODELS = {
@@ -219,7 +219,7 @@ def kernel_check(model, dtype, B=8, ctx=2048):
         lens = row_lengths(B, ctx, "ragged")
         lp = mx.array([ctx - n for n in lens], mx.int32)
         en = mx.array([ctx] * B, mx.int32)
-        got = kc.ragged_attention(q, k, v, lp, en, scale=D ** -0.5)
+        got = kernels.ragged_attention(q, k, v, lp, en, scale=D ** -0.5)
         mask = rows_mask(1, lp, en, C)
         want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
                                                     v.astype(mx.float32), scale=D ** -0.5,
@@ -253,9 +253,9 @@ def attention_micro(model, dtype, B, ctx, reps=50):
             lambda q, k, v, lp, en: mx.fast.scaled_dot_product_attention(
                 q, k, v, scale=s, mask=rows_mask(1, lp, en, C))),
     }
-    if kc.kernel_available():
+    if kernels.kernel_available():
         cases["ragged_attention kernel, capacity C"] = mx.compile(
-            lambda q, k, v, lp, en: kc.ragged_attention(q, k, v, lp, en, scale=s))
+            lambda q, k, v, lp, en: kernels.ragged_attention(q, k, v, lp, en, scale=s))
     out = {}
     for name, f in cases.items():
         call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "ragged")) \
@@ -275,17 +275,18 @@ def attention_micro(model, dtype, B, ctx, reps=50):
 # --- ablation: where a compiled step's time goes ------------------------------------------
 
 
-def patched(step, **names):
-    """``step`` with ``kvstate.compiled`` globals replaced while it runs (so while it traces)."""
+def patched(step, names):
+    """``step`` with module globals ``{(module, name): value}`` replaced while it
+    runs (so while it traces)."""
     def run(tokens, state):
-        old = {k: getattr(kc, k) for k in names}
-        for k, v in names.items():
-            setattr(kc, k, v)
+        old = {k: getattr(*k) for k in names}
+        for (mod, k), v in names.items():
+            setattr(mod, k, v)
         try:
             return step(tokens, state)
         finally:
-            for k, v in old.items():
-                setattr(kc, k, v)
+            for (mod, k), v in old.items():
+                setattr(mod, k, v)
     return run
 
 
@@ -295,14 +296,14 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     lengths = row_lengths(B, ctx, layout)
     room = args.warmup + args.steps * args.rounds + 1
     cap = round_up(ctx + room, 256)
-    no_write = lambda plane, new, cols, index=None: plane  # noqa: E731
+    no_write = {(_rows, "column_writer"): lambda ends, N, **kw: lambda plane, new: plane}
 
     def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
     variants = {"mlx-lm": None, "mlx-lm, sync each step": None,
                 "compiled": ("mask", {}, "scatter"),
-                "compiled, no cache write": ("mask", {"write": no_write}, "scatter")}
+                "compiled, no cache write": ("mask", no_write, "scatter")}
     if decoders_ok:
         variants.update({
             "kernel, scatter writes": ("kernel", {}, "scatter"),
@@ -310,9 +311,10 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
             "kernel, scatter writes, wait": ("kernel", {}, "scatter"),
             "kernel, slice_update writes, wait": ("kernel", {}, "slice"),
             "kernel, scatter writes, sync each step": ("kernel", {}, "scatter"),
-            "kernel, no cache write": ("kernel", {"write": no_write}, "scatter"),
+            "kernel, no cache write": ("kernel", no_write, "scatter"),
             "kernel -> fused SDPA, no mask (wrong, timing)": ("kernel",
-                                                             {"ragged_attention": fused_nomask},
+                                                             {(kernels, "ragged_attention"):
+                                                              fused_nomask},
                                                              "scatter"),
         })
     runs = {}
@@ -324,8 +326,8 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
                           mlx_lm_caches(kvs, lengths, ctx)]
         else:
             mode, names, write = v
-            dec = kc.Decoder(model, attention=mode, write=write, wait=name.endswith(", wait"))
-            runs[name] = [patched(dec, **names), tokens, kv_states(kvs, lengths, ctx)]
+            dec = br.Decoder(model, attention=mode, write=write, wait=name.endswith(", wait"))
+            runs[name] = [patched(dec, names), tokens, kv_states(kvs, lengths, ctx)]
         del kvs
     runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
     times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
@@ -371,7 +373,7 @@ def main(argv=None):
     for i in impls:
         if i not in IMPLS:
             p.error(f"--impl: unknown {i!r}")
-    if "kernel" in impls and not kc.kernel_available():
+    if "kernel" in impls and not kernels.kernel_available():
         print("note: kernel rows skipped (no MLX CUDA backend here; it would equal 'compiled')")
         impls = [i for i in impls if i != "kernel"]
 
@@ -438,9 +440,9 @@ def main(argv=None):
         chosen[B] = dict(write=write, wait=wait, from_ablation=why)
         print(f"compiled decoders for B={B}: write={write!r} wait={wait} {why}")
         if (write, wait) not in all_decoders:
-            d = {"compiled": kc.Decoder(model, attention="mask", write=write, wait=wait)}
+            d = {"compiled": br.Decoder(model, attention="mask", write=write, wait=wait)}
             if "kernel" in impls:
-                d["kernel"] = kc.Decoder(model, attention="kernel", write=write, wait=wait)
+                d["kernel"] = br.Decoder(model, attention="kernel", write=write, wait=wait)
             all_decoders[(write, wait)] = d
     meta["decoder"] = {str(B): v for B, v in chosen.items()}
     room = args.warmup + args.steps * args.rounds + 1

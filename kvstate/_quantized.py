@@ -2,7 +2,7 @@
 
 Appends quantize only the new tokens (``mx.quantize`` along the head dim, so
 every token's groups are its own); everything that moves rows or columns is
-the dense code in ``kvstate.dense`` working on the six planes, so merge,
+the row code in ``kvstate._rows`` working on the six planes, so merge,
 filter, extract, trim and rollback move packed bytes and never requantize.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from . import dense, ops
-from .errors import as_int, bad, check
+from . import _dense, _rows, ops
+from ._args import as_int
+from .errors import bad, check
 from .records import CacheState, QuantizedState
 
 GROUP_SIZES = (32, 64, 128)
@@ -25,7 +26,7 @@ def quantized(batch_size: int = 1, *, group_size: int = 64, bits: int = 8,
     group_size, bits = as_int(group_size, "group_size"), as_int(bits, "bits")
     check(group_size in GROUP_SIZES, "group_size", f"one of {GROUP_SIZES}", group_size)
     check(bits in BITS, "bits", f"one of {BITS}", bits)
-    base = dense.empty(batch_size, step=step)
+    base = _dense.empty(batch_size, step=step)
     return QuantizedState(base.lengths, base.left_pad, base.step, group_size=group_size,
                           bits=bits)
 
@@ -49,14 +50,12 @@ def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> Q
     for arg, x in (("state keys", state.keys), ("state values", state.values)):
         check(x.shape[3] % group_size == 0, f"{arg} head dim (shape[3])",
               f"a multiple of group_size={group_size}", x.shape[3])
-    keys, values = dense.columns(state.planes, state.width)
-    return attrs.evolve(empty, lengths=state.lengths, left_pad=state.left_pad,
-                        keys=tuple(mx.quantize(keys, group_size=group_size, bits=bits)),
-                        values=tuple(mx.quantize(values, group_size=group_size, bits=bits)))
+    planes = _rows.to_planes(empty, *_rows.columns(state.planes, state.width))
+    return _rows.with_planes(empty, planes, lengths=state.lengths, left_pad=state.left_pad)
 
 
-@dense.geometry.register
-def _(state: QuantizedState):
+@_rows.geometry.register
+def geometry_quantized(state: QuantizedState):
     if state.keys is None:
         return None
     kp, ks, _ = state.keys
@@ -66,8 +65,8 @@ def _(state: QuantizedState):
             ks.dtype)
 
 
-@dense.to_planes.register
-def _(state: QuantizedState, k, v):
+@_rows.to_planes.register
+def to_planes_quantized(state: QuantizedState, k, v):
     for arg, x in (("k", k), ("v", v)):
         check(x.shape[3] % state.group_size == 0, f"{arg} head dim (shape[3])",
               f"a multiple of group_size={state.group_size}", x.shape[3])
@@ -76,17 +75,17 @@ def _(state: QuantizedState, k, v):
     return (*qk, *qv)
 
 
-@dense.with_planes.register
-def _(state: QuantizedState, planes, **changes):
+@_rows.with_planes.register
+def with_planes_quantized(state: QuantizedState, planes, **changes):
     keys, values = (tuple(planes[:3]), tuple(planes[3:])) if planes else (None, None)
     return attrs.evolve(state, keys=keys, values=values, **changes)
 
 
 @ops.fetch.register
-def _(state: QuantizedState):
+def fetch_quantized(state: QuantizedState):
     """The two ``(packed, scales, biases)`` triples over columns ``[0, width)``."""
     check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
-    planes = dense.columns(state.planes, state.width)
+    planes = _rows.columns(state.planes, state.width)
     return tuple(planes[:3]), tuple(planes[3:])
 
 
@@ -124,13 +123,10 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
 
 
 @ops.attend.register
-def _(state: QuantizedState, q, *, scale: float, memo=None, window=None):
-    n = dense.validate_queries(state, q, scale=scale, window=window)
+def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, window=None):
+    n = _rows.validate_queries(state, q, scale=scale, window=window)
     keys, values = ops.fetch(state)
-    mask, held = dense.read_mask(state, n, memo, window)
-    try:
-        return quantized_sdpa(q, keys, values, scale=scale, mask=mask,
-                              group_size=state.group_size, bits=state.bits)
-    finally:
-        if held is not None:
-            held.release()
+    return _rows.under_mask(
+        _rows.read_mask(state, n, memo, window),
+        lambda mask: quantized_sdpa(q, keys, values, scale=scale, mask=mask,
+                                    group_size=state.group_size, bits=state.bits))

@@ -31,15 +31,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from . import dense, ops
-from .errors import as_int, bad, check, per_row, row_index, row_list
+from . import _rows, compiled, ops
+from ._args import as_int, per_row, row_index, row_list
+from .errors import bad, check
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState
-
-__all__ = [
-    "rotating", "from_temporal", "read", "update_and_read", "read_width", "ring_mask",
-    "column_of", "advance", "write_at",
-]
 
 
 # --- construction -------------------------------------------------------------
@@ -130,13 +126,26 @@ def ring_mask(n: int, lengths, held, *, keep: int, capacity: int, width: int, wi
     return mask[:, None]
 
 
-# --- bookkeeping ---------------------------------------------------------------
+# --- bookkeeping: the eviction rule, on host ints or arrays --------------------------
 
 
-def _after_eviction(n: int, h: int, max_size: int, keep: int) -> int:
-    """Tokens a row holds once it has dropped down to ``max_size - 1`` (kept prefix stays)."""
-    nk = min(keep, n)
-    return nk + min(h - nk, max(0, max_size - 1 - nk))
+def _kept(n, h, max_size: int, keep: int, lo, hi):
+    nk = lo(n, keep)
+    return nk + lo(h - nk, hi(max_size - 1 - nk, 0))
+
+
+def kept_after_eviction(lengths, held, *, max_size: int, keep: int):
+    """What each row still holds once it has dropped its oldest non-kept
+    positions down to ``max_size - 1`` (the kept prefix stays): the ring's
+    one eviction rule, applied before every append.
+
+    ``lengths``/``held``: host tuples of ints (a tuple comes back) or int
+    arrays, numpy or ``mx`` (traced inside a compiled step).
+    """
+    if isinstance(lengths, tuple):
+        return tuple([_kept(n, h, max_size, keep, min, max) for n, h in zip(lengths, held)])
+    xp = _xp(lengths)
+    return _kept(lengths, held, max_size, keep, xp.minimum, xp.maximum)
 
 
 def _plan(state: RotatingState, N: int):
@@ -146,14 +155,14 @@ def _plan(state: RotatingState, N: int):
     counts, what each row still holds of the old tokens after eviction, and
     the capacity the new buffer gets.
     """
-    kept = tuple(_after_eviction(n, h, state.max_size, state.keep)
-                 for n, h in zip(state.lengths, state.held))
+    kept = kept_after_eviction(state.lengths, state.held, max_size=state.max_size,
+                               keep=state.keep)
     lengths = tuple(n + N for n in state.lengths)
     held = tuple(k + N for k in kept)
     need = max(held, default=0)
     C = state.capacity
     if need > C:
-        C = min(dense.round_up(need, state.step), max(state.max_size, need))
+        C = min(_rows.round_up(need, state.step), max(state.max_size, need))
     elif C > max(state.max_size, need):
         C = max(state.max_size, need)  # a block made the ring wider: shrink back
     return lengths, held, kept, C
@@ -162,26 +171,42 @@ def _plan(state: RotatingState, N: int):
 def advance(lengths, held, n: int, *, max_size: int, keep: int):
     """``(lengths, held)`` after appending ``n`` tokens, as arrays (numpy or mx).
 
-    The same rule as ``append``'s host bookkeeping, for code that keeps the
-    rows' positions in arrays (a compiled decode step).
+    ``append``'s host bookkeeping (``kept_after_eviction``) for code that
+    keeps the rows' positions in arrays (a compiled decode step).
     """
-    xp = _xp(lengths)
-    nk = xp.minimum(lengths, keep)
-    kept = nk + xp.minimum(held - nk, xp.maximum(max_size - 1 - nk, 0))
+    kept = kept_after_eviction(lengths, held, max_size=max_size, keep=keep)
     return lengths + n, kept + n
 
 
-def write_at(plane, new, lengths, *, keep: int, capacity: int):
-    """``plane`` with ``new`` ``[B, H, N, D]`` written at each row's next columns.
+def ring_writer(lengths, N: int, *, keep: int, capacity: int):
+    """How ``N`` new tokens ``[B, H, N, D]`` are written at each row's next
+    columns ``col(lengths[b] + i)``: a function ``write(plane, new)``.
 
-    ``lengths`` (int32 ``[B]``, may be traced) are the rows' tokens seen
-    before the write. The capacity must already hold the rows after the
-    append (``append`` grows it on the host first).
+    ``lengths``: the rows' tokens seen before the write, host ints (eager
+    appends) or an int32 ``[B]`` array (traced in a compiled step). The
+    capacity must already hold the rows after the append (``append`` and the
+    compile boundary lay the ring out on the host first). Rows writing one
+    run of columns together take one ``slice_update``; otherwise a per-row
+    scatter, its index shared by every plane.
     """
-    N = new.shape[2]
-    pos = lengths[:, None] + mx.arange(N, dtype=lengths.dtype)[None, :]
-    cols = column_of(pos, keep, capacity)[:, None, :, None]
-    return mx.put_along_axis(plane, mx.broadcast_to(cols, new.shape), new, axis=2)
+    if isinstance(lengths, mx.array):
+        pos = lengths[:, None] + mx.arange(N, dtype=lengths.dtype)[None, :]
+        return _rows.scatter_writer(column_of(pos, keep, capacity)[:, None, :, None])
+    pos = np.array(lengths, np.int64).reshape(-1, 1) + np.arange(N)[None, :]
+    return columns_writer(column_of(pos, keep, capacity).tolist())
+
+
+def columns_writer(cols):
+    """``write(plane, new)`` putting ``new`` ``[B, H, N, D]`` at per-row host
+    columns ``cols`` (``[B][N]`` ints): one ``slice_update`` when every row
+    writes one run of columns together, else a scatter."""
+    if not cols:  # no rows
+        return lambda plane, new: plane
+    first, N = cols[0], len(cols[0])
+    if all(c == first for c in cols) and first == list(range(first[0], first[0] + N)):
+        start = mx.array([first[0]], dtype=mx.int32)
+        return lambda plane, new: mx.slice_update(plane, new, start, (2,))
+    return _rows.scatter_writer(mx.array(cols, dtype=mx.int32)[:, None, :, None])
 
 
 def read_width(state: RotatingState) -> int:
@@ -205,11 +230,7 @@ def _relayout(planes, lengths, held, keep: int, old_c: int, new_c: int):
                      for p in planes)
     if max(lengths, default=0) <= min(old_c, new_c):
         # No row has wrapped: col(p) = p under both capacities.
-        if new_c < old_c:
-            return tuple(p[:, :, :new_c, :] for p in planes)
-        return tuple(mx.concatenate(
-            [p, mx.zeros((p.shape[0], p.shape[1], new_c - old_c, p.shape[3]), p.dtype)], axis=2)
-            for p in planes)
+        return _rows.resize(planes, new_c)
     ln, hd = np.array(lengths, np.int64), np.array(held, np.int64)
     holds, rank = _ranks(ln, hd, keep, new_c, new_c)
     src = column_of(_position_of_rank(rank, ln, hd, keep), keep, old_c)
@@ -226,33 +247,20 @@ def _gather(planes, src):
         for p in planes)
 
 
-def _write(plane, new, cols):
-    """Write ``new`` ``[B, H, N, D]`` at per-row columns ``cols`` (``[B, N]`` host ints)."""
-    N = new.shape[2]
-    if not cols:  # no rows
-        return plane
-    first = cols[0]
-    if all(c == first for c in cols) and first == list(range(first[0], first[0] + N)):
-        return mx.slice_update(plane, new, mx.array([first[0]], dtype=mx.int32), (2,))
-    idx = mx.array(cols, dtype=mx.int32)[:, None, :, None]
-    return mx.put_along_axis(plane, mx.broadcast_to(idx, new.shape), new, axis=2)
-
-
 # --- append / read / fetch ---------------------------------------------------------
 
 
 @ops.append.register
-def _(state: RotatingState, k, v):
-    dense.validate_tokens(state, k, v)
+def append_ring(state: RotatingState, k, v):
+    _rows.validate_tokens(state, k, v)
     N = k.shape[2]
     lengths, held, kept, C = _plan(state, N)
     if state.keys is None:
         planes = tuple(mx.zeros((x.shape[0], x.shape[1], C, x.shape[3]), x.dtype) for x in (k, v))
     else:
         planes = _relayout(state.planes, state.lengths, kept, state.keep, state.capacity, C)
-    pos = np.array(state.lengths, np.int64)[:, None] + np.arange(N)[None, :]
-    cols = column_of(pos, state.keep, C).tolist()
-    keys, values = (_write(p, x, cols) for p, x in zip(planes, (k, v)))
+    write = ring_writer(state.lengths, N, keep=state.keep, capacity=C)
+    keys, values = (write(p, x) for p, x in zip(planes, (k, v)))
     return attrs.evolve(state, lengths=lengths, held=held, keys=keys, values=values)
 
 
@@ -271,7 +279,8 @@ def read(state: RotatingState):
     return state.keys[:, :, :w, :], state.values[:, :, :w, :]
 
 
-def update_and_read(state: RotatingState, k, v):
+@ops.update_and_read.register
+def update_and_read(state: RotatingState, k, v, plans=None):
     """Append, then read: ``(new_state, keys, values)`` for an mlx-lm cache shell.
 
     The bridge's ``update_and_fetch(k, v)`` returns ``keys, values`` from
@@ -286,7 +295,7 @@ def update_and_read(state: RotatingState, k, v):
 
 
 @ops.fetch.register
-def _(state: RotatingState):
+def fetch_ring(state: RotatingState):
     """``(keys, values)`` ``[B, H, width, D]``: each row's held entries in temporal
     order; rows holding fewer are left-padded with zeros so every row ends at ``width``.
 
@@ -317,7 +326,7 @@ def from_temporal(keys, values, *, lengths, max_size: int, keep: int = 0, held=N
     ``s``. An mlx-lm ``RotatingKVCache`` converts with its temporal-order
     buffer, ``offset`` and ``keep``.
     """
-    dense._check_kv("keys", keys, "values", values)
+    _rows.check_kv("keys", keys, "values", values)
     max_size, keep, step = _check_ring(max_size, keep, step)
     B, _, S, _ = keys.shape
     check(B >= 1, "keys batch size", ">= 1", B)
@@ -339,12 +348,12 @@ def from_temporal(keys, values, *, lengths, max_size: int, keep: int = 0, held=N
 
 
 @ops.positions.register
-def _(state: RotatingState):
+def positions_ring(state: RotatingState):
     return None if len(set(state.lengths)) <= 1 else mx.array(state.lengths, dtype=mx.int32)
 
 
-@dense.geometry.register
-def _(state: RotatingState):
+@_rows.geometry.register
+def geometry_ring(state: RotatingState):
     if state.keys is None:
         return None
     return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
@@ -384,34 +393,22 @@ def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo,
 
 
 @ops.next_mask.register
-def _(state: RotatingState, n, *, memo=None, window=None):
+def next_mask_ring(state: RotatingState, n, *, memo=None, window=None, array=False):
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
     lengths, held, _, capacity = _plan(state, n)
-    return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window))
-
-
-def next_mask_array(state: RotatingState, n: int, *, memo=None, window=None):
-    """``next_mask`` as a bool array even where ``None`` or ``"causal"`` would
-    do (what an mlx-lm model asking ``make_mask(..., return_array=True)`` needs);
-    the same builder and key family, so equal keys stay equal masks."""
-    n = as_int(n, "n")
-    check(n >= 1, "n", ">= 1", n)
-    lengths, held, _, capacity = _plan(state, n)
-    return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window), array=True)
+    return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window), array)
 
 
 @ops.attend.register
-def _(state: RotatingState, q, *, scale: float, memo=None, window=None):
-    n = dense.validate_queries(state, q, scale=scale, window=window, holds=state.held)
+def attend_ring(state: RotatingState, q, *, scale: float, memo=None, window=None):
+    n = _rows.validate_queries(state, q, scale=scale, window=window, holds=state.held)
     w = _window(state, window)
     keys, values = read(state)
-    mask, held = _read_mask(state.lengths, state.held, state.capacity, state, n, memo, w)
-    try:
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    finally:
-        if held is not None:
-            held.release()
+    return _rows.under_mask(
+        _read_mask(state.lengths, state.held, state.capacity, state, n, memo, w),
+        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
+                                                          mask=mask))
 
 
 # --- trim, checkpoint, rollback ---------------------------------------------------------
@@ -444,7 +441,7 @@ def _trim_to(state: RotatingState, target, arg: str) -> RotatingState:
 
 
 @ops.trim.register
-def _(state: RotatingState, n):
+def trim_ring(state: RotatingState, n):
     n = per_row(n, state.batch_size, "n")
     for b, (m, have) in enumerate(zip(n, state.lengths)):
         check(m <= have, f"n for row {b}", f"<= {have} (tokens the row has seen)", m)
@@ -452,23 +449,23 @@ def _(state: RotatingState, n):
 
 
 @ops.checkpoint.register
-def _(state: RotatingState):
+def checkpoint_ring(state: RotatingState):
     """Tokens seen per row (``Checkpoint.lengths``); ring rows never pad."""
     return Checkpoint(state.lengths, state.left_pad)
 
 
 @ops.rollback.register
-def _(state: RotatingState, checkpoint, keep=0):
-    return _trim_to(state, dense.checkpoint_target(state, checkpoint, keep), "checkpoint + keep")
+def rollback_ring(state: RotatingState, checkpoint, keep=0):
+    return _trim_to(state, _rows.checkpoint_target(state, checkpoint, keep), "checkpoint + keep")
 
 
 @ops.anchor.register
-def _(state: RotatingState):
+def anchor_ring(state: RotatingState):
     return state  # single-token appends overwrite what a longer rollback needs
 
 
 @ops.commit.register
-def _(state: RotatingState, anchor, keep=0):
+def commit_ring(state: RotatingState, anchor, keep=0):
     """Decode by position: ``anchor`` (the earlier ring) plus the first
     ``keep[b]`` positions ``state`` appended since, written one position at
     a time, so each row ends exactly as single-token decoding leaves it::
@@ -505,7 +502,7 @@ def _(state: RotatingState, anchor, keep=0):
     lengths, held = list(anchor.lengths), list(anchor.held)
     for b, k in enumerate(keep):
         for _ in range(k):
-            h = _after_eviction(lengths[b], held[b], ms, kp) + 1
+            h = _kept(lengths[b], held[b], ms, kp, min, max) + 1
             lengths[b], held[b] = lengths[b] + 1, h
     K = max(keep)
     if K == 0:
@@ -515,7 +512,7 @@ def _(state: RotatingState, anchor, keep=0):
     need, C = max(held), anchor.capacity
     planes = anchor.planes
     if need > C:
-        new_c = min(dense.round_up(need, anchor.step), max(ms, need))
+        new_c = min(_rows.round_up(need, anchor.step), max(ms, need))
         planes = _relayout(planes, anchor.lengths, anchor.held, kp, C, new_c)
         C = new_c
     # Slot j of row b is position anchor.lengths[b] + j; a row's slots past its
@@ -528,8 +525,8 @@ def _(state: RotatingState, anchor, keep=0):
     new = _gather(state.planes, column_of(pos, kp, state.capacity))
     old = _gather(planes, dst)
     mask = mx.array(k > 0)[:, None, :, None]
-    keys, values = (_write(p, mx.where(mask, x, o), dst.tolist())
-                    for p, x, o in zip(planes, new, old))
+    write = columns_writer(dst.tolist())
+    keys, values = (write(p, mx.where(mask, x, o)) for p, x, o in zip(planes, new, old))
     return attrs.evolve(anchor, lengths=tuple(lengths), held=tuple(held), keys=keys,
                         values=values)
 
@@ -538,7 +535,7 @@ def _(state: RotatingState, anchor, keep=0):
 
 
 @ops.filter_rows.register
-def _(state: RotatingState, rows):
+def filter_rows_ring(state: RotatingState, rows):
     rows = row_list(rows, state.batch_size)
     keys, values = state.keys, state.values
     if keys is not None and rows != list(range(state.batch_size)):
@@ -549,7 +546,7 @@ def _(state: RotatingState, rows):
 
 
 @ops.extract_row.register
-def _(state: RotatingState, row):
+def extract_row_ring(state: RotatingState, row):
     """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
     row = row_index(row, state.batch_size)
     one = attrs.evolve(state, lengths=(state.lengths[row],), held=(state.held[row],),
@@ -563,9 +560,9 @@ def _(state: RotatingState, row):
     return attrs.evolve(one, keys=keys, values=values)
 
 
-@ops._merge.register
-def _(first: RotatingState, states):
-    dense.check_same_geometry(states, ("max_size", "keep"))
+@ops.merge_same_kind.register
+def merge_rows_ring(first: RotatingState, states):
+    _rows.check_same_geometry(states, ("max_size", "keep"))
     C = max(s.capacity for s in states)
     full = [s for s in states if s.keys is not None]
     keys = values = None
@@ -582,3 +579,81 @@ def _(first: RotatingState, states):
         values = mx.concatenate([p[1] for p in parts], axis=0)
     return attrs.evolve(first, lengths=sum((s.lengths for s in states), ()),
                         held=sum((s.held for s in states), ()), keys=keys, values=values)
+
+
+# --- the compile boundary (kvstate.compiled) for rings -----------------------------------
+
+
+@compiled.host_positions.register
+def host_positions_ring(state: RotatingState):
+    return (state.lengths, state.held)
+
+
+@compiled.with_capacity.register
+def with_capacity_ring(state: RotatingState, capacity: int):
+    capacity = compiled.check_capacity(state, capacity)
+    if state.capacity == capacity:
+        return state
+    check(capacity >= state.width, "capacity", f">= {state.width} (entries a row holds)",
+          capacity)
+    keys, values = _relayout(state.planes, state.lengths, state.held, state.keep,
+                             state.capacity, capacity)
+    return attrs.evolve(state, keys=keys, values=values)
+
+
+@compiled.prepare.register
+def prepare_ring(state: RotatingState, n: int = 1):
+    n = compiled.check_room(state, n)
+    check(n == 1, "tokens per row", "1 for a RotatingState in a compiled step "
+          "(prefill blocks with kvstate.mlx_lm.forward)", n)
+    _, _, kept, C = _plan(state, n)
+    if C == state.capacity:
+        return state
+    keys, values = _relayout(state.planes, state.lengths, kept, state.keep, state.capacity, C)
+    return attrs.evolve(state, held=kept, keys=keys, values=values)
+
+
+@compiled.advanced.register
+def advanced_ring(state: RotatingState, n: int = 1) -> dict:
+    lengths, held, _, _ = _plan(state, n)
+    return {"lengths": lengths, "held": held}
+
+
+@compiled.traced_offset.register
+def traced_offset_ring(proto: RotatingState, view: compiled.Traced,
+                       ctx: compiled.TraceContext):
+    return view.positions[0]
+
+
+def _ring_after(proto, view, n, ctx):
+    lengths, held = view.positions
+    return ctx.shared(("ring-after", n, proto.keep, proto.max_size), (lengths, held),
+                      lambda: advance(lengths, held, n, max_size=proto.max_size,
+                                      keep=proto.keep))
+
+
+@compiled.traced_update.register
+def traced_update_ring(proto: RotatingState, view: compiled.Traced, k, v,
+                       ctx: compiled.TraceContext):
+    N = k.shape[2]
+    check(N == 1, "tokens per row", "1 for a ring in a compiled step", N)
+    lengths, _ = view.positions
+    C = view.capacity
+    write = ctx.shared(("ring-write", proto.keep, C), (lengths,),
+                       lambda: ring_writer(lengths, 1, keep=proto.keep, capacity=C))
+    planes = (write(view.planes[0], k), write(view.planes[1], v))
+    after = _ring_after(proto, view, 1, ctx)
+    return compiled.Traced(proto, planes, after, view.same_end), planes[0], planes[1]
+
+
+@compiled.traced_mask.register
+def traced_mask_ring(proto: RotatingState, view: compiled.Traced, n: int, window,
+                     ctx: compiled.TraceContext):
+    lengths, held = view.positions
+    C, w = view.capacity, window or proto.max_size
+
+    def build():
+        ln, hd = _ring_after(proto, view, n, ctx)
+        return ring_mask(n, ln, hd, keep=proto.keep, capacity=C, width=C, window=w)
+
+    return ctx.shared(("ring-mask", n, w, C, proto.keep), (lengths, held), build)

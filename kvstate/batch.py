@@ -35,7 +35,8 @@ import attrs
 import mlx.core as mx
 
 from . import ops
-from .errors import bad, row_index, row_list
+from ._args import row_index, row_list
+from .errors import bad
 from .layers import _layers
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
 from .shared import fork
@@ -188,7 +189,7 @@ def extract_batch_row(b: Batch, row):
     return attrs.evolve(b, states=ops.extract_row(b.states, row), **take_rows(b, [row]))
 
 
-@ops._merge.register
+@ops.merge_same_kind.register
 def merge_batches(first: Batch, batches):
     states = ops.merge_rows([b.states for b in batches])
     return attrs.evolve(first, states=states, **join_rows(batches))

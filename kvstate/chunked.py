@@ -22,8 +22,9 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from . import dense, ops
-from .errors import as_int, bad, check, per_row, row_index, row_list
+from . import _dense, _rows, ops
+from ._args import as_int, per_row, row_index, row_list
+from .errors import bad, check
 from .masks import MaskKey, lease
 from .records import Checkpoint, ChunkedState
 
@@ -37,7 +38,7 @@ def chunked_state(batch_size: int = 1, *, chunk_size: int, step: int = 256) -> C
         chunk_size: the attention chunk (mlx-lm ``ChunkedKVCache(chunk_size)``).
         step: capacity grows in multiples of this.
     """
-    base = dense.empty(batch_size, step=step)
+    base = _dense.empty(batch_size, step=step)
     chunk_size = as_int(chunk_size, "chunk_size")
     check(chunk_size >= 1, "chunk_size", ">= 1", chunk_size)
     return ChunkedState(
@@ -45,19 +46,19 @@ def chunked_state(batch_size: int = 1, *, chunk_size: int, step: int = 256) -> C
     )
 
 
-@dense.geometry.register(ChunkedState)
+@_rows.geometry.register(ChunkedState)
 def _geometry_chunked(state):
     if state.keys is None:
         return None
     return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
 
 
-@dense.to_planes.register(ChunkedState)
+@_rows.to_planes.register(ChunkedState)
 def _to_planes_chunked(state, k, v):
     return (k, v)
 
 
-@dense.with_planes.register(ChunkedState)
+@_rows.with_planes.register(ChunkedState)
 def _with_planes_chunked(state, planes, **changes):
     keys, values = planes if planes else (None, None)
     return attrs.evolve(state, keys=keys, values=values, **changes)
@@ -77,7 +78,7 @@ def trim_front(state: ChunkedState) -> ChunkedState:
     planes = state.planes
     if shared:
         planes = tuple(p[:, :, shared:, :] for p in planes)
-    return dense.with_planes(
+    return _rows.with_planes(
         state, planes, lengths=lengths, start=start, left_pad=tuple(p - shared for p in left_pad)
     )
 
@@ -120,7 +121,7 @@ def _read_mask(n, left_pad, ends, offsets, chunk_size, memo):
 @ops.fetch.register(ChunkedState)
 def fetch_chunked(state):
     check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
-    return dense.columns(state.planes, state.width)
+    return _rows.columns(state.planes, state.width)
 
 
 @ops.positions.register(ChunkedState)
@@ -130,7 +131,7 @@ def positions_chunked(state):
 
 
 @ops.next_mask.register(ChunkedState)
-def next_mask_chunked(state, n, *, memo=None, window=None):
+def next_mask_chunked(state, n, *, memo=None, window=None, array=False):
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
     check(window is None, "window", "None (a chunked layer's window is its chunk)", window)
@@ -143,13 +144,12 @@ def next_mask_chunked(state, n, *, memo=None, window=None):
 @ops.attend.register(ChunkedState)
 def attend_chunked(state, q, *, scale: float, memo=None, window=None):
     check(window is None, "window", "None (a chunked layer's window is its chunk)", window)
-    n = dense.validate_queries(state, q, scale=scale, window=None)
+    n = _rows.validate_queries(state, q, scale=scale, window=None)
     keys, values = fetch_chunked(state)
-    mask, held = _read_mask(n, state.left_pad, state.ends, state.offsets, state.chunk_size, memo)
-    try:
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    finally:
-        held.release()
+    return _rows.under_mask(
+        _read_mask(n, state.left_pad, state.ends, state.offsets, state.chunk_size, memo),
+        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
+                                                          mask=mask))
 
 
 # --- checkpoint, rollback ---------------------------------------------------------------
@@ -213,19 +213,19 @@ def rollback_chunked(state, checkpoint, keep=0):
 @ops.filter_rows.register(ChunkedState)
 def filter_rows_chunked(state, rows):
     rows = row_list(rows, state.batch_size)
-    out = ops.filter_rows.dispatch(dense._Rows)(state, rows)
+    out = ops.filter_rows.dispatch(_rows._Rows)(state, rows)
     return attrs.evolve(out, start=tuple(state.start[r] for r in rows))
 
 
 @ops.extract_row.register(ChunkedState)
 def extract_row_chunked(state, row):
     row = row_index(row, state.batch_size)
-    out = ops.extract_row.dispatch(dense._Rows)(state, row)
+    out = ops.extract_row.dispatch(_rows._Rows)(state, row)
     return attrs.evolve(out, start=(state.start[row],))
 
 
-@ops._merge.register(ChunkedState)
+@ops.merge_same_kind.register(ChunkedState)
 def merge_chunked(first, states):
-    dense.check_same_geometry(states, ("chunk_size",))
-    out = ops._merge.dispatch(dense._Rows)(first, states)
+    _rows.check_same_geometry(states, ("chunk_size",))
+    out = ops.merge_same_kind.dispatch(_rows._Rows)(first, states)
     return attrs.evolve(out, start=sum((s.start for s in states), ()))

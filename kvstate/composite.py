@@ -113,7 +113,7 @@ def extract_row_composite(state, row):
     return _each(state, lambda p: ops.extract_row(p, row))
 
 
-@ops._merge.register(CompositeState)
+@ops.merge_same_kind.register(CompositeState)
 def merge_composite(first, states):
     kinds = tuple(type(p) for p in first.parts)
     for i, s in enumerate(states):

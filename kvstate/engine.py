@@ -209,9 +209,7 @@ class KVStateEngine:
         self.model, self.bridge, self.prefill_step_size = model, bridge, prefill_step_size
         self._step = bridge.step
         if compiled:
-            from .compiled import make_step
-
-            self._step = make_step(model)  # step(model, tokens, states) -> (logits, states)
+            self._step = bridge.make_step(model)  # step(model, tokens, states) -> (logits, states)
             self.name = "kvstate (compiled)"
 
     def prefill(self, prompts):

@@ -151,5 +151,5 @@ def merge_models(first, models):
 for _container in (list, tuple):
     ops.checkpoint.register(_container, checkpoint_layers)
     ops.rollback.register(_container, rollback_layers)
-    ops._merge.register(_container, merge_models)
+    ops.merge_same_kind.register(_container, merge_models)
 _MODEL_IMPLS.update((checkpoint_layers, rollback_layers))

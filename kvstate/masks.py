@@ -17,7 +17,8 @@ from typing import Callable, Optional
 import attrs
 import mlx.core as mx
 
-from .errors import LeaseError, as_int, bad
+from ._args import as_int
+from .errors import LeaseError, bad
 
 
 @attrs.frozen(eq=False)

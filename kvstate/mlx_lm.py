@@ -3,8 +3,9 @@
 An mlx-lm model reads its cache through a small protocol: ``offset`` (the
 RoPE position of the next token), ``update_and_fetch(k, v)``, ``make_mask``
 and, for quantized caches, ``bits``/``group_size``. ``forward`` hands the
-model one thin *shell* per layer that answers that protocol from a record;
-the shell swaps in the appended record as the model writes, and ``forward``
+model one thin *shell* per layer (``kvstate._shells``, the same shells the
+compiled ``Decoder`` uses) that answers that protocol from a record; the
+shell swaps in the appended record as the model writes, and ``forward``
 returns the new records. The input records are never changed::
 
     states = make_states(model, batch_size=B)          # one record per layer
@@ -26,221 +27,46 @@ import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
-from . import ops
-from .errors import as_int, bad, check
+from . import _decoder, _rows, _shells, ops
+from ._args import as_int
+from ._decoder import (Decoder as Decoder, compiled_decoder as compiled_decoder,
+                       make_step as make_step)
 from .batch import Batch, sample_batch
+from .errors import bad, check
 from .masks import MaskMemo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
-from .records import CacheState, QuantizedState, RotatingState
-from .dense import (Plans, next_mask_array as dense_next_mask_array,
-                    update_and_fetch as dense_update_and_fetch)
-from .rotating import next_mask_array as ring_next_mask_array, read as ring_read
-from .shared import (SharedState, next_mask_array as shared_next_mask_array,
-                     prefix_groups as shared_prefix_groups, read as shared_read)
-from .dense import geometry as dense_geometry
+from .records import CacheState, QuantizedState
+from .shared import SharedState, prefix_groups as shared_prefix_groups, read as shared_read
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
     "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance", "feed",
+    "layer_count", "Decoder", "compiled_decoder", "make_step",
 ]
 
 
-# --- the shells the model sees --------------------------------------------------
+# --- shared-prefix rows (kvstate.shared): shells and the cascade read ---------------------
 
 
-class _Forward:
-    """What the shells of one forward share: the memo, its leases, the
-    offsets and the dense append plans (host work done once per layout)."""
+class _SharedReads:
+    """What a ``SharedState`` shell reports of its record: the suffix rows' arrays."""
 
-    __slots__ = ("memo", "leases", "plans", "started", "route", "_positions", "_last")
-
-    def __init__(self, memo: MaskMemo, start_early: bool = False):
-        self.memo = memo
-        self.route = None  # a _cascade while shared rows are read by the cascade
-        self.leases = []
-        self.plans = Plans()
-        self.started = not start_early
-        self._positions = {}
-        self._last = None
-
-    def start(self, keys, values):
-        """Start computing the first layer's new keys and values on the device.
-
-        They are the first thing a forward hands its caches, so they depend
-        on the tokens and weights alone, never on a cache write: computing
-        them now lets the device work while the host builds the rest of the
-        graph (``notes/bridge.md``). Nothing later is started early: every
-        later layer reads updated planes, and evaluating a write while the
-        caller still holds the old record would copy the whole plane.
-        """
-        self.started = True
-        if type(keys) is mx.array and type(values) is mx.array:
-            try:
-                mx.async_eval(keys, values)
-            except ValueError:  # traced (mx.compile, vmap, grad): nothing to start
-                pass
-
-    def offset(self, state):
-        """An int when the rows are aligned, else the per-row int32 ``[B]`` array.
-
-        Layers with one layout share one array (one per forward, not per
-        layer); records holding the very same bookkeeping tuples (every
-        layer after a shared append) are matched without hashing.
-        """
-        lengths, left_pad, kind = state.lengths, state.left_pad, type(state)
-        last = self._last
-        if (last is not None and last[0] is lengths and last[1] is left_pad
-                and last[2] is kind):
-            return last[3]
-        key = (kind, lengths, left_pad)
-        off = self._positions.get(key)
-        if off is None:
-            pos = ops.positions(state)
-            off = self._positions[key] = int(lengths[0]) if pos is None else pos
-        self._last = (lengths, left_pad, kind, off)
-        return off
-
-    def release(self):
-        for held in self.leases:
-            if not held.released:
-                held.release()
-        self.leases.clear()
-
-
-class _Shell:
-    """One layer's cache as an mlx-lm model sees it, backed by a record.
-
-    ``record`` is replaced (never mutated) by each ``update_and_fetch`` and
-    ``trim``; the offset of the current record is looked up once (the model
-    reads it twice per layer) and forgotten when the record is replaced.
-    """
-
-    __slots__ = ("record", "_fwd", "_offset")
-
-    def __init__(self, record, fwd: _Forward):
-        self.record = record
-        self._fwd = fwd
-        self._offset = None
-
-    @property
-    def offset(self):
-        off = self._offset
-        if off is None:
-            off = self._offset = self._fwd.offset(self.record)
-        return off
-
-    def update_and_fetch(self, keys, values):
-        if not self._fwd.started:
-            self._fwd.start(keys, values)
-        self.record, self._offset = ops.append(self.record, keys, values), None
-        return self.keys_and_values()
-
-    def keys_and_values(self):
-        """What the model attends over; ``make_mask`` is laid out over these columns."""
-        return ops.fetch(self.record)
-
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
-        mask, held = ops.next_mask(self.record, N, memo=self._fwd.memo, window=window_size)
-        if held is not None:
-            self._fwd.leases.append(held)
-        if return_array and (mask is None or isinstance(mask, str)):
-            mask = self._array_mask(N, window_size)
-        return mask
-
-    def _array_mask(self, N, window):
-        # Models that ask return_array=True (gemma2, phi3small, ...) read the
-        # mask's dtype: the same mask as an array, same builder and memo.
-        mask, held = self._next_mask_array(self.record, N, memo=self._fwd.memo, window=window)
-        self._fwd.leases.append(held)
-        return mask
-
-    _next_mask_array = staticmethod(dense_next_mask_array)
-
-    @property
-    def state(self):
-        """The arrays the record holds (for ``mx.eval(c.state)``)."""
-        return self.record.planes
+    __slots__ = ()
 
     @property
     def keys(self):
-        return self.record.keys
+        return self.record.suffix.keys
 
     @property
     def values(self):
-        return self.record.values
-
-    @property
-    def nbytes(self) -> int:
-        return self.record.nbytes
+        return self.record.suffix.values
 
     def empty(self) -> bool:
-        return self.record.keys is None
-
-    def size(self) -> int:
-        return self.record.width
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Drop up to ``n`` tokens from every row (as mlx-lm, clipped at what a row holds)."""
-        n = as_int(n, "n")
-        cut = tuple(min(n, m) for m in self.record.lengths)
-        self.record, self._offset = ops.trim(self.record, cut), None
-        return max(cut, default=0)
+        return _rows.geometry(self.record) is None
 
 
-class _DenseShell(_Shell):
-    """A ``CacheState`` layer: its appends share the forward's ``dense.Plans``."""
-
-    __slots__ = ()
-
-    def update_and_fetch(self, keys, values):
-        fwd = self._fwd
-        if not fwd.started:
-            fwd.start(keys, values)
-        self.record, keys, values = dense_update_and_fetch(self.record, keys, values,
-                                                           fwd.plans)
-        self._offset = None
-        return keys, values
-
-
-class _QuantizedShell(_Shell):
-    """Has ``bits``/``group_size``: mlx-lm's attention then takes its quantized path."""
-
-    __slots__ = ()
-
-    @property
-    def bits(self) -> int:
-        return self.record.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.record.group_size
-
-
-class _RingShell(_Shell):
-    """A ``RotatingState`` layer: the model reads the ring in ring order (as
-    mlx-lm's ring hands it over); ``make_mask`` lays its mask over that read."""
-
-    __slots__ = ()
-
-    def keys_and_values(self):
-        return ring_read(self.record)
-
-    _next_mask_array = staticmethod(ring_next_mask_array)  # over the ring-order read
-
-    # size and is_trimmable answer as mlx-lm's RotatingKVCache does (per row,
-    # then over rows); kv.trim can give back more than mlx-lm allows.
-    def size(self) -> int:
-        return max(min(n, self.record.max_size) for n in self.record.lengths)
-
-    def is_trimmable(self) -> bool:
-        return all(n < self.record.max_size for n in self.record.lengths)
-
-
-class _SharedShell(_Shell):
+class SharedShell(_SharedReads, _shells.Shell):
     """A ``SharedState`` layer of dense rows.
 
     Read by the cascade (``_cascade``: each shared prefix read once for all
@@ -252,47 +78,31 @@ class _SharedShell(_Shell):
 
     __slots__ = ()
 
-    _next_mask_array = staticmethod(shared_next_mask_array)
-
     def update_and_fetch(self, keys, values):
-        fwd = self._fwd
-        if not fwd.started:
-            fwd.start(keys, values)
-        rec = self.record
-        suffix, sk, sv = dense_update_and_fetch(rec.suffix, keys, values, fwd.plans)
-        self.record = SharedState(rec.prefixes, rec.source, rec.prefix_row, rec.shared, suffix)
-        self._offset = None
-        route = fwd.route
+        ctx = self._ctx
+        route = ctx.route
         if route is None:
-            return ops.fetch(self.record)
+            return super().update_and_fetch(keys, values)
+        if not ctx.started:
+            ctx.start(keys, values)
+        rec = self.record
+        suffix, sk, sv = ops.update_and_read(rec.suffix, keys, values, ctx.plans)
+        self.content = SharedState(rec.prefixes, rec.source, rec.prefix_row, rec.shared, suffix)
+        self._offset = None
         route.pending[id(self)] = (sk, sv)  # the cascade reads the suffix columns
         return sk, sv
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
-        if self._fwd.route is not None and window_size is None and not return_array:
+        if self._ctx.route is not None and window_size is None and not return_array:
             return None  # the cascade builds its own suffix mask
         return super().make_mask(N, window_size, return_array)
 
-    @property
-    def keys(self):
-        return self.record.suffix.keys
 
-    @property
-    def values(self):
-        return self.record.suffix.values
-
-    def empty(self) -> bool:
-        return dense_geometry(self.record) is None
-
-
-class _SharedQuantizedShell(_SharedShell, _QuantizedShell):
+class SharedQuantizedShell(_SharedReads, _shells.QuantizedShell):
     """Quantized shared rows (``bits``/``group_size`` from the suffix record):
     always read materialized, through mlx-lm's quantized attention."""
 
     __slots__ = ()
-
-    update_and_fetch = _Shell.update_and_fetch
-    make_mask = _Shell.make_mask
 
     @property
     def bits(self) -> int:
@@ -303,6 +113,11 @@ class _SharedQuantizedShell(_SharedShell, _QuantizedShell):
         return self.record.suffix.group_size
 
 
+@_shells.shell_class.register
+def shell_class_shared(record: SharedState) -> type:
+    return SharedQuantizedShell if type(record.suffix) is QuantizedState else SharedShell
+
+
 class _cascade:
     """While the model runs, its attention reads of shared dense rows take the
     cascade (``kvstate.shared.read``: each shared prefix read once for all the
@@ -310,7 +125,7 @@ class _cascade:
 
     mlx-lm's attention calls its module's ``scaled_dot_product_attention(q, k,
     v, cache=..., scale=..., mask=...)``; for the duration of the call that
-    global is a dispatcher sending a ``_SharedShell`` to the cascade and every
+    global is a dispatcher sending a ``SharedShell`` to the cascade and every
     other call, unchanged, to mlx-lm's function. A shell's
     ``update_and_fetch`` hands the model only its suffix columns, so every
     one must be read by the dispatcher: one that is not (a model whose
@@ -318,10 +133,8 @@ class _cascade:
     after the forward instead of giving a wrong result.
     """
 
-    def __init__(self, model, fwd):
-        from .compiled import _attention_modules, _patch_lock
-
-        self.mods, self.lock, self.fwd = _attention_modules(model), _patch_lock, fwd
+    def __init__(self, model, ctx):
+        self.mods, self.ctx = _decoder._attention_modules(model), ctx
         self.pending = {}
         self.groups = {}
 
@@ -336,10 +149,10 @@ class _cascade:
         from mlx_lm.models import base
 
         original = self.original = base.scaled_dot_product_attention
-        pending, memo = self.pending, self.fwd.memo
+        pending, memo = self.pending, self.ctx.memo
 
         def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-            if type(cache) is _SharedShell and sinks is None and id(cache) in pending:
+            if type(cache) is SharedShell and sinks is None and id(cache) in pending:
                 suffix_kv = pending.pop(id(cache))
                 record = cache.record
                 return shared_read(record, queries, scale=scale, memo=memo,
@@ -347,10 +160,10 @@ class _cascade:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)
 
-        self.lock.acquire()
+        _decoder._TRACE_LOCK.acquire()
         for mod in self.mods:
             mod.scaled_dot_product_attention = dispatch
-        self.fwd.route = self
+        self.ctx.route = self
         return self
 
     def __exit__(self, *exc):
@@ -358,26 +171,13 @@ class _cascade:
             for mod in self.mods:
                 mod.scaled_dot_product_attention = self.original
         finally:
-            self.fwd.route = None
-            self.lock.release()
+            self.ctx.route = None
+            _decoder._TRACE_LOCK.release()
         if exc[0] is None and self.pending:
             raise bad("model", "attention that reads shared rows through mlx-lm's "
                       "scaled_dot_product_attention (the cascade read)",
                       f"{len(self.pending)} layer reads that bypassed it")
         return False
-
-
-def _shared_shell(record, fwd):
-    cls = _SharedQuantizedShell if type(record.suffix) is QuantizedState else _SharedShell
-    return cls(record, fwd)
-
-
-_SHELLS = {CacheState: _DenseShell, QuantizedState: _QuantizedShell, RotatingState: _RingShell,
-           SharedState: _shared_shell}
-
-
-def _shell(record, fwd):
-    return _SHELLS[type(record)](record, fwd)
 
 
 # --- states and forward -----------------------------------------------------------
@@ -475,26 +275,25 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     B, shells = shape[0], []
     if start_early is None:
         start_early = mx.default_device().type == _CPU
-    fwd = _Forward(MaskMemo() if memo is None else memo, start_early)
+    ctx = _shells.Eager(MaskMemo() if memo is None else memo, start_early)
     for i, s in enumerate(states):
-        shell = _SHELLS.get(type(s))
-        if shell is None:
+        if not _shells.is_record(s):
             raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
         if s.batch_size != B:
             raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
-        shells.append(shell(s, fwd))
+        shells.append(_shells.shell(s, ctx))
     if B == 0:  # mlx-lm models cannot run an empty batch: nothing to run, nothing appended
         V, dtype = _logits_shape(model)
         return mx.zeros((0, shape[1], V), dtype), list(states)
     try:
-        if any(type(sh) is _SharedShell for sh in shells):
-            with _cascade(model, fwd):
+        if any(type(sh) is SharedShell for sh in shells):
+            with _cascade(model, ctx):
                 logits = model(tokens, cache=shells)
         else:
             logits = model(tokens, cache=shells)
     finally:
-        fwd.release()
-    return logits, [sh.record for sh in shells]
+        ctx.release()
+    return logits, [sh.content for sh in shells]
 
 
 _LOGITS: dict = {}  # id(model) -> (vocabulary size, logits dtype); leaves with its model

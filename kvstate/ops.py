@@ -1,9 +1,11 @@
 """The generic functions: one per operation, dispatching on the record type.
 
 Each function here is pure: the new record is returned and the input record
-(and every array it holds) is left unchanged. Implementations live beside
-their record kind: ``dense`` (``CacheState``, and the layout shared with
-``QuantizedState``), ``quantized`` and ``rotating``.
+(and every array it holds) is left unchanged. Implementations are registered beside
+their record kind: ``kvstate._rows`` (every kind with the padded row layout),
+``_dense`` (``CacheState``), ``_quantized`` and ``_ring``. A new record kind
+registers its implementations of these generics (and those listed in
+``notes/design.md``, "Adding a record kind") in its own module.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from functools import singledispatch
 from typing import Sequence
 
-from .errors import KVStateError, bad
+from .errors import bad
 
 
 def _unsupported(name):
@@ -51,17 +53,32 @@ def attend(state, q, *, scale: float, memo=None, window=None):
 
 
 @singledispatch
-def next_mask(state, n: int, *, memo=None, window=None):
+def next_mask(state, n: int, *, memo=None, window=None, array: bool = False):
     """The mask ``attend`` will use after ``n`` more tokens are appended.
 
     Returns ``(mask, lease)``: ``mask`` is ``None``, ``"causal"`` or a bool
-    array laid out over the columns ``fetch`` will return (for a
-    ``RotatingState``: the ring-order columns ``kvstate.rotating.read`` and
-    ``update_and_read`` return, not ``fetch``'s temporal order); ``lease`` is the
-    ``MaskLease`` it came from (``None`` when no array was needed). This is
-    what an mlx-lm cache's ``make_mask`` answers before ``update_and_fetch``.
+    array laid out over the columns ``update_and_read`` will return (for a
+    ``RotatingState``: the ring-order read, not ``fetch``'s temporal order);
+    ``lease`` is the ``MaskLease`` it came from (``None`` when no array was
+    needed). With ``array=True`` the mask is always a bool array (what an
+    mlx-lm model asking ``make_mask(..., return_array=True)`` needs), from the
+    same builder and key family. This is what an mlx-lm cache's
+    ``make_mask`` answers before ``update_and_fetch``.
     """
     return _unsupported("next_mask")(state)
+
+
+@singledispatch
+def update_and_read(state, k, v, plans=None):
+    """``append``, then the new state's read: ``(new_state, keys, values)``.
+
+    What an mlx-lm cache's ``update_and_fetch`` returns: ``fetch``'s columns
+    for the padded row layout, the ring-order read for a ``RotatingState``
+    (``next_mask`` is laid out over exactly these columns). ``plans`` (a
+    ``kvstate._rows.Plans``) lets the layers of one forward share their host
+    work; kinds that do not plan ignore it.
+    """
+    return _unsupported("update_and_read")(state)
 
 
 @singledispatch
@@ -128,7 +145,8 @@ def extract_row(state, row: int):
 
 
 @singledispatch
-def _merge(first, states):
+def merge_same_kind(first, states):
+    """``merge_rows`` for ``states`` (two or more, all of ``first``'s kind; checked)."""
     return _unsupported("merge_rows")(first)
 
 
@@ -150,7 +168,7 @@ def merge_rows(states):
             raise bad(f"states[{i}]", f"a {kind.__name__} like states[0]", type(s).__name__)
     if len(states) == 1:
         return states[0]
-    return _merge(states[0], states)
+    return merge_same_kind(states[0], states)
 
 
 def extend(state, other):
@@ -159,6 +177,7 @@ def extend(state, other):
 
 
 __all__ = [
-    "KVStateError", "append", "fetch", "attend", "next_mask", "positions", "trim", "checkpoint",
+    "append", "fetch", "attend", "next_mask", "positions", "trim", "checkpoint",
     "rollback", "anchor", "commit", "filter_rows", "extract_row", "merge_rows", "extend",
+    "update_and_read", "merge_same_kind",
 ]

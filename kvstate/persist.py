@@ -38,7 +38,7 @@ from typing import Optional
 import attrs
 import mlx.core as mx
 
-from . import dense, records
+from . import _rows, records
 from .errors import KVStateError, bad, check
 
 FORMAT = "1"
@@ -275,7 +275,7 @@ def _load_mlx_lm(path):
 
 def _record_geometry(state):
     try:
-        return dense.geometry(state)
+        return _rows.geometry(state)
     except NotImplementedError:
         return None
 

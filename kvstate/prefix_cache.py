@@ -34,7 +34,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from . import ops, persist
-from .errors import as_int, bad, check
+from ._args import as_int
+from .errors import bad, check
 from .records import CacheState, QuantizedState
 from .shared import SharedState, fork, held_bytes, materialize
 

@@ -16,14 +16,14 @@ import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from . import ops
-from .dense import empty, from_arrays
+from ._dense import empty, from_arrays
+from ._quantized import quantized
+from ._ring import from_temporal, rotating
 from .errors import bad, check
-from .quantized import quantized
 from .records import (CacheState, ChunkedState, CompositeState, QuantizedState,
                       RecurrentState, RotatingState)
 from .chunked import chunked_state
 from .recurrent import recurrent_state
-from .rotating import from_temporal, rotating
 
 __all__ = ["from_prompt_cache", "to_prompt_cache"]
 

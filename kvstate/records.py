@@ -42,7 +42,7 @@ def _tuple_of_ints(value) -> tuple:
     other non-integer is refused rather than truncated.
 
     A tuple of ints is kept as it is, so records made from one plan share
-    one tuple (``dense.Plans`` and the bridge match layouts by identity)."""
+    one tuple (``_rows.Plans`` and the bridge match layouts by identity)."""
     if type(value) is tuple:
         for x in value:
             if type(x) is not int:

@@ -32,7 +32,8 @@ import attrs
 import mlx.core as mx
 
 from . import ops
-from .errors import as_int, bad, check, per_row, row_index, row_list
+from ._args import as_int, per_row, row_index, row_list
+from .errors import bad, check
 from .records import RecurrentCheckpoint, RecurrentState
 
 __all__ = [
@@ -303,7 +304,7 @@ def extract_row_recurrent(state, row):
     )
 
 
-@ops._merge.register(RecurrentState)
+@ops.merge_same_kind.register(RecurrentState)
 def merge_recurrent(first, states):
     n = len(first.arrays)
     for i, s in enumerate(states):

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from .errors import as_int, bad
+from ._args import as_int
+from .errors import bad
 
 __all__ = ["Sampling", "filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]
 

@@ -39,8 +39,9 @@ from functools import singledispatch
 import attrs
 import mlx.core as mx
 
-from . import dense, ops
-from .errors import as_int, bad, check, per_row, row_index, row_list
+from . import _rows, ops
+from ._args import as_int, per_row, row_index, row_list
+from .errors import bad, check
 from .masks import MaskKey, lease, rows_mask
 from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints
 
@@ -187,7 +188,7 @@ def _fork_args(state, row, n):
 
 def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows:
     """``batch_size`` empty rows of ``state``'s kind and quantization."""
-    empty = dense.with_planes(state, (), lengths=(0,) * batch_size,
+    empty = _rows.with_planes(state, (), lengths=(0,) * batch_size,
                               left_pad=(0,) * batch_size)
     return empty if step is None or step == state.step else attrs.evolve(empty, step=step)
 
@@ -233,15 +234,24 @@ def _(state: SharedState, k, v):
     return attrs.evolve(state, suffix=ops.append(state.suffix, k, v))
 
 
+@ops.update_and_read.register
+def update_and_read_shared(state: SharedState, k, v, plans=None):
+    """The suffix rows take the tokens (sharing the forward's plans); the read
+    is the materialized rows."""
+    suffix, _, _ = ops.update_and_read(state.suffix, k, v, plans)
+    state = attrs.evolve(state, suffix=suffix)
+    return (state, *ops.fetch(state))
+
+
 @ops.positions.register
 def _(state: SharedState):
     return None if state.aligned else mx.array(state.lengths, dtype=mx.int32)
 
 
-@dense.geometry.register
+@_rows.geometry.register
 def _(state: SharedState):
-    geo = dense.geometry(state.suffix)
-    return geo if geo is not None else dense.geometry(state.prefixes[0])
+    geo = _rows.geometry(state.suffix)
+    return geo if geo is not None else _rows.geometry(state.prefixes[0])
 
 
 def _cut(state: SharedState, target: tuple) -> SharedState:
@@ -268,7 +278,7 @@ def _(state: SharedState):
 
 @ops.rollback.register
 def _(state: SharedState, checkpoint, keep=0):
-    target = dense.checkpoint_target(state, checkpoint, keep)
+    target = _rows.checkpoint_target(state, checkpoint, keep)
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
     return _cut(state, target)
@@ -306,12 +316,12 @@ def _(state: SharedState, row):
                     (state.shared[row],), ops.extract_row(state.suffix, row))
 
 
-@ops._merge.register
+@ops.merge_same_kind.register
 def _(first: SharedState, states):
     kinds = {type(s.suffix) for s in states}
     check(len(kinds) == 1, "states suffix kinds", "one record kind",
           sorted(k.__name__ for k in kinds))
-    geos = [dense.geometry(s) for s in states]
+    geos = [_rows.geometry(s) for s in states]
     ref = next((g for g in geos if g is not None), None)
     for i, g in enumerate(geos):
         check(g is None or g == ref, f"states[{i}] geometry (H, Dk, Dv, dtype)", ref, g)
@@ -382,12 +392,12 @@ def materialize(state: SharedState):
     lengths = state.lengths
     if not suffix.planes:
         if P == 0:
-            return dense.with_planes(suffix, ())
+            return _rows.with_planes(suffix, ())
         W = P
         shifted = None
     else:
         W = P + suffix.width
-        shifted = dense.columns(suffix.planes, suffix.width)
+        shifted = _rows.columns(suffix.planes, suffix.width)
     starts = left_pad  # the first prefix token of row b goes to column left_pad[b]
     planes = []
     nplanes = len(state.prefixes[0].planes) if P else len(suffix.planes)
@@ -406,12 +416,12 @@ def materialize(state: SharedState):
             s = shifted[i]
             pad = mx.zeros((s.shape[0], s.shape[1], P, s.shape[3]), s.dtype)
             planes.append(mx.where(hide, pre, mx.concatenate([pad, s], axis=2)))
-    return dense.with_planes(suffix, tuple(planes), lengths=lengths, left_pad=left_pad)
+    return _rows.with_planes(suffix, tuple(planes), lengths=lengths, left_pad=left_pad)
 
 
 @ops.fetch.register
 def _(state: SharedState):
-    check(dense.geometry(state) is not None, "state", "a state holding keys (append first)",
+    check(_rows.geometry(state) is not None, "state", "a state holding keys (append first)",
           "an empty state")
     return ops.fetch(materialize(state))
 
@@ -423,13 +433,8 @@ def _materialized_rows(state: SharedState):
 
 
 @ops.next_mask.register
-def _(state: SharedState, n, *, memo=None, window=None):
-    return ops.next_mask(_materialized_rows(state), n, memo=memo, window=window)
-
-
-def next_mask_array(state: SharedState, n: int, *, memo=None, window=None):
-    """``next_mask`` as a bool array (mlx-lm's ``return_array=True``)."""
-    return dense.next_mask_array(_materialized_rows(state), n, memo=memo, window=window)
+def _(state: SharedState, n, *, memo=None, window=None, array=False):
+    return ops.next_mask(_materialized_rows(state), n, memo=memo, window=window, array=array)
 
 
 # --- the cascade read ---------------------------------------------------------------------------
@@ -555,7 +560,7 @@ def _(state: SharedState, q, *, scale: float, memo=None, window=None):
           "(quantized shared rows are read through kv.fetch / materialize)",
           f"{type(state.suffix).__name__} rows")
     check(window is None, "window", "None (shared prefixes have no windowed read yet)", window)
-    n = dense.validate_queries(state, q, scale=scale, window=None)
+    n = _rows.validate_queries(state, q, scale=scale, window=None)
     short = min(state.suffix.lengths)
     check(n <= short, "q tokens (shape[2])",
           f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",

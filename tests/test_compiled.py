@@ -1,4 +1,5 @@
-"""The compile boundary and the compiled decode step (``kvstate.compiled``).
+"""The compile boundary (``kvstate.compiled``) and the compiled decode step
+(``kvstate.mlx_lm.Decoder``).
 
 Compiled loops run under real ``mx.compile`` on real mlx-lm model classes
 (tiny, seeded float32 weights) and are compared, step by step, with the
@@ -16,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as kv
 import kvstate.compiled as kc
-from kvstate import mlx_lm as br
+from kvstate import _decoder, _rows, kernels, mlx_lm as br
 
 import tiny_models as tm
 
@@ -59,14 +60,36 @@ def test_flatten_unflatten_round_trip():
     _, _, states = prefill(model, [5, 9, 3], step=16)
     s = states[0]
     flat, spec = kc.flatten(s)
-    assert spec == kc.Spec("dense", 16, same_end=True)  # merged rows are right-aligned
+    assert spec.kind is kv.CacheState and spec.same_end  # merged rows are right-aligned
+    assert spec.key == (kv.CacheState, (("step", 16),), True)
     assert kc.spec_of(kv.trim(s, (0, 1, 0))).same_end is False
     assert flat.positions[0].tolist() == list(s.ends)
     assert flat.positions[1].tolist() == list(s.left_pad)
-    back = kc.unflatten(flat, s, lengths=s.lengths)
+    back = kc.unflatten(spec, flat)  # the static half and the leaves alone rebuild it
     assert back.lengths == s.lengths and back.left_pad == s.left_pad
     assert mx.array_equal(kv.fetch(back)[0], kv.fetch(s)[0])
-    hash(spec)  # static half is a compile key
+    hash(spec)  # the static half is hashable
+    later = kc.spec_of(kv.trim(s, 1))
+    assert later != spec and later.key == kc.spec_of(kv.trim(s, (1, 1, 1))).key
+
+
+@pytest.mark.parametrize("make,rows", [
+    (lambda: kv.quantized(2, group_size=32, bits=4), "lengths"),
+    (lambda: kv.rotating(2, max_size=6, keep=2, step=4), "held"),
+])
+def test_unflatten_rebuilds_every_kind_from_spec_and_planes(make, rows):
+    mx.random.seed(5)
+    s = kv.append(make(), mx.random.normal((2, 2, 9, 32)), mx.random.normal((2, 2, 9, 32)))
+    flat, spec = kc.flatten(s)
+    back = kc.unflatten(spec, flat.planes)
+    assert type(back) is type(s) and kc.spec_of(back) == spec
+    assert back.lengths == s.lengths
+    for a, b in zip(back.planes, kc.prepare(s).planes):
+        assert mx.array_equal(a, b)
+    with pytest.raises(kv.KVStateError, match="planes"):
+        kc.unflatten(spec, flat.planes[:-1])
+    with pytest.raises(kv.KVStateError, match="lengths"):  # rows past the capacity
+        kc.unflatten(spec.replace(**{rows: (999, 999)}), flat.planes)
 
 
 def test_prepare_grows_only_without_room():
@@ -91,7 +114,7 @@ def test_prepare_refuses_bad_input():
     with pytest.raises(kv.KVStateError, match="capacity"):
         kc.with_capacity(states[0], 24)
     with pytest.raises(kv.KVStateError, match="batch size"):
-        kc.Decoder(model)(mx.array([1, 2, 3]), states)
+        br.Decoder(model)(mx.array([1, 2, 3]), states)
 
 
 # --- compiled decode == eager decode ----------------------------------------------
@@ -102,7 +125,7 @@ def test_trace_count_600_tokens_ragged():
     model = tm.llama_model(layers=1)
     _, logits, states = prefill(model, [5, 19, 2, 11], step=step)
     states = [kv.trim(s, (1, 0, 0, 3)) for s in states]  # every row ends at its own column
-    decode = kc.Decoder(model, attention="mask")
+    decode = br.Decoder(model, attention="mask")
     tok = mx.argmax(logits, axis=-1)
     caps = set()
     for _ in range(T):
@@ -119,7 +142,7 @@ def test_llama_compiled_equals_eager_across_buckets():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], step=16)
     states = [kv.trim(s, (0, 2, 1)) for s in states]  # ends differ: per-row scatter writes
-    decode = kc.Decoder(model, attention="mask")
+    decode = br.Decoder(model, attention="mask")
     worst, se, sc = loops(model, logits, states, 24, decode)
     assert worst <= ATOL
     assert sc[0].lengths == se[0].lengths and sc[0].left_pad == se[0].left_pad
@@ -130,7 +153,7 @@ def test_quantized_batch_compiled_equals_eager():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
     assert isinstance(states[0], kv.QuantizedState)
-    decode = kc.Decoder(model, attention="mask")
+    decode = br.Decoder(model, attention="mask")
     worst, _, sc = loops(model, logits, states, 12, decode)
     assert worst <= ATOL
     assert isinstance(sc[0], kv.QuantizedState) and decode.traces == 1
@@ -158,7 +181,7 @@ def test_gemma3_rings_compiled_equals_mlx_lm_alone_and_eager():
     steps = 14
     tok = mx.argmax(logits, axis=-1)
     ref = solo_rows(model, prompts, tok, steps)
-    decode = kc.Decoder(model, attention="mask")
+    decode = br.Decoder(model, attention="mask")
     sc, t, worst = states, tok, 0.0
     for i in range(steps):
         lc, sc = decode(t, sc)
@@ -167,7 +190,7 @@ def test_gemma3_rings_compiled_equals_mlx_lm_alone_and_eager():
         t = mx.argmax(lc, axis=-1)
     assert worst <= ATOL
     assert sc[0].capacity == 8 and sc[0].held == (8, 8, 8)
-    worst, _, _ = loops(model, logits, states, steps, kc.Decoder(model, attention="mask"))
+    worst, _, _ = loops(model, logits, states, steps, br.Decoder(model, attention="mask"))
     assert worst <= ATOL
 
 
@@ -176,7 +199,7 @@ def test_inputs_unchanged_and_outputs_own_their_rows():
     _, logits, states = prefill(model, [4, 7], step=16)
     before = [mx.array(s.keys) for s in states]
     mx.eval(before)
-    decode = kc.Decoder(model, attention="mask")
+    decode = br.Decoder(model, attention="mask")
     tok = mx.argmax(logits, axis=-1)
     _, new = decode(tok, states)
     _, newer = decode(tok, new)
@@ -191,14 +214,14 @@ def test_kernel_mode_routes_dense_reads_without_a_mask(monkeypatch):
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3])
     calls = []
-    real = kc.ragged_attention
+    real = kernels.ragged_attention
 
     def spy(q, k, v, left_pad, ends, *, scale):
         calls.append(q.shape)
         return real(q, k, v, left_pad, ends, scale=scale)
 
-    monkeypatch.setattr(kc, "ragged_attention", spy)
-    decode = kc.Decoder(model, attention="kernel")
+    monkeypatch.setattr(kernels, "ragged_attention", spy)
+    decode = br.Decoder(model, attention="kernel")
     worst, _, _ = loops(model, logits, states, 4, decode)
     assert worst <= ATOL
     assert len(calls) == 3  # one per layer, during the single trace only
@@ -213,7 +236,7 @@ def test_ragged_attention_equals_masked_sdpa():
     k = mx.random.normal((B, H, C, D))
     v = mx.random.normal((B, H, C, D))
     lp, ends = mx.array([0, 5, 9], mx.int32), mx.array([20, 32, 10], mx.int32)
-    got = kc.ragged_attention(q, k, v, lp, ends, scale=0.2)
+    got = kernels.ragged_attention(q, k, v, lp, ends, scale=0.2)
     for b, (a, e) in enumerate([(0, 20), (5, 32), (9, 10)]):
         want = mx.fast.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, a:e],
                                                     v[b:b + 1, :, a:e], scale=0.2)
@@ -223,7 +246,7 @@ def test_ragged_attention_equals_masked_sdpa():
 def test_make_step_matches_the_bridge_step_signature():
     model = tm.llama_model(layers=1)
     _, logits, states = prefill(model, [3, 6])
-    step = kc.make_step(model)
+    step = br.make_step(model)
     tok = mx.argmax(logits, axis=-1)
     lc, sc = step(model, tok, states)
     le, se = br.step(model, tok, states)
@@ -236,11 +259,11 @@ def test_make_step_matches_the_bridge_step_signature():
 def test_write_and_wait_options_equal_eager(write, wait):
     model = tm.llama_model(layers=2)
     _, logits, states = prefill(model, [5, 9, 3], step=16)  # merged: rows share one end
-    decode = kc.Decoder(model, attention="mask", write=write, wait=wait)
+    decode = br.Decoder(model, attention="mask", write=write, wait=wait)
     worst, _, sc = loops(model, logits, states, 10, decode)
     assert worst <= ATOL and decode.traces == 2
     with pytest.raises(kv.KVStateError, match="write"):
-        kc.Decoder(model, write="poke")
+        br.Decoder(model, write="poke")
 
 
 def test_manual_compiled_step_over_flatten_equals_append():
@@ -254,7 +277,8 @@ def test_manual_compiled_step_over_flatten_equals_append():
     def step(flat, k, v):
         traces.append(1)
         planes, (ends, _) = flat
-        return [kc.write(p, x, ends) for p, x in zip(planes, (k, v))]
+        write = _rows.column_writer(ends, 1)
+        return [write(p, x) for p, x in zip(planes, (k, v))]
 
     want = s
     for i in range(12):
@@ -262,7 +286,7 @@ def test_manual_compiled_step_over_flatten_equals_append():
         want = kv.append(want, k, v)
         s = kc.prepare(s)
         flat, spec = kc.flatten(s)
-        s = kc.unflatten(step(flat, k, v), s, **kc.advanced(s))
+        s = kc.unflatten(spec.replace(**kc.advanced(s)), step(flat, k, v))
         assert s.lengths == want.lengths and s.left_pad == want.left_pad
         for a, b in zip(kv.fetch(s), kv.fetch(want)):
             assert mx.array_equal(a, b)

@@ -1,4 +1,4 @@
-"""Unit tests of ``CacheState`` and each of its pure functions (kvstate.dense)."""
+"""Unit tests of ``CacheState`` and each of its pure functions (kvstate._dense, kvstate._rows)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from mlx_lm.models.cache import (BatchKVCache, ConcatenateKVCache, BatchRotating
                                  QuantizedKVCache, RotatingKVCache, trim_prompt_cache)
 
 import kvstate as kv
-from kvstate import mlx_lm as br
+from kvstate import _shells, mlx_lm as br
 
 import tiny_models as tm
 from _rows import peak_growth
@@ -130,11 +130,11 @@ def test_one_mask_build_per_forward(llama):
 
 
 def test_layers_of_one_layout_share_one_append_plan(llama, monkeypatch):
-    from kvstate import dense
+    from kvstate import _rows
 
     made = []
-    init = dense.AppendPlan.__init__
-    monkeypatch.setattr(dense.AppendPlan, "__init__",
+    init = _rows.AppendPlan.__init__
+    monkeypatch.setattr(_rows.AppendPlan, "__init__",
                         lambda self, *a: (made.append(a), init(self, *a))[1])
     _, logits, states = ragged(llama)
     tok = mx.argmax(logits, axis=-1)
@@ -236,8 +236,8 @@ def test_model_sees_the_same_mask_object_for_every_layer(llama):
     # one memoized array.
     _, _, states = ragged(llama)
     memo = kv.MaskMemo()
-    fwd = br._Forward(memo)
-    shells = [br._shell(s, fwd) for s in states]
+    fwd = _shells.Eager(memo)
+    shells = [_shells.shell(s, fwd) for s in states]
     masks = [sh.make_mask(1) for sh in shells]
     assert memo.builds == 1 and all(m is masks[0] for m in masks)
     arr = shells[0].make_mask(2, return_array=True)
@@ -463,8 +463,8 @@ def test_ring_shells_answer_the_cache_protocol():
         seen = probe.seen[-1]
         assert (seen["offset"], seen["size"], seen["trimmable"]) == (
             ref.offset, ref.size(), ref.is_trimmable())
-    fwd = br._Forward(kv.MaskMemo())  # a block that needs no array, asked for one
-    mask = br._shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
+    fwd = _shells.Eager(kv.MaskMemo())  # a block that needs no array, asked for one
+    mask = _shells.shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
     assert mask.dtype == mx.bool_
     np.testing.assert_array_equal(np.array(mask)[:, 0], [[[True, False], [True, True]]] * 2)
     fwd.release()

@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
-from kvstate.quantized import to_quantized
+from kvstate import to_quantized
 
 from _quant import GEOMETRIES, assert_same_bytes, mlx_qsdpa, np_of, rand, row_planes
 

@@ -22,7 +22,7 @@ from hypothesis import given, strategies as st
 from mlx_lm.models.cache import RotatingKVCache
 
 import kvstate as kv
-from kvstate.rotating import from_temporal, read_width, ring_mask, update_and_read
+from kvstate._ring import from_temporal, read_width, ring_mask, update_and_read
 
 from _ring import RefRing, rand, rows_of
 

@@ -15,8 +15,7 @@ from hypothesis import given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
-from kvstate.errors import KVStateError
-from kvstate.quantized import to_quantized
+from kvstate import KVStateError, to_quantized
 
 from _rows import append_peak, np_rows_mask
 from _quant import (

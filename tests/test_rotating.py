@@ -17,8 +17,8 @@ from hypothesis import given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvstate as kv
-from kvstate.rotating import (
-    advance, from_temporal, read, read_width, ring_mask, update_and_read, write_at,
+from kvstate._ring import (
+    advance, from_temporal, read, read_width, ring_mask, ring_writer, update_and_read,
 )
 
 from _ring import RefRing, positions_of, rand, rows_of
@@ -561,7 +561,7 @@ TestRingMachine.settings = settings(max_examples=25, stateful_step_count=12, dea
 @given(ring=rings, prefixes=st.lists(sizes, min_size=1, max_size=3), n=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_array_bookkeeping_and_write_equal_append(ring, prefixes, n, seed):
-    """``advance`` + ``write_at`` (positions as arrays, for compiled steps) = ``append``."""
+    """``advance`` + ``ring_writer`` (positions as arrays, for compiled steps) = ``append``."""
     max_size, keep = ring
     rng = np.random.default_rng(seed)
     s = kv.merge_rows([grow(kv.rotating(max_size=max_size, keep=keep), RefRing(max_size, keep),
@@ -572,8 +572,10 @@ def test_array_bookkeeping_and_write_equal_append(ring, prefixes, n, seed):
     ln, hd = advance(lengths, mx.array(s.held, dtype=mx.int32), n, max_size=max_size, keep=keep)
     assert ln.tolist() == list(want.lengths) and hd.tolist() == list(want.held)
     if want.capacity == s.capacity:
-        got = mx.compile(lambda p, x, l: write_at(p, x, l, keep=keep, capacity=s.capacity))(
-            s.keys, k, lengths)
+        def write(p, x, ln):
+            return ring_writer(ln, n, keep=keep, capacity=s.capacity)(p, x)
+
+        got = mx.compile(write)(s.keys, k, lengths)
         np.testing.assert_array_equal(np.array(got), np.array(want.keys))
 
 

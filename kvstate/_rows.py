@@ -1,0 +1,536 @@
+"""Row machinery shared by every record kind with the dense row layout.
+
+``CacheState`` and ``QuantizedState`` (and any later kind that lays its rows
+out as pictured in ``kvstate.records``) share everything here: validation of
+new tokens and queries, growth, the column writer, append plans, masks over
+padded rows, and moving rows (trim, rollback, filter, extract, merge). It all
+works plane by plane (two planes for ``CacheState``, six for
+``QuantizedState``), so moving rows and columns never looks inside a plane:
+quantized bytes are moved, never requantized.
+
+What differs per kind is three ``singledispatch`` hooks registered beside
+the kind: ``geometry`` (heads, head dims, dtype), ``to_planes`` (new tokens
+in the kind's storage format) and ``with_planes`` (rebuild the record).
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import singledispatch
+from typing import Optional
+
+import attrs
+import mlx.core as mx
+
+from . import compiled, ops
+from ._args import as_int, check_scale, per_row, row_index, row_list
+from .errors import bad, check
+from .masks import lease, rows_key, rows_mask
+from .records import Checkpoint, _Rows
+
+
+def round_up(n: int, step: int) -> int:
+    """The smallest multiple of ``step`` that holds ``n``."""
+    return -(-n // step) * step
+
+
+# --- per-kind hooks -------------------------------------------------------------
+
+
+@singledispatch
+def geometry(state):
+    """``(H, Dk, Dv, dtype)`` of the stored rows, or ``None`` before the first append."""
+    raise NotImplementedError(type(state).__name__)
+
+
+@singledispatch
+def to_planes(state, k, v) -> tuple:
+    """New tokens ``k``, ``v`` as planes in this record's storage format.
+
+    Reads only the record's static fields (``group_size``, ``bits``), so the
+    compiled step calls it on a row-less record of the same kind.
+    """
+    raise NotImplementedError(type(state).__name__)
+
+
+@singledispatch
+def with_planes(state, planes, **changes):
+    """A copy of ``state`` holding ``planes`` (and any field ``changes``)."""
+    raise NotImplementedError(type(state).__name__)
+
+
+# --- validation of new tokens -------------------------------------------------------
+
+
+def check_kv(arg_k, k, arg_v, v):
+    """``k``/``v`` are rank-4 arrays of one batch, heads, length and dtype."""
+    # Messages are formatted only on failure: this runs on every append.
+    for arg, x in ((arg_k, k), (arg_v, v)):
+        if not isinstance(x, mx.array):
+            raise bad(arg, "an mx.array [B, H, N, D]", type(x).__name__)
+        if x.ndim != 4:
+            raise bad(f"{arg} rank", "4 ([B, H, N, D])", f"{x.ndim} {list(x.shape)}")
+    ks, vs = k.shape, v.shape
+    if vs[:3] != ks[:3]:
+        raise bad(f"{arg_v} shape[:3]", f"{list(ks[:3])} as {arg_k}", list(vs[:3]))
+    if v.dtype != k.dtype:
+        raise bad(f"{arg_v} dtype", f"{k.dtype} as {arg_k}", v.dtype)
+
+
+def fits(k, v, B: int, H: int, Dk: int, Dv: int, dtype) -> bool:
+    """Whether new tokens ``k``, ``v`` fit rows of this batch and geometry: one
+    comparison of shapes and dtypes (it runs on every append, every layer);
+    ``validate_tokens`` names what does not fit."""
+    if type(k) is not mx.array or type(v) is not mx.array:
+        return False
+    ks = k.shape
+    return (len(ks) == 4 and ks[0] == B and ks[1] == H and ks[3] == Dk and ks[2] >= 1
+            and v.shape == (B, H, ks[2], Dv) and k.dtype == dtype and v.dtype == dtype)
+
+
+def validate_tokens(state, k, v):
+    """Host checks of new tokens against the record's batch and geometry."""
+    geo = geometry(state)
+    if geo is not None and fits(k, v, state.batch_size, *geo):
+        return
+    check_kv("k", k, "v", v)
+    (B, Hk, N, dk), dv = k.shape, v.shape[3]
+    check(B == state.batch_size, "k batch size", state.batch_size, B)
+    check(N >= 1, "k tokens (shape[2])", ">= 1", N)
+    if geo is not None:
+        H, Dk, Dv, dtype = geo
+        check(Hk == H, "k heads (shape[1])", H, Hk)
+        check(dk == Dk, "k head dim (shape[3])", Dk, dk)
+        check(dv == Dv, "v head dim (shape[3])", Dv, dv)
+        check(k.dtype == dtype, "k dtype", dtype, k.dtype)
+
+
+# --- capacity and writes (host ints or traced arrays) ---------------------------------
+
+
+def resize(planes, capacity: int) -> tuple:
+    """Planes of exactly ``capacity`` columns: zero columns appended, or the
+    columns past ``capacity`` dropped (the caller checks nothing held is lost).
+
+    Every capacity change of the row layout goes through here: append growth,
+    the compile boundary's buckets, and a ring that has not wrapped.
+    """
+    C = planes[0].shape[2] if planes else capacity
+    if C == capacity:
+        return tuple(planes)
+    if capacity < C:
+        return tuple(p[:, :, :capacity, :] for p in planes)
+    return tuple(
+        mx.concatenate([p, mx.zeros((p.shape[0], p.shape[1], capacity - C, p.shape[3]),
+                                    p.dtype)], axis=2)
+        for p in planes)
+
+
+_GPU = mx.DeviceType.gpu
+
+
+def column_writer(ends, N: int, *, slice_write: Optional[bool] = None):
+    """How ``N`` new tokens ``[B, H, N, D]`` are written at the rows' ``ends``:
+    a function ``write(plane, new)`` returning the written plane.
+
+    ``ends``: host ints (eager appends) or an int32 ``[B]`` array (a
+    compiled step, where it is traced). One shared end is a single
+    ``slice_update``; differing ends a per-row scatter at column indices
+    ``[B, 1, N, 1]`` (it broadcasts over heads and head dim), built once and
+    shared by every plane. Both write in place when nothing else holds the
+    plane. ``slice_write``: for host ends, default ``True`` off the GPU; for
+    array ends, whether every row is known to end at ``ends[0]``.
+
+    On a GPU host writes are scatters: MLX 0.32's CUDA backend copies the
+    whole plane for a dynamic-start ``slice_update`` (the step grows with the
+    capacity), while its scatter writes in place (``notes/compile.md``).
+    MLX does not bounds-check either write: the host guarantees
+    ``ends + N <= C`` before the call.
+    """
+    if isinstance(ends, mx.array):
+        if slice_write:
+            start = ends[:1]
+            return lambda plane, new: mx.slice_update(plane, new, start, (2,))
+        index = ends[:, None, None, None] + mx.arange(N, dtype=mx.int32)[None, None, :, None]
+    else:
+        if slice_write is None:
+            slice_write = mx.default_device().type != _GPU
+        if slice_write and ends and ends.count(ends[0]) == len(ends):
+            start = mx.array([ends[0]], dtype=mx.int32)
+            return lambda plane, new: mx.slice_update(plane, new, start, (2,))
+        flat = [e + i for e in ends for i in range(N)]  # (one list: cheaper than nested)
+        index = mx.array(flat, dtype=mx.int32).reshape(len(ends), 1, N, 1)
+    return scatter_writer(index)
+
+
+def scatter_writer(index):
+    """``write(plane, new)`` putting ``new`` ``[B, H, N, D]`` at the columns
+    ``index`` ``[B, 1, N, 1]`` (broadcast over heads and head dim)."""
+    return lambda plane, new: mx.put_along_axis(plane, mx.broadcast_to(index, new.shape), new,
+                                                axis=2)
+
+
+class AppendPlan:
+    """What appending ``n`` tokens does to rows of one layout, from host ints alone.
+
+    The new ``lengths``, the width after the append, the capacity to grow
+    to, and the column writer: none of it depends on the planes' heads or
+    head dims, so every record with the same rows and capacity (every layer
+    of a model, in one forward) shares one plan through ``Plans``.
+    """
+
+    __slots__ = ("lengths", "left_pad", "step", "capacity", "n", "width", "grow", "write",
+                 "new_lengths")
+
+    def __init__(self, lengths: tuple, left_pad: tuple, step: int, capacity: int, n: int):
+        self.lengths, self.left_pad, self.step, self.capacity, self.n = (
+            lengths, left_pad, step, capacity, n)
+        ends = tuple(map(operator.add, left_pad, lengths))
+        self.width = need = max(ends, default=0) + n
+        self.new_lengths = tuple([m + n for m in lengths])
+        self.grow = round_up(need, step) if need > capacity else 0  # the new capacity
+        self.write = column_writer(ends, n)
+
+    def apply(self, state, planes, new, rebuild=None):
+        """``state`` with ``new`` planes written into ``planes`` (grown first if needed).
+
+        ``rebuild``: the kind's ``with_planes`` when the caller knows it (the
+        hot path skips the dispatch).
+        """
+        if self.grow:
+            planes = resize(planes, self.grow)
+        write = self.write
+        return (rebuild or with_planes)(state, tuple([write(p, x) for p, x in zip(planes, new)]),
+                                        lengths=self.new_lengths)
+
+
+class Plans:
+    """The ``AppendPlan``s of one batch of appends (the bridge: one forward).
+
+    Every layer of a decode step holds the same rows, and after one shared
+    plan their records hold the very same ``lengths`` and ``left_pad``
+    tuples, so the last plan is found by identity, without hashing.
+    """
+
+    __slots__ = ("_last", "_by_key")
+
+    def __init__(self):
+        self._last = None
+        self._by_key = {}
+
+    def get(self, state, capacity: int, n: int) -> AppendPlan:
+        plan = self._last
+        if (plan is not None and plan.lengths is state.lengths
+                and plan.left_pad is state.left_pad and plan.capacity == capacity
+                and plan.n == n and plan.step == state.step):
+            return plan
+        key = (state.lengths, state.left_pad, state.step, capacity, n)
+        plan = self._by_key.get(key)
+        if plan is None:
+            plan = self._by_key[key] = AppendPlan(*key)
+        self._last = plan
+        return plan
+
+
+def plan_for(state, n: int, plans: Optional[Plans]) -> AppendPlan:
+    """The plan for appending ``n`` tokens to ``state`` (from ``plans`` when given)."""
+    if plans is None:
+        return AppendPlan(state.lengths, state.left_pad, state.step, state.capacity, n)
+    return plans.get(state, state.capacity, n)
+
+
+@ops.append.register
+def append_rows(state: _Rows, k, v):
+    validate_tokens(state, k, v)
+    new = to_planes(state, k, v)
+    planes = state.planes
+    if not planes:
+        B, need = state.batch_size, state.width + k.shape[2]
+        C = round_up(need, state.step)
+        planes = tuple(mx.zeros((B, x.shape[1], C, x.shape[3]), x.dtype) for x in new)
+    return plan_for(state, k.shape[2], None).apply(state, planes, new)
+
+
+@ops.update_and_read.register
+def update_and_read_rows(state: _Rows, k, v, plans: Optional[Plans] = None):
+    state = ops.append(state, k, v)
+    return (state, *ops.fetch(state))
+
+
+def columns(planes, width: int) -> tuple:
+    """Each plane over columns ``[0, width)``."""
+    if not planes or planes[0].shape[2] == width:
+        return tuple(planes)
+    return tuple(p[:, :, :width, :] for p in planes)
+
+
+@ops.positions.register
+def positions_rows(state: _Rows):
+    return None if state.aligned else mx.array(state.lengths, dtype=mx.int32)
+
+
+# --- masks and attention -------------------------------------------------------------
+
+
+def rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=False):
+    """``(mask, lease_or_None)`` for ``n`` queries of rows ending at ``ends``.
+
+    Aligned rows with no window need no array (unless ``array``): ``None``
+    for one query, ``"causal"`` (the fused kernel's bottom-right mode) for
+    several. Release the lease once the read is built.
+    """
+    if (not array and window is None and (not ends or ends.count(ends[0]) == len(ends))
+            and not any(left_pad)):
+        return (None if n == 1 else "causal"), None  # aligned
+    key = rows_key(n, left_pad, ends, window)
+    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends, default=0), window))
+    return held.mask, held
+
+
+@ops.next_mask.register
+def next_mask_rows(state: _Rows, n, *, memo=None, window=None, array=False):
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    # The rows after n more tokens, from host ints alone (no record is built).
+    left_pad = state.left_pad
+    ends = tuple([p + m + n for p, m in zip(left_pad, state.lengths)])
+    return rows_read_mask(n, left_pad, ends, memo, window, array)
+
+
+def read_mask(state: _Rows, n: int, memo=None, window=None):
+    """The mask ``attend`` uses for ``n`` queries at the rows' ends: ``(mask, lease)``."""
+    return rows_read_mask(n, state.left_pad, state.ends, memo, window)
+
+
+def under_mask(mask_and_lease, read):
+    """``read(mask)``, then release the mask's lease (if any) whatever happens."""
+    mask, held = mask_and_lease
+    try:
+        return read(mask)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def validate_queries(state, q, *, scale, window, holds=None) -> int:
+    """Host checks of ``attend``'s arguments against any record; returns ``N``.
+
+    ``holds``: the tokens each row can be read at (default ``lengths``; a
+    ring passes what it still holds).
+    """
+    geo = geometry(state)
+    check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+    H, dk, _, dtype = geo
+    check_scale(scale)
+    if not isinstance(q, mx.array):
+        raise bad("q", "an mx.array [B, Hq, N, D]", type(q).__name__)
+    check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
+    check(q.shape[0] == state.batch_size, "q batch size", state.batch_size, q.shape[0])
+    check(q.shape[3] == dk, "q head dim (shape[3])", dk, q.shape[3])
+    check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
+          q.shape[1])
+    check(q.dtype == dtype, "q dtype", dtype, q.dtype)
+    n = q.shape[2]
+    check(n >= 1, "q tokens (shape[2])", ">= 1", n)
+    short = min(state.lengths if holds is None else holds, default=n)
+    check(n <= short, "q tokens (shape[2])",
+          f"<= {short}, the fewest tokens a row holds (queries are each row's last N)", n)
+    if window is not None:
+        w = as_int(window, "window")
+        check(w >= 1, "window", ">= 1", w)
+    return n
+
+
+# --- lengths: trim, checkpoint, rollback ----------------------------------------------
+
+
+@ops.trim.register
+def trim_rows(state: _Rows, n):
+    n = per_row(n, state.batch_size, "n")
+    for b, (m, have) in enumerate(zip(n, state.lengths)):
+        check(m <= have, f"n for row {b}", f"<= {have} (tokens the row holds)", m)
+    return attrs.evolve(state, lengths=tuple(h - m for h, m in zip(state.lengths, n)))
+
+
+@ops.checkpoint.register
+def checkpoint_rows(state: _Rows):
+    return Checkpoint(state.lengths, state.left_pad)
+
+
+def checkpoint_target(state, cp, keep):
+    """The rows' target lengths for ``rollback`` (every record kind checks this way)."""
+    if not isinstance(cp, Checkpoint):
+        raise bad("checkpoint", "a Checkpoint", type(cp).__name__)
+    check(cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
+          cp.batch_size)
+    check(cp.left_pad == state.left_pad, "checkpoint left_pad",
+          f"{state.left_pad} (the state's row layout)", cp.left_pad)
+    keep = per_row(keep, state.batch_size, "keep")
+    return tuple(c + k for c, k in zip(cp.lengths, keep))
+
+
+def check_checkpoint(state, cp, keep):
+    """Validated target lengths for a dense ``rollback``: within what each row holds."""
+    target = checkpoint_target(state, cp, keep)
+    for b, (t, have) in enumerate(zip(target, state.lengths)):
+        check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
+    return target
+
+
+@ops.rollback.register
+def rollback_rows(state: _Rows, checkpoint, keep=0):
+    return attrs.evolve(state, lengths=check_checkpoint(state, checkpoint, keep))
+
+
+@ops.anchor.register
+def anchor_rows(state: _Rows):
+    return ops.checkpoint(state)
+
+
+@ops.commit.register
+def commit_rows(state: _Rows, anchor, keep=0):
+    return ops.rollback(state, anchor, keep)
+
+
+# --- rows: merge, filter, extract ----------------------------------------------------
+
+
+@ops.filter_rows.register
+def filter_rows_rows(state: _Rows, rows):
+    rows = row_list(rows, state.batch_size)
+    lp = [state.left_pad[r] for r in rows]
+    shared = min(lp, default=0)
+    lengths = tuple(state.lengths[r] for r in rows)
+    planes = state.planes
+    if planes:
+        if rows != list(range(state.batch_size)):
+            idx = mx.array(rows, dtype=mx.int32)
+            planes = tuple(p[idx] for p in planes)
+        if shared:
+            # Padding that every survivor shares is dead weight: slice it off.
+            planes = tuple(p[:, :, shared:, :] for p in planes)
+    return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp))
+
+
+@ops.extract_row.register
+def extract_row_rows(state: _Rows, row):
+    row = row_index(row, state.batch_size)
+    start, n = state.left_pad[row], state.lengths[row]
+    planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
+    return with_planes(state, planes, lengths=(n,), left_pad=(0,))
+
+
+def check_same_geometry(states, fields=()):
+    """Merging needs one geometry (heads, head dims, dtype, and ``fields``)."""
+    ref = None
+    for i, s in enumerate(states):
+        for f in fields:
+            check(getattr(s, f) == getattr(states[0], f), f"states[{i}].{f}",
+                  getattr(states[0], f), getattr(s, f))
+        geo = geometry(s)
+        if geo is None:
+            continue
+        if ref is None:
+            ref = (i, geo)
+        elif geo != ref[1]:
+            raise bad(f"states[{i}] geometry (H, Dk, Dv, dtype)",
+                      f"{ref[1]} as states[{ref[0]}]", geo)
+    return ref
+
+
+def merge_planes(states, width: int, step: int):
+    """Stack the inputs' rows, each input shifted right to end at ``width``."""
+    full = [s for s in states if s.planes]
+    if not full:
+        return ()
+    B = sum(s.batch_size for s in states)
+    C = round_up(width, step)
+    template = full[0].planes
+    planes = [mx.zeros((B, p.shape[1], C, p.shape[3]), p.dtype) for p in template]
+    row = 0
+    for s in states:
+        if s.planes:
+            shift = width - s.width
+            for i, p in enumerate(columns(s.planes, s.width)):
+                planes[i] = mx.slice_update(planes[i], p, mx.array([row, shift], mx.int32), (0, 2))
+        row += s.batch_size
+    return tuple(planes)
+
+
+@ops.merge_same_kind.register
+def merge_rows_rows(first: _Rows, states):
+    extra = ("group_size", "bits") if hasattr(first, "bits") else ()
+    check_same_geometry(states, extra)
+    width = max(s.width for s in states)
+    lengths, left_pad = [], []
+    for s in states:
+        shift = width - s.width
+        lengths += s.lengths
+        left_pad += [p + shift for p in s.left_pad]
+    planes = merge_planes(states, width, first.step)
+    return with_planes(first, planes, lengths=tuple(lengths), left_pad=tuple(left_pad))
+
+
+# --- the compile boundary (kvstate.compiled) for the padded row layout ----------------
+
+
+@compiled.host_positions.register
+def host_positions_rows(state: _Rows):
+    return (state.ends, state.left_pad)  # ends: the column the next token goes to
+
+
+@compiled.with_capacity.register
+def with_capacity_rows(state: _Rows, capacity: int):
+    capacity = compiled.check_capacity(state, capacity)
+    if state.capacity == capacity:
+        return state
+    check(capacity % state.step == 0, "capacity", f"a multiple of step={state.step}", capacity)
+    check(capacity >= state.width, "capacity", f">= {state.width} (the stored width)", capacity)
+    planes = resize(state.planes, capacity)
+    if capacity < state.capacity:
+        planes = tuple(mx.contiguous(p) for p in planes)  # (do not pin the old buffer)
+    return with_planes(state, planes)
+
+
+@compiled.prepare.register
+def prepare_rows(state: _Rows, n: int = 1):
+    n = compiled.check_room(state, n)
+    need, C = state.width + n, state.capacity
+    if C >= need and C % state.step == 0:
+        return state
+    return compiled.with_capacity(state, round_up(need, state.step))
+
+
+@compiled.advanced.register
+def advanced_rows(state: _Rows, n: int = 1) -> dict:
+    return {"lengths": tuple(m + n for m in state.lengths)}
+
+
+@compiled.traced_offset.register
+def traced_offset_rows(proto: _Rows, view: compiled.Traced, ctx: compiled.TraceContext):
+    ends, lp = view.positions
+    return ctx.shared(("rows-offset",), (ends, lp), lambda: ends - lp)
+
+
+@compiled.traced_update.register
+def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v,
+                       ctx: compiled.TraceContext):
+    ends, lp = view.positions
+    N = k.shape[2]
+    slice_write = view.same_end and ctx.same_end_slice
+    write = ctx.shared(("rows-write", N, slice_write), (ends,),
+                       lambda: column_writer(ends, N, slice_write=slice_write))
+    new = to_planes(proto, k, v)
+    planes = tuple([write(p, x) for p, x in zip(view.planes, new)])
+    after = ctx.shared(("rows-after", N), (ends,), lambda: ends + N)
+    held = with_planes(proto, planes)
+    return compiled.Traced(proto, planes, (after, lp), view.same_end), held.keys, held.values
+
+
+@compiled.traced_mask.register
+def traced_mask_rows(proto: _Rows, view: compiled.Traced, n: int, window,
+                     ctx: compiled.TraceContext):
+    ends, lp = view.positions
+    C = view.capacity
+    return ctx.shared(("rows-mask", n, window, C), (ends, lp),
+                      lambda: rows_mask(n, lp, ends + n, C, window))
