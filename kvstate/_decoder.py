@@ -11,6 +11,7 @@ measurements: ``notes/compile.md``.
 from __future__ import annotations
 
 import sys
+import threading
 
 import mlx.core as mx
 
@@ -30,6 +31,9 @@ def _attention_modules(model):
                 base.scaled_dot_product_attention:
             mods.add(mod)
     return mods
+
+
+_TRACE_LOCK = threading.Lock()  # one routed trace at a time (the globals are shared)
 
 
 class _Routed:
@@ -63,13 +67,17 @@ class _Routed:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                             sinks=sinks)
 
+        _TRACE_LOCK.acquire()
         for mod in self.mods:
             mod.scaled_dot_product_attention = dispatch
         return self
 
     def __exit__(self, *exc):
-        for mod in self.mods:
-            mod.scaled_dot_product_attention = self.original
+        try:
+            for mod in self.mods:
+                mod.scaled_dot_product_attention = self.original
+        finally:
+            _TRACE_LOCK.release()
         return False
 
 

@@ -3,8 +3,8 @@
 What every dense-layout kind shares (validation, growth, the column writer,
 masks, moving rows) is in ``kvstate._rows``; this module holds what is
 ``CacheState``'s own: its constructors, its planes (keys and values as
-given), the append hot path the bridge takes every decode step, ``fetch``
-and ``attend``.
+given), the append hot path the bridge takes every decode step, and
+``fetch``. ``attend`` is the rows' own (``_rows.attend_rows``: the fused SDPA).
 """
 
 from __future__ import annotations
@@ -129,12 +129,3 @@ def fetch_dense(state: CacheState):
         return keys, state.values
     return keys[:, :, :width], state.values[:, :, :width]  # (the short index parses faster)
 
-
-@ops.attend.register
-def attend_dense(state: CacheState, q, *, scale: float, memo=None, window=None):
-    n = _rows.validate_queries(state, q, scale=scale, window=window)
-    keys, values = ops.fetch(state)
-    return _rows.under_mask(
-        _rows.read_mask(state, n, memo, window),
-        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                          mask=mask))

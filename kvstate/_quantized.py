@@ -122,11 +122,7 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
     return out.reshape(B, Hq, N, out.shape[-1])
 
 
-@ops.attend.register
-def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, window=None):
-    n = _rows.validate_queries(state, q, scale=scale, window=window)
-    keys, values = ops.fetch(state)
-    return _rows.under_mask(
-        _rows.read_mask(state, n, memo, window),
-        lambda mask: quantized_sdpa(q, keys, values, scale=scale, mask=mask,
-                                    group_size=state.group_size, bits=state.bits))
+@_rows.sdpa.register
+def sdpa_quantized(state: QuantizedState, q, keys, values, *, scale, mask):
+    return quantized_sdpa(q, keys, values, scale=scale, mask=mask,
+                          group_size=state.group_size, bits=state.bits)

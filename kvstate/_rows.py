@@ -312,6 +312,21 @@ def under_mask(mask_and_lease, read):
             held.release()
 
 
+@singledispatch
+def sdpa(state, q, keys, values, *, scale: float, mask):
+    """The attention read of ``q`` over this kind's fetched ``keys``/``values``
+    under ``mask`` (default: MLX's fused SDPA; quantized rows register theirs)."""
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+@ops.attend.register
+def attend_rows(state: _Rows, q, *, scale: float, memo=None, window=None):
+    n = validate_queries(state, q, scale=scale, window=window)
+    keys, values = ops.fetch(state)
+    return under_mask(read_mask(state, n, memo, window),
+                      lambda mask: sdpa(state, q, keys, values, scale=scale, mask=mask))
+
+
 def validate_queries(state, q, *, scale, window, holds=None) -> int:
     """Host checks of ``attend``'s arguments against any record; returns ``N``.
 

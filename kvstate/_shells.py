@@ -30,7 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import compiled, ops
+from . import _ring, compiled, ops
 from ._args import as_int
 from ._rows import Plans
 from .errors import bad
@@ -170,6 +170,11 @@ class Shell:
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         return self._ctx.mask(self.content, N, window_size, return_array)
 
+    def keys_and_values(self):
+        """The read the model attends over, without an update (eager runs only;
+        shared-KV layers such as afm7's call it)."""
+        return shell_read(self.record)
+
     @property
     def record(self):
         """The record this shell holds now (eager runs only)."""
@@ -238,6 +243,17 @@ def shell_class(record) -> type:
 @shell_class.register
 def shell_class_quantized(record: QuantizedState) -> type:
     return QuantizedShell
+
+
+@singledispatch
+def shell_read(record):
+    """What ``update_and_read`` returns, without an update (default ``kv.fetch``)."""
+    return ops.fetch(record)
+
+
+@shell_read.register
+def shell_read_ring(record: RotatingState):
+    return _ring.read(record)  # ring order, the columns next_mask is laid out over
 
 
 @singledispatch
