@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from . import _dense, _rows, ops
+from . import _dense, _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease
@@ -229,3 +229,11 @@ def merge_chunked(first, states):
     _rows.check_same_geometry(states, ("chunk_size",))
     out = ops.merge_same_kind.dispatch(_rows._Rows)(first, states)
     return attrs.evolve(out, start=sum((s.start for s in states), ()))
+
+
+@compiled.prepare.register(ChunkedState)
+def prepare_chunked(state, n: int = 1):
+    # ChunkedState inherits the padded rows' boundary, but its mask is the
+    # chunk's: refused until the compiled step registers it (issue 14).
+    raise bad("state", "a record kind the compiled step supports",
+              "ChunkedState (decode it with kvstate.mlx_lm.forward)")

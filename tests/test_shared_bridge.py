@@ -156,11 +156,11 @@ class _NoRoute:
 def test_a_read_that_bypasses_the_cascade_is_refused(monkeypatch):
     """A model whose attention does not read through mlx-lm's global (simulated:
     no module found to route) would see only suffix columns: refused, not wrong."""
-    from kvstate import compiled
+    from kvstate import _decoder
 
     model = llama_model(layers=2)
     _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
     forked = kv.fork(states, 0, 1)
-    monkeypatch.setattr(compiled, "_attention_modules", lambda model: set())
+    monkeypatch.setattr(_decoder, "_attention_modules", lambda model: set())
     with pytest.raises(kv.KVStateError, match="bypassed"):
         bridge.step(model, mx.array([4, 5]), forked)
