@@ -33,41 +33,39 @@ def _attention_modules(model):
     return mods
 
 
-_TRACE_LOCK = threading.Lock()  # one routed trace at a time (the globals are shared)
+_ROUTE_LOCK = threading.Lock()  # one routed call at a time (the globals are shared)
 
 
-class _Routed:
-    """While tracing, route one-token reads of dense rows to ``ragged_attention``.
+class routed_attention:
+    """While entered, mlx-lm's attention reads of ``mods`` go through ``read``.
 
     mlx-lm's attention calls ``scaled_dot_product_attention(q, k, v, cache=...,
-    scale=..., mask=...)``, a global of the model's module. The compiled
-    step's Python runs only while ``mx.compile`` traces it, and this patch
-    is entered inside that step, so the global is swapped once per trace,
-    never on a compiled replay: it becomes a dispatcher that sends a dense
-    shell's read to the mask-free kernel and every other call, unchanged, to
-    mlx-lm's function, and is restored when the trace ends.
+    scale=..., mask=...)``, a global of the model's module (found by
+    ``_attention_modules``). While entered, that global is a dispatcher that
+    calls ``read(queries, keys, values, cache, scale, sinks)`` and, where it
+    answers ``None``, mlx-lm's own function unchanged; it is restored on
+    exit. A lock serialises routed calls, since every model of a class shares
+    the global. Used by the compiled decoder (entered inside the traced step,
+    so once per trace) and by ``forward`` for shared-prefix rows.
     """
 
-    def __init__(self, mods):
-        self.mods = mods
+    def __init__(self, mods, read):
+        self.mods, self.read = mods, read
 
     def __enter__(self):
         from mlx_lm.models import base
 
-        original = self.original = base.scaled_dot_product_attention
+        original, read = base.scaled_dot_product_attention, self.read
+        self.original = original
 
         def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-            content = getattr(cache, "content", None)
-            if (sinks is None and queries.shape[2] == 1
-                    and isinstance(content, compiled.Traced)
-                    and type(content.proto) is CacheState):
-                ends, left_pad = content.positions  # after the write
-                return kernels.ragged_attention(queries, keys, values, left_pad, ends,
-                                                scale=scale)
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                            sinks=sinks)
+            out = read(queries, keys, values, cache, scale, sinks)
+            if out is None:
+                out = original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                               sinks=sinks)
+            return out
 
-        _TRACE_LOCK.acquire()
+        _ROUTE_LOCK.acquire()
         for mod in self.mods:
             mod.scaled_dot_product_attention = dispatch
         return self
@@ -77,8 +75,19 @@ class _Routed:
             for mod in self.mods:
                 mod.scaled_dot_product_attention = self.original
         finally:
-            _TRACE_LOCK.release()
+            _ROUTE_LOCK.release()
         return False
+
+
+def _kernel_read(queries, keys, values, cache, scale, sinks):
+    """A one-token read of dense rows in a compiled step: ``ragged_attention``
+    (mask-free); ``None`` for anything else."""
+    content = getattr(cache, "content", None)
+    if (sinks is None and queries.shape[2] == 1 and isinstance(content, compiled.Traced)
+            and type(content.proto) is CacheState):
+        ends, left_pad = content.positions  # after the write
+        return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
+    return None
 
 
 ATTENTION = ("mask", "kernel", "auto")
@@ -138,7 +147,8 @@ class Decoder:
             keys, squeeze = key
             if self.attention == "kernel" and self._mods is None:
                 self._mods = _attention_modules(self.model)
-            routed = _Routed(self._mods) if self.attention == "kernel" else None
+            routed = (routed_attention(self._mods, _kernel_read)
+                      if self.attention == "kernel" else None)
 
             def step(tokens, flats):
                 self.traces += 1  # Python runs only while tracing

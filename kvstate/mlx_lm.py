@@ -145,34 +145,24 @@ class _cascade:
             g = self.groups[key] = shared_prefix_groups(record)
         return g
 
+    def _read(self, queries, keys, values, cache, scale, sinks):
+        if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
+            return None
+        suffix_kv = self.pending.pop(id(cache))
+        record = cache.record
+        return shared_read(record, queries, scale=scale, memo=self.ctx.memo,
+                           groups=self._groups(record), suffix_kv=suffix_kv)
+
     def __enter__(self):
-        from mlx_lm.models import base
-
-        original = self.original = base.scaled_dot_product_attention
-        pending, memo = self.pending, self.ctx.memo
-
-        def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-            if type(cache) is SharedShell and sinks is None and id(cache) in pending:
-                suffix_kv = pending.pop(id(cache))
-                record = cache.record
-                return shared_read(record, queries, scale=scale, memo=memo,
-                                   groups=self._groups(record), suffix_kv=suffix_kv)
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                            sinks=sinks)
-
-        _decoder._TRACE_LOCK.acquire()
-        for mod in self.mods:
-            mod.scaled_dot_product_attention = dispatch
+        self.routing = _decoder.routed_attention(self.mods, self._read).__enter__()
         self.ctx.route = self
         return self
 
     def __exit__(self, *exc):
         try:
-            for mod in self.mods:
-                mod.scaled_dot_product_attention = self.original
+            self.routing.__exit__(*exc)
         finally:
             self.ctx.route = None
-            _decoder._TRACE_LOCK.release()
         if exc[0] is None and self.pending:
             raise bad("model", "attention that reads shared rows through mlx-lm's "
                       "scaled_dot_product_attention (the cascade read)",
