@@ -53,10 +53,11 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
+from . import _rows, ops, persist
 from . import batch as batches
-from . import dense, ops, persist
+from ._args import as_int, row_list
 from .batch import Batch
-from .errors import KVStateError, as_int, bad, check, row_list
+from .errors import KVStateError, bad, check
 from .sampling import Sampling
 
 __all__ = ["batch_rows", "mismatch", "pack", "recv_rows", "send_rows", "signature", "unpack"]
@@ -94,11 +95,11 @@ def _dtype_name(dtype) -> str:
 
 
 def _geometry(state):
-    """``[H, Dk, Dv, dtype]`` of a KV record (``dense.geometry``); for a record
+    """``[H, Dk, Dv, dtype]`` of a KV record (``_rows.geometry``); for a record
     of fixed-size arrays (recurrent slots), ``[dtype, *shape[1:]]`` per array
     (``None`` for a slot not yet written); ``None`` before the first write."""
     try:
-        geo = dense.geometry(state)
+        geo = _rows.geometry(state)
         return None if geo is None else [*geo[:3], _dtype_name(geo[3])]
     except NotImplementedError:
         pass
