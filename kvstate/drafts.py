@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .errors import as_int, bad, check
+from ._args import as_int
+from .errors import bad, check
 
 
 @attrs.frozen

@@ -39,7 +39,8 @@ from . import mlx_lm as bridge
 from . import ops
 from .batch import Batch, sampling_arrays
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
-from .errors import bad, check, per_row, row_list
+from ._args import per_row, row_list
+from .errors import bad, check
 from .sampling import filter_logprobs, sample_arrays, split_keys
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
@@ -190,9 +191,9 @@ def eager(model) -> Forward:
 
 
 def compiled(model) -> Forward:
-    """The same through one ``kvstate.compiled.Decoder`` (one trace per window width
+    """The same through one ``kvstate.mlx_lm.Decoder`` (one trace per window width
     and capacity bucket)."""
-    from .compiled import Decoder
+    from ._decoder import Decoder
 
     decoder = Decoder(model)
 
