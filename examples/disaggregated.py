@@ -13,8 +13,8 @@ request alone in one process and says whether the tokens are the same::
     mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check
     mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check \\
         --temperature 0.8
-    mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py \\
-        --model mlx-community/SmolLM2-135M-Instruct --prompt "Hello" --prompt "Why?"
+    mlx.launch -n 2 --backend ring --python python3 examples/disaggregated.py --check \\
+        --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt "Hello" --prompt "Why?"
 
 Without ``--model`` the model is a small llama with seeded random weights
 (no download) and prompts are token ids. Across machines, give
@@ -36,9 +36,12 @@ from kvstate.distributed import recv_rows, send_rows
 def load(args):
     """``(model, tokenizer or None, prompts as token ids)``."""
     if args.model:
-        from mlx_lm import load as lm_load
+        from kvstate.models import load_model
 
-        model, tokenizer = lm_load(args.model)
+        # a llama-family .gguf or an mlx-lm model directory; float32 layers
+        # (quantized matmuls are slow on a CPU)
+        loaded = load_model(args.model, dequantize=True)
+        model, tokenizer = loaded.model, loaded.tokenizer
         prompts = args.prompt or ["Tell me about the sea.", "What is 2 + 2?", "Name a color."]
         return model, tokenizer, [tokenizer.encode(p) for p in prompts]
     from mlx_lm.models import llama
@@ -118,7 +121,7 @@ def report(model, tokenizer, prompts, sampling, i, tokens, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="an mlx-lm model (local folder or Hugging Face id)")
+    p.add_argument("--model", help="a llama-family .gguf file or an mlx-lm model directory")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--every", type=int, default=3, help="decode steps between new requests")
