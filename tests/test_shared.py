@@ -261,3 +261,70 @@ def test_cascade_compiles_without_a_retrace_per_token():
         want = kv.attend(ref, q, scale=0.5)
         np.testing.assert_allclose(np_of(out), np_of(want), atol=2e-5, rtol=1e-4)
     assert len(traces) == 1
+
+
+# --- quantized rows: the shared record against the same rows stored unshared ----------------
+
+
+def q_rows(state):
+    """Per row, the quantized planes over its tokens (numpy), read through materialize."""
+    s = kv.materialize(state) if isinstance(state, kv.SharedState) else state
+    if s.keys is None:
+        return [None] * s.batch_size
+    planes = [np_of(p) for p in (*s.keys, *s.values)]
+    return [tuple(p[b, :, a:e] for p in planes) for b, (a, e) in enumerate(zip(s.left_pad,
+                                                                                s.ends))]
+
+
+class SharedQuantizedRows(RuleBasedStateMachine):
+    """A ``SharedState`` of ``QuantizedState`` rows and an unshared ``QuantizedState``
+    under the same operations hold the same packed bytes per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = np.random.default_rng(1)
+
+    def tokens(self, B, n):
+        k, v = rand(self.rng, B, H, n, 32), rand(self.rng, B, H, n, 32)
+        return mx.array(k), mx.array(v)
+
+    @initialize(m=st.integers(1, 5), n=st.integers(1, 3))
+    def start(self, m, n):
+        base = kv.append(kv.quantized(1, group_size=32, bits=4, step=STEP), *self.tokens(1, m))
+        self.shared = kv.fork(base, 0, n)
+        self.unshared = kv.filter_rows(base, [0] * (n + 1))
+
+    @rule(n=st.integers(1, 3))
+    def append(self, n):
+        k, v = self.tokens(self.shared.batch_size, n)
+        self.shared = kv.append(self.shared, k, v)
+        self.unshared = kv.append(self.unshared, k, v)
+
+    @rule(data=st.data())
+    def trim(self, data):
+        n = [data.draw(st.integers(0, m)) for m in self.shared.lengths]
+        self.shared, self.unshared = kv.trim(self.shared, n), kv.trim(self.unshared, n)
+
+    @rule(data=st.data())
+    def fork_filter(self, data):
+        B = self.shared.batch_size
+        row, n = data.draw(st.integers(0, B - 1)), data.draw(st.integers(0, 2))
+        rows = data.draw(st.lists(st.integers(0, B + n - 1), min_size=1, max_size=4))
+        self.shared = kv.filter_rows(kv.fork(self.shared, row, n), rows)
+        copies = [kv.extract_row(self.unshared, row)] * n
+        self.unshared = kv.filter_rows(kv.merge_rows([self.unshared] + copies), rows)
+
+    @invariant()
+    def same_bytes(self):
+        assert self.shared.lengths == self.unshared.lengths
+        for b, (g, w) in enumerate(zip(q_rows(self.shared), q_rows(self.unshared))):
+            if g is None or w is None:
+                assert self.shared.lengths[b] == 0
+                continue
+            for x, y in zip(g, w):
+                np.testing.assert_array_equal(x, y, err_msg=f"row {b}")
+
+
+SharedQuantizedRows.TestCase.settings = settings(max_examples=15, stateful_step_count=6,
+                                                 deadline=None)
+TestSharedQuantizedRows = SharedQuantizedRows.TestCase
