@@ -245,7 +245,7 @@ def system_round(model, system, users, steps, seed):
         for p in prompts:
             if side == "shared":
                 logits, states, held, count = prefill(model, [p], cache)
-                leases += held
+                leases += [h for h in held if h is not None]
             else:
                 logits, states = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
                 logits, count = logits[:, -1, :], [len(p)]
@@ -256,7 +256,7 @@ def system_round(model, system, users, steps, seed):
             last.append(logits)
         states = bridge.merge_rows(rows)
         logits = mx.concatenate(last, axis=0)
-        extra = [] if cache is None else [s for e in cache._entries.values() for s in e.states]
+        extra = [] if cache is None else cache.records()
         peak0 = held_bytes(list(states) + extra)
         step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
         peak = max(peak0, peak + (held_bytes(list(states) + extra) - held_bytes(states)))

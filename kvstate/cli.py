@@ -29,6 +29,7 @@ import mlx.core as mx
 import kvstate as kv
 
 from .engine import Completion, KVStateEngine, MlxLmEngine, Request, serve
+from .prefix_cache import PrefixCache
 from .models import tiny_llama
 
 PROMPTS = (
@@ -38,6 +39,22 @@ PROMPTS = (
     "What is the boiling point of water in Fahrenheit?",
     "Explain what a cache is in one sentence.",
     "Name three primary colors.",
+)
+
+SYSTEM = ("You are a helpful assistant for a travel agency. Answer in one or two short "
+          "sentences, plainly, without lists or headings.")
+
+# Chats of the built-in set: two requests sharing a system prompt, and a second
+# turn whose history is the first chat (a prefix cache serves both from one prefill).
+CHATS = (
+    ({"role": "system", "content": SYSTEM},
+     {"role": "user", "content": "What is the capital of France?"}),
+    ({"role": "system", "content": SYSTEM},
+     {"role": "user", "content": "Name a famous painting in the Louvre."}),
+    ({"role": "system", "content": SYSTEM},
+     {"role": "user", "content": "What is the capital of France?"},
+     {"role": "assistant", "content": "The capital of France is Paris."},
+     {"role": "user", "content": "How many people live there?"}),
 )
 
 
@@ -99,11 +116,13 @@ def read_prompts(path: Path) -> list:
 
 
 def text_requests(args, tokenizer) -> list:
-    """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set)."""
+    """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set:
+    ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed)."""
     items = [(p, {}) for p in args.prompt] if args.prompt else []
     if args.prompts:
         items += read_prompts(args.prompts)
-    items = items or [(p, {}) for p in PROMPTS]
+    items = items or [(p, {}) for p in PROMPTS] + [(list(c), {}) for c in CHATS]
+    items = [item for item in items for _ in range(args.samples)]
     reqs = []
     for i, (prompt, extra) in enumerate(items):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -217,6 +236,25 @@ def _parser():
     )
     g.add_argument("--compile", action="store_true", help="decode with a compiled step")
     g.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="completions per prompt, each with its own seed; with the prefix cache "
+        "they share the prompt's keys and values (1)",
+    )
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt whole (default: reuse cached prompt prefixes, "
+        "shared without copies; off with --compile for now)",
+    )
+    g.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=1024,
+        help="byte budget of the prefix cache, MiB (1024)",
+    )
+    g.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -325,6 +363,8 @@ def run(engine, requests, args, err, on_finish=None, best=None):
     run and ``best`` (a previous run's figures, whose tokens must match)."""
     warm = Request(-1, requests[0].prompt[:4], 2)
     serve(engine, [warm], 1)
+    if hasattr(engine, "reset"):
+        engine.reset()  # counters, and an empty prefix cache: every run starts cold
     show = (
         None
         if args.quiet
@@ -338,6 +378,8 @@ def run(engine, requests, args, err, on_finish=None, best=None):
         show(sum(len(c.tokens) for c in completions), 0, 0, final=True)
     stats["peak"] = mx.get_peak_memory()
     stats["completions"] = completions
+    stats["prefilled"] = getattr(engine, "prefilled", sum(len(r.prompt) for r in requests))
+    stats["peak_kv"] = getattr(engine, "peak_bytes", 0)
     if best is not None:
         if [c.tokens for c in best["completions"]] != [c.tokens for c in completions]:
             raise SystemExit(f"kvstate generate: {engine.name} gave different tokens on a repeat")
@@ -356,6 +398,9 @@ def _table(results, requests, out):
         "ttft s",
         "peak MB",
         "cache B/tok",
+        "prefilled",
+        "saved",
+        "peak KV MB",
     )
     print("".join(f"{h:>12}" if i else f"{h:<20}" for i, h in enumerate(head)), file=out)
     prompt_tokens = sum(len(r.prompt) for r in requests)
@@ -373,13 +418,17 @@ def _table(results, requests, out):
             f"{ttft:.3f}",
             f"{s['peak'] / 2**20:,.1f}",
             f"{s['bytes_per_token']:,.0f}",
+            s["prefilled"],
+            prompt_tokens - s["prefilled"],
+            f"{s['peak_kv'] / 2**20:,.2f}",
         )
         print("".join(f"{v:>12}" if i else f"{v:<20}" for i, v in enumerate(row)), file=out)
 
 
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    for name in ("requests", "batch_size", "repeat", "max_tokens", "prefill_step_size"):
+    for name in ("requests", "batch_size", "repeat", "max_tokens", "prefill_step_size",
+                 "samples", "prefix_cache_mb"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
@@ -403,7 +452,10 @@ def generate(args, out=None, err=None) -> int:
     else:
         requests = text_requests(args, tokenizer)
     compiled = args.compile
-    engines = [KVStateEngine(model, compiled=compiled, prefill_step_size=args.prefill_step_size)]
+    share = not (args.no_prefix_cache or compiled)  # (the compiled step takes no shared rows yet)
+    cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
+    engines = [KVStateEngine(model, compiled=compiled, prefill_step_size=args.prefill_step_size,
+                             prefix_cache=cache)]
     if args.compare:
         engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
     table_out = err if args.json else out

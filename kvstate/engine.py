@@ -29,6 +29,7 @@ import attrs
 import mlx.core as mx
 
 from . import sampling
+from .records import CacheState, QuantizedState
 
 
 @attrs.frozen
@@ -145,6 +146,8 @@ def serve(
                 batch = fresh if batch is None else engine.join(batch, fresh)
                 keys = fresh_keys if keys is None else mx.concatenate([keys, fresh_keys])
                 active += [rows[i] for i in joined]
+            else:
+                _drop(engine, fresh)
         if not active:  # idle until the next arrival
             t = max(t + 1, pending[0].arrival) if pending else t
             continue
@@ -161,7 +164,7 @@ def serve(
                 finish(row)
         if len(keep) < len(active):
             active = [active[i] for i in keep]
-            batch = engine.leave(batch, keep) if keep else None
+            batch = engine.leave(batch, keep) if keep else _drop(engine, batch)
             keys = keys[mx.array(keep)] if keep else None
         t += 1
         if progress:
@@ -176,6 +179,15 @@ def serve(
         "bytes_per_token": sum(per_tok) / max(len(per_tok), 1),
     }
     return [done[r.id] for r in requests], stats
+
+
+def _drop(engine, batch) -> None:
+    """Every row of ``batch`` leaves: an engine holding per-row resources (prefix-cache
+    leases) releases them (``engine.drop``); ``None`` is the empty batch."""
+    drop = getattr(engine, "drop", None)
+    if drop is not None:
+        drop(batch)
+    return None
 
 
 def _sample(logits, keys, requests) -> tuple:
@@ -194,16 +206,36 @@ def _sample(logits, keys, requests) -> tuple:
 # --- engines: kvstate records, and mlx-lm's own caches --------------------------------
 
 
+class _Leased(list):
+    """A batch's records (one per layer) and, per row, the prefix-cache lease
+    it holds (``None`` for none): leases leave with their rows."""
+
+    __slots__ = ("leases",)
+
+    def __init__(self, records, leases):
+        super().__init__(records)
+        self.leases = list(leases)
+
+
 class KVStateEngine:
     """Rows are kvstate records, driven through ``kvstate.mlx_lm``.
 
     ``prefill`` runs the admitted prompts as one batch
     (``kvstate.mlx_lm.prefill``: right-padded, chunked, padding trimmed).
+    With a ``prefix_cache`` (a ``kvstate.prefix_cache.PrefixCache``) each
+    prompt reuses the longest cached prefix instead and runs only the rest
+    (``kvstate.prefix_cache.prefill``); rows are then ``SharedState``s that
+    read the cached records without copying them, and each row pins its
+    entry until it leaves. ``prompt_tokens``/``prefilled`` count the prompt
+    tokens asked for and run; ``peak_bytes`` the most KV bytes held (rows
+    and cache, each shared record once). A model with sliding-window layers
+    runs without the cache (rings do not share prefixes).
     """
 
     name = "kvstate"
 
-    def __init__(self, model, compiled: bool = False, prefill_step_size: int = 512):
+    def __init__(self, model, compiled: bool = False, prefill_step_size: int = 512,
+                 prefix_cache=None):
         from . import mlx_lm as bridge
 
         self.model, self.bridge, self.prefill_step_size = model, bridge, prefill_step_size
@@ -211,21 +243,63 @@ class KVStateEngine:
         if compiled:
             self._step = bridge.make_step(model)  # step(model, tokens, states) -> (logits, states)
             self.name = "kvstate (compiled)"
+        self.budget = None if prefix_cache is None else prefix_cache.max_bytes
+        if self.budget is not None and not all(
+                type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1)):
+            self.budget = None  # sliding-window rings do not share prefixes (notes/prefix.md)
+        self.reset()
+
+    def reset(self):
+        """Fresh counters, and an empty prefix cache of the same budget."""
+        from .prefix_cache import PrefixCache
+
+        self.cache = None if self.budget is None else PrefixCache(self.budget)
+        self.prompt_tokens = self.prefilled = self.peak_bytes = 0
 
     def prefill(self, prompts):
-        return self.bridge.prefill(self.model, prompts, prefill_step_size=self.prefill_step_size)
+        self.prompt_tokens += sum(map(len, prompts))
+        if self.cache is None:
+            self.prefilled += sum(map(len, prompts))
+            return self.bridge.prefill(self.model, prompts,
+                                       prefill_step_size=self.prefill_step_size)
+        from .prefix_cache import prefill
+
+        logits, states, leases, ran = prefill(self.model, prompts, self.cache)
+        self.prefilled += sum(ran)
+        return logits, _Leased(states, leases)
 
     def join(self, batch, rows):
-        return self.bridge.extend(batch, rows)
+        joined = self.bridge.extend(batch, rows)
+        if self.cache is None:
+            return joined
+        return _Leased(joined, batch.leases + rows.leases)
 
     def step(self, batch, tokens):
-        return self._step(self.model, tokens, batch)
+        logits, states = self._step(self.model, tokens, batch)
+        return logits, (states if self.cache is None else _Leased(states, batch.leases))
 
     def leave(self, batch, keep):
-        return self.bridge.filter_rows(batch, keep)
+        kept = self.bridge.filter_rows(batch, keep)
+        if self.cache is None:
+            return kept
+        stay = set(keep)
+        for i, lease in enumerate(batch.leases):
+            if i not in stay and lease is not None:
+                lease.release()
+        return _Leased(kept, [batch.leases[i] for i in keep])
+
+    def drop(self, batch):
+        """Release the leases of every row of ``batch`` (they all leave)."""
+        for lease in getattr(batch, "leases", ()):
+            if lease is not None:
+                lease.release()
 
     def nbytes(self, batch):
-        return sum(s.nbytes for s in batch)
+        from .shared import held_bytes
+
+        held = held_bytes(list(batch) + ([] if self.cache is None else self.cache.records()))
+        self.peak_bytes = max(self.peak_bytes, held)
+        return held
 
 
 class MlxLmEngine:
@@ -285,4 +359,9 @@ class MlxLmEngine:
         return batch
 
     def nbytes(self, batch):
-        return sum(c.nbytes for c in batch)
+        held = sum(c.nbytes for c in batch)
+        self.peak_bytes = max(getattr(self, "peak_bytes", 0), held)
+        return held
+
+    def reset(self):
+        self.peak_bytes = 0

@@ -156,13 +156,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def records(self) -> list:
+        """Every record the entries hold (for ``held_bytes`` over a batch and its cache)."""
+        return [s for e in self._entries.values() for s in e.states]
+
     def __contains__(self, tokens) -> bool:
         return tuple(tokens) in self._entries
 
     @property
     def nbytes(self) -> int:
         """Bytes the entries hold, each shared record counted once."""
-        return held_bytes([s for e in self._entries.values() for s in e.states])
+        return held_bytes(self.records())
 
     @property
     def pinned(self) -> int:
@@ -286,9 +290,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
 
     Returns:
         ``(logits [B, V], states, leases, prefilled)``: the last logits per
-        row, the merged states (one ``SharedState`` per layer), the leases
-        pinning the cache entries the rows read (release each when its row
-        finishes), and per row the tokens actually run through the model.
+        row, the merged states (one ``SharedState`` per layer), per row the
+        lease pinning the cache entry it reads (``None`` when none; release
+        each when its row finishes), and per row the tokens actually run
+        through the model.
     """
     from .mlx_lm import forward, make_states, merge_rows
 
@@ -308,8 +313,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
             if hit is not None:
                 hit.release()
             hit = held
-        if hit is not None:
-            leases.append(hit)
+        leases.append(hit)
         last.append(logits[:, -1, :])
         rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
     return mx.concatenate(last, axis=0), merge_rows(rows), leases, prefilled

@@ -189,7 +189,7 @@ def test_built_in_prompts_go_through_the_chat_template():
     tok = models.load_model(None).tokenizer
     args = cli._parser().parse_args(["generate"])
     reqs = cli.text_requests(args, tok)
-    assert [r.text for r in reqs] == list(cli.PROMPTS)
+    assert [r.text for r in reqs] == list(cli.PROMPTS) + [c[-1]["content"] for c in cli.CHATS]
     for r in reqs:
         assert tok.decode(r.prompt).endswith(f"user\n{r.text}\nassistant\n")
         assert r.max_tokens == 48 and r.temperature == 0 and r.stop == tok.eos_ids

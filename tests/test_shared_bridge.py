@@ -101,6 +101,7 @@ def test_cached_prefix_prefills_only_the_rest():
     # A repeated prompt runs one token (the last, for its logits).
     _, _, more, again = prefill(model, [prompts[1]], cache)
     assert again == [1]
+    assert all(lease is not None for lease in leases + more)
     for lease in leases + more:
         lease.release()
     assert cache.pinned == 0
