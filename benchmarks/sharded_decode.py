@@ -52,7 +52,7 @@ def main(argv=None):
     import mlx.core as mx
     import suite
 
-    from kvstate import compiled as kc
+    from kvstate import mlx_lm as br
 
     group = mx.distributed.init(backend=args.backend)
     N, rank = group.size(), group.rank()
@@ -63,7 +63,7 @@ def main(argv=None):
     # Each rank's records hold its share of the KV heads.
     local = dataclasses.replace(model.args, num_key_value_heads=model.args.num_key_value_heads // N)
     shim = type("Shim", (), {"args": local})()
-    decoders = {"compiled": kc.Decoder(model, attention="auto")}
+    decoders = {"compiled": br.Decoder(model, attention="auto")}
     results = []
     for case in args.cases.split(","):
         B, layout = case.split(":")
