@@ -73,7 +73,7 @@ def attention_part(args):
     }
     np.testing.assert_allclose(np.array(sides["cascade"]().astype(mx.float32)),
                                np.array(sides["unshared"]().astype(mx.float32)),
-                               atol=1e-3 if dtype != mx.float32 else 1e-5)
+                               atol=2e-2 if dtype != mx.float32 else 1e-5)
     times = {k: [] for k in sides}
     for _ in range(args.rounds):
         for k, fn in sides.items():
