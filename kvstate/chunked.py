@@ -148,8 +148,8 @@ def attend_chunked(state, q, *, scale: float, memo=None, window=None):
     keys, values = fetch_chunked(state)
     return _rows.under_mask(
         _read_mask(n, state.left_pad, state.ends, state.offsets, state.chunk_size, memo),
-        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                          mask=mask))
+        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
+    )
 
 
 # --- checkpoint, rollback ---------------------------------------------------------------
@@ -233,7 +233,12 @@ def merge_chunked(first, states):
 
 @compiled.prepare.register(ChunkedState)
 def prepare_chunked(state, n: int = 1):
-    # ChunkedState inherits the padded rows' boundary, but its mask is the
-    # chunk's: refused until the compiled step registers it (issue 14).
-    raise bad("state", "a record kind the compiled step supports",
-              "ChunkedState (decode it with kvstate.mlx_lm.forward)")
+    """Refused: the model reading a chunked layer (llama4) builds its chunk mask
+    from ``start_position`` and ``offset`` as Python ints, which a trace would
+    freeze (one trace per token); decode it with ``kvstate.mlx_lm.step``."""
+    raise bad(
+        "state",
+        "a record the compiled decoder can trace (llama4 reads its chunk "
+        "position as a Python int: decode with kvstate.mlx_lm.step)",
+        "a ChunkedState",
+    )

@@ -95,6 +95,15 @@ class Spec:
         check(not fields, "fields", f"host fields of {self.kind.__name__}", sorted(fields))
         return attrs.evolve(self, host=host)
 
+    def rebuild(self, planes: tuple):
+        """The record this spec stands for, holding ``planes`` (``unflatten``
+        has checked their count); checked by ``validated``."""
+        fields, i = dict(self.host), 0
+        for name, count in self.arrays:
+            fields[name] = planes[i] if count == 0 else tuple(planes[i:i + count])
+            i += count or 1
+        return validated(self.kind(**fields))
+
 
 class Flat(NamedTuple):
     """The array half of a flattened record: ``(planes, positions)``.
@@ -108,6 +117,7 @@ class Flat(NamedTuple):
     positions: tuple
 
 
+@singledispatch
 def spec_of(state) -> Spec:
     """The static half of ``state`` (derived from its ``attrs`` fields)."""
     if not attrs.has(type(state)):
@@ -139,13 +149,10 @@ def unflatten(spec: Spec, leaves):
     planes = tuple(leaves.planes if isinstance(leaves, Flat) else leaves)
     want = sum(c or 1 for _, c in spec.arrays)
     check(len(planes) == want, "planes", f"{want} arrays", len(planes))
-    fields, i = dict(spec.host), 0
-    for name, count in spec.arrays:
-        fields[name] = planes[i] if count == 0 else tuple(planes[i:i + count])
-        i += count or 1
-    return validated(spec.kind(**fields))
+    return spec.rebuild(planes)
 
 
+@singledispatch
 def validated(state):
     """``state`` if its rows fit its planes, else ``KVStateError`` (every
     record ``unflatten`` rebuilds passes here)."""

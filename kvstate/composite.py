@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from . import ops
+from . import compiled, ops
 from .errors import bad, check
 from .records import CompositeCheckpoint, CompositeState
 
@@ -52,6 +52,7 @@ def _one_part(name):
 ops.append.register(CompositeState)(_one_part("append"))
 ops.attend.register(CompositeState)(_one_part("attend"))
 ops.next_mask.register(CompositeState)(_one_part("next_mask"))
+ops.update_and_read.register(CompositeState)(_one_part("update_and_read"))
 
 
 def _each(state, fn):
@@ -127,3 +128,71 @@ def merge_composite(first, states):
     return CompositeState(
         tuple(ops.merge_rows([s.parts[j] for s in states]) for j in range(len(kinds)))
     )
+
+
+# --- the compile boundary (kvstate.compiled): the parts' planes and positions, in order -----
+
+
+@attrs.frozen
+class CompositeSpec(compiled.Spec):
+    """The static half of a ``CompositeState``: one ``Spec`` per part.
+
+    Its ``key`` holds each part's key and its counts of planes and position
+    arrays, so a traced step can cut the flat arrays back into part views.
+    """
+
+    parts: tuple = ()
+
+    @property
+    def static(self) -> tuple:
+        return (
+            (
+                "parts",
+                tuple(
+                    (p.key, sum(c or 1 for _, c in p.arrays), n)
+                    for p, n in zip(self.parts, self.positions)
+                ),
+            ),
+        )
+
+    positions: tuple = ()
+
+    def replace(self, parts=(), **fields) -> "CompositeSpec":
+        check(not fields, "fields", "parts (one dict of host fields per part)", sorted(fields))
+        return attrs.evolve(self, parts=tuple(p.replace(**f) for p, f in zip(self.parts, parts)))
+
+    def rebuild(self, planes: tuple) -> CompositeState:
+        out, i = [], 0
+        for p in self.parts:
+            n = sum(c or 1 for _, c in p.arrays)
+            out.append(p.rebuild(tuple(planes[i : i + n])))
+            i += n
+        return CompositeState(tuple(out))
+
+
+@compiled.spec_of.register(CompositeState)
+def spec_of_composite(state):
+    parts = tuple(compiled.spec_of(p) for p in state.parts)
+    count = sum(sum(c or 1 for _, c in p.arrays) for p in parts)
+    return CompositeSpec(
+        CompositeState,
+        (),
+        (("parts", count),),
+        parts=parts,
+        positions=tuple(len(compiled.host_positions(p)) for p in state.parts),
+    )
+
+
+@compiled.host_positions.register(CompositeState)
+def host_positions_composite(state):
+    return tuple(x for p in state.parts for x in compiled.host_positions(p))
+
+
+@compiled.prepare.register(CompositeState)
+def prepare_composite(state, n: int = 1):
+    return _each(state, lambda p: compiled.prepare(p, n))
+
+
+@compiled.advanced.register(CompositeState)
+def advanced_composite(state, n: int = 1) -> dict:
+    return {"parts": tuple(compiled.advanced(p, n) for p in state.parts)}

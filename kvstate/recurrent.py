@@ -31,7 +31,7 @@ from __future__ import annotations
 import attrs
 import mlx.core as mx
 
-from . import ops
+from . import compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .records import RecurrentCheckpoint, RecurrentState
@@ -56,7 +56,7 @@ def recurrent_state(batch_size: int = 1, *, slots: int, left_padding=None) -> Re
             coming appends (mlx-lm ``ArraysCache(size, left_padding)``).
     """
     batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 1, "batch_size", ">= 1", batch_size)
+    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
     slots = as_int(slots, "slots")
     check(slots >= 1, "slots", ">= 1", slots)
     pad = per_row(0 if left_padding is None else left_padding, batch_size, "left_padding")
@@ -168,6 +168,7 @@ def _no_tokens(name):
 ops.append.register(RecurrentState)(_no_tokens("append"))
 ops.attend.register(RecurrentState)(_no_tokens("attend"))
 ops.next_mask.register(RecurrentState)(_no_tokens("next_mask"))
+ops.update_and_read.register(RecurrentState)(_no_tokens("update_and_read"))
 
 
 @ops.fetch.register(RecurrentState)
@@ -345,3 +346,48 @@ def merge_recurrent(first, states):
         until=None,
         arrays=tuple(arrays),
     )
+
+
+# --- the compile boundary (kvstate.compiled): slots are the planes, lengths the positions ---
+
+
+@compiled.host_positions.register(RecurrentState)
+def host_positions_recurrent(state):
+    return (state.lengths,)
+
+
+@compiled.prepare.register(RecurrentState)
+def prepare_recurrent(state, n: int = 1):
+    """As it is (fixed-size slots); refused with padding pending or a slot unwritten."""
+    n = as_int(n, "n")
+    check(n >= 1, "n", ">= 1", n)
+    _check_settled(state, "state")
+    check(
+        all(a is not None for a in state.arrays),
+        "state",
+        "a state whose slots the model has written (prefill first)",
+        f"slots {[a is not None for a in state.arrays]}",
+    )
+    return state
+
+
+@compiled.with_capacity.register(RecurrentState)
+def with_capacity_recurrent(state, capacity: int):
+    return state  # fixed-size slots: no capacity
+
+
+@compiled.advanced.register(RecurrentState)
+def advanced_recurrent(state, n: int = 1) -> dict:
+    return {"lengths": tuple(m + n for m in state.lengths)}
+
+
+@compiled.validated.register(RecurrentState)
+def validated_recurrent(state):
+    B = state.batch_size
+    check(
+        all(a.shape[0] == B for a in state.planes),
+        "arrays",
+        f"slots of batch size {B}",
+        [list(a.shape) for a in state.planes],
+    )
+    return state
