@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
-from . import _decoder, _rows, _shells, ops
+from . import _decoder, _hybrid, _rows, _shells, ops
 from ._args import as_int
 from ._decoder import (Decoder as Decoder, compiled_decoder as compiled_decoder,
                        make_step as make_step)
@@ -43,6 +43,7 @@ __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
     "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance", "feed",
     "layer_count", "Decoder", "compiled_decoder", "make_step",
+    "rollback",
 ]
 
 
@@ -228,8 +229,7 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
         elif isinstance(c, lm_cache.QuantizedKVCache):
             states.append(kv.quantized(batch_size, group_size=c.group_size, bits=c.bits))
         else:
-            raise bad(f"model.make_cache()[{i}]", "KVCache, RotatingKVCache or QuantizedKVCache",
-                      type(c).__name__)
+            states.append(_hybrid.record_for(c, batch_size, dense, f"model.make_cache()[{i}]"))
     return states
 
 
@@ -260,6 +260,8 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     layers = layer_count(model)
     if len(states) != layers:
         raise bad("states", f"{layers} records (one per layer of the model)", len(states))
+    if _hybrid.needs_groups(states):
+        return _hybrid.grouped(forward, model, tokens, states, memo=memo, start_early=start_early)
     # One pass checks each record and wraps it (messages are formatted only
     # on failure: this runs every decode step); a failure leaves nothing behind.
     B, shells = shape[0], []
@@ -486,3 +488,22 @@ def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
         states = ops.merge_rows([st for _, st in rows])
     new, keys = sample_batch(last, batch)
     return attrs.evolve(batch, states=states, tokens=new, keys=keys)
+
+
+def rollback(model, states: Sequence, checkpoint, keep, tokens, *,
+             memo: Optional[MaskMemo] = None) -> list:
+    """Every layer back at ``checkpoint`` plus ``keep`` accepted tokens per row, exactly,
+    for every model family (recurrent rows that keep part of a block replay it).
+
+    Args:
+        states: the records after feeding ``tokens`` from ``checkpoint``.
+        checkpoint: ``kv.checkpoint(states_then)`` (a ``ModelCheckpoint``).
+        keep: accepted tokens per row (an int or one per row).
+        tokens: ``[B, N]``, the tokens fed since ``checkpoint``.
+
+    Rows that keep all or none of ``tokens`` need no model call
+    (``kv.rollback``); the others replay their accepted tokens from the
+    checkpoint in one eager forward (``notes/hybrid.md``: why, and its cost).
+    """
+    return _hybrid.rollback(states, checkpoint, keep, tokens,
+                            lambda t, s: forward(model, t, s, memo=memo))
