@@ -381,7 +381,9 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         mx.eval(acc, nx, drafts_dev)
         accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
-    states = ops.rollback(states, cp, [1 + a for a in accepted])
+    # Every layer back to y and the accepted drafts (a recurrent layer keeping
+    # part of the window replays it from the checkpoint: notes/hybrid.md).
+    states = bridge.rollback(target, states, cp, [1 + a for a in accepted], window)
     draft_states = None
     if is_model:
         draft_states = _settle_model(drafter, dstates, anchors, drafts_dev, accepted)
