@@ -320,7 +320,14 @@ def load(args, err):
 
 
 def _vocab(model):
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    """The model's vocabulary size: ``model.args.vocab_size``, or its text
+    config's (multimodal configs such as llama4 nest it in ``text_config``)."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    if size is None:
+        text = getattr(args, "text_config", None)
+        size = text.get("vocab_size") if isinstance(text, dict) else getattr(text, "vocab_size",
+                                                                                 None)
     if size is None:
         raise SystemExit("kvstate generate: cannot tell this model's vocab_size from model.args")
     return size
