@@ -281,50 +281,92 @@ def _record_geometry(state):
 
 
 def model_geometry(model) -> list:
-    """Per layer ``(H, Dk, Dv, dtype, window)`` of an mlx-lm model's caches.
+    """Per layer, what a record must fit to serve an mlx-lm model's cache.
 
+    A KV layer gives ``(H, Dk, Dv, dtype, window)`` (``window``: the ring
+    size of a sliding layer, else ``None``); a recurrent layer
+    (``ArraysCache``) ``("slots", ((shape[1:], dtype) or None, ...))``; a
+    layer of several caches (``CacheList``) ``("parts", (geometry, ...))``.
     Found by building (never evaluating) a one-token forward pass on mlx-lm's
     own caches: MLX knows every shape before it computes anything, so this
-    costs a graph build, not a forward pass. ``window`` is the ring size of a
-    sliding layer, else ``None``.
+    costs a graph build, not a forward pass.
     """
-    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     caches = make_prompt_cache(model)
     model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-    out = []
-    for i, c in enumerate(caches):
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if keys is None or values is None:
-            raise bad(f"model layer {i} cache", "a KV cache (KVCache, RotatingKVCache)",
-                      type(c).__name__)
-        if isinstance(keys, (tuple, list)):  # quantized: (packed, scales, biases)
-            raise bad("model", "a model whose default caches are not quantized", type(c).__name__)
-        window = c.max_size if isinstance(c, RotatingKVCache) else None
-        out.append((keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, window))
-    return out
+    return [_cache_geometry(f"model layer {i} cache", c) for i, c in enumerate(caches)]
+
+
+def _cache_geometry(name, c):
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+
+    if isinstance(c, CacheList):
+        return ("parts", tuple(_cache_geometry(f"{name}.caches[{j}]", p)
+                               for j, p in enumerate(c.caches)))
+    if isinstance(c, ArraysCache):
+        return ("slots", tuple(None if a is None else (tuple(a.shape[1:]), a.dtype)
+                               for a in c.cache))
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if keys is None or values is None:
+        raise bad(name, "a KV, recurrent or composite cache", type(c).__name__)
+    if isinstance(keys, (tuple, list)):  # quantized: (packed, scales, biases)
+        raise bad("model", "a model whose default caches are not quantized", type(c).__name__)
+    window = c.max_size if isinstance(c, RotatingKVCache) else None
+    if hasattr(c, "offset") and hasattr(c, "start_position"):  # ChunkedKVCache: no window
+        window = None
+    return (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, window)
 
 
 def check_model(states, model) -> None:
     """Refuse (``KVStateError``) ``states`` that do not fit ``model``.
 
     One record per layer, each with the model's KV heads, head dims and
-    dtype; a sliding-window layer needs a ring of the same ``max_size``.
-    Empty records (no geometry yet) fit any layer of the right kind.
+    dtype; a sliding-window layer needs a ring of the same ``max_size``; a
+    recurrent layer a ``RecurrentState`` with its slots' shapes and dtypes;
+    a layer of several caches a ``CompositeState`` whose parts fit. Empty
+    records (no geometry yet) fit any layer of the right kind.
     """
     want = model_geometry(model)
     check(len(states) == len(want), "states", f"{len(want)} records (one per model layer)",
           len(states))
-    for i, (s, (H, Dk, Dv, dtype, window)) in enumerate(zip(states, want)):
-        geo = _record_geometry(s)
-        if geo is not None:
-            check(tuple(geo) == (H, Dk, Dv, dtype), f"states[{i}] geometry (H, Dk, Dv, dtype)",
-                  f"{(H, Dk, Dv, dtype)} (the model's layer {i})", tuple(geo))
-        if window is not None:
-            size = getattr(s, "max_size", None)
-            check(size == window, f"states[{i}]",
-                  f"a ring of max_size={window} (layer {i} is a sliding-window layer)",
-                  type(s).__name__ if size is None else f"max_size={size}")
+    for i, (s, geo) in enumerate(zip(states, want)):
+        _check_fits(f"states[{i}]", s, geo, i)
+
+
+def _check_fits(name, s, geo, i):
+    kind = geo[0] if isinstance(geo[0], str) else "kv"
+    if kind == "parts":
+        parts = getattr(s, "parts", None)
+        check(parts is not None and len(parts) == len(geo[1]), name,
+              f"a CompositeState of {len(geo[1])} parts (layer {i} is a CacheList)",
+              type(s).__name__ if parts is None else f"{len(parts)} parts")
+        for j, (p, g) in enumerate(zip(parts, geo[1])):
+            _check_fits(f"{name}.parts[{j}]", p, g, i)
+        return
+    if kind == "slots":
+        slots = getattr(s, "arrays", None)
+        check(isinstance(s, records.RecurrentState) and len(slots) == len(geo[1]), name,
+              f"a RecurrentState of {len(geo[1])} slots (layer {i} is recurrent)",
+              type(s).__name__ if slots is None else f"{len(slots)} slots")
+        for j, (a, g) in enumerate(zip(slots, geo[1])):
+            if a is not None and g is not None:
+                have = (tuple(a.shape[1:]), a.dtype)
+                check(have == g, f"{name} slot {j} (shape[1:], dtype)",
+                      f"{g} (the model's layer {i})", have)
+        return
+    H, Dk, Dv, dtype, window = geo
+    record_geo = _record_geometry(s)
+    if record_geo is None and not hasattr(s, "keys"):
+        raise bad(name, f"a KV record (layer {i} is an attention layer)", type(s).__name__)
+    if record_geo is not None:
+        check(tuple(record_geo) == (H, Dk, Dv, dtype), f"{name} geometry (H, Dk, Dv, dtype)",
+              f"{(H, Dk, Dv, dtype)} (the model's layer {i})", tuple(record_geo))
+    if window is not None:
+        size = getattr(s, "max_size", None)
+        check(size == window, name,
+              f"a ring of max_size={window} (layer {i} is a sliding-window layer)",
+              type(s).__name__ if size is None else f"max_size={size}")
 
 
 # --- model identity ---------------------------------------------------------------
