@@ -104,6 +104,22 @@ def rollback_composite(state, checkpoint, keep=0):
     )
 
 
+@ops.anchor.register(CompositeState)
+def anchor_composite(state):
+    return CompositeCheckpoint(tuple(ops.anchor(p) for p in state.parts))
+
+
+@ops.commit.register(CompositeState)
+def commit_composite(state, anchor, keep=0):
+    check(
+        isinstance(anchor, CompositeCheckpoint) and len(anchor.parts) == len(state.parts),
+        "anchor",
+        f"kv.anchor of a CompositeState of {len(state.parts)} parts",
+        type(anchor).__name__,
+    )
+    return CompositeState(tuple(ops.commit(p, a, keep) for p, a in zip(state.parts, anchor.parts)))
+
+
 @ops.filter_rows.register(CompositeState)
 def filter_rows_composite(state, rows):
     return _each(state, lambda p: ops.filter_rows(p, rows))

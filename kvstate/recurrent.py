@@ -214,6 +214,18 @@ def _zeros_like_rows(template, B):
     return mx.zeros((B,) + tuple(template.shape[1:]), template.dtype)
 
 
+@ops.anchor.register(RecurrentState)
+def anchor_recurrent(state):
+    """The checkpoint (its slots): what ``commit`` returns rows to."""
+    return checkpoint_recurrent(state)
+
+
+@ops.commit.register(RecurrentState)
+def commit_recurrent(state, anchor, keep=0):
+    """``rollback``: exact for rows keeping all or none of what they appended."""
+    return rollback_recurrent(state, anchor, keep)
+
+
 @ops.rollback.register(RecurrentState)
 def rollback_recurrent(state, checkpoint, keep=0):
     """Each row returns to ``checkpoint`` (``keep`` 0) or stays as it is
