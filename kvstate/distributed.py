@@ -320,6 +320,27 @@ def _specs(desc) -> list:
     return out
 
 
+def _received(rec, where: str) -> None:
+    """A received record is outside input: one row, every array holding that
+    row (nested parts too), no negative row count, and a KV record's row
+    within its columns. (Deeper per-kind invariants belong to the record
+    validation of issue 10.)"""
+    check(rec.batch_size == 1, f"{where} batch size", 1, rec.batch_size)
+    for a in persist._arrays(rec):
+        check(a.ndim >= 1 and a.shape[0] == 1, f"{where} array rows (shape[0])", 1, list(a.shape))
+    for field in attrs.fields(type(rec)):
+        value = getattr(rec, field.name)
+        if isinstance(value, tuple) and all(type(x) is int for x in value):
+            check(min(value, default=0) >= 0, f"{where}.{field.name}", ">= 0", value)
+    if rec.planes and hasattr(rec, "width"):
+        check(
+            rec.width <= rec.capacity,
+            f"{where} row end",
+            f"<= {rec.capacity} (its columns)",
+            rec.width,
+        )
+
+
 def unpack(desc: dict, arrays: Sequence) -> list:
     """The rows an offer carries: one list of records (one per layer) per row,
     or one-row ``kv.Batch``es when the offer came from a ``kv.Batch``.
@@ -344,7 +365,7 @@ def unpack(desc: dict, arrays: Sequence) -> list:
         row = []
         for i, entry in enumerate(entries):
             rec = persist._decode(j * len(layers) + i, entry, tensors)
-            check(rec.batch_size == 1, f"offer rows[{j}][{i}] batch size", 1, rec.batch_size)
+            _received(rec, f"offer rows[{j}][{i}]")
             sig = signature(rec)
             check(
                 mismatch([sig], [layers[i]]) is None,

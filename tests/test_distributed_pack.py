@@ -147,13 +147,15 @@ def test_signatures_and_mismatch():
     assert "layers[0] geometry" in dist.mismatch([sig(dense)], [sig(other)])
 
 
-def refused_all(desc, arrays, spoilers):
+def refused_all(desc, spoilers):
     """Each spoiled copy of the offer ``desc`` is refused with KVStateError."""
     for name, spoil in spoilers.items():
         bad = wire(desc)
         spoil(bad)
         with pytest.raises(kv.KVStateError):
-            dist.unpack(bad, arrays)
+            # arrays as a receiver makes them: of the (spoiled) offered shapes
+            got = [mx.zeros(shape, dtype) for _, dtype, shape in dist._specs(bad)]
+            dist.unpack(bad, got)
             pytest.fail(f"the spoiled {name} was taken")
 
 
@@ -167,8 +169,11 @@ def test_unpack_refuses_bad_offers():
         "layers": lambda d: d["rows"].__setitem__(0, []),
         "signature": lambda d: d["layers"][0].__setitem__("kind", "QuantizedState"),
         "lengths": lambda d: d["rows"][0][0]["host"].__setitem__("lengths", [2, 2]),
+        "past the columns": lambda d: d["rows"][0][0]["host"].__setitem__("lengths", [3]),
+        "negative": lambda d: d["rows"][0][0]["host"].__setitem__("left_pad", [-1]),
+        "array rows": lambda d: d["arrays"][0][2].__setitem__(0, 2),
     }
-    refused_all(desc, arrays, cases)
+    refused_all(desc, cases)
     with pytest.raises(kv.KVStateError, match="offer"):
         dist.unpack({"rows": []}, arrays)
 
@@ -208,4 +213,4 @@ def test_batch_rows_travel_with_their_records():
         "fields": lambda d: d["batch"][1].pop("keys"),
         "rows": lambda d: d["batch"].pop(),
     }
-    refused_all(desc, arrays, spoiled)
+    refused_all(desc, spoiled)
