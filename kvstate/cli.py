@@ -261,6 +261,26 @@ def _parser():
         help="runs per engine, alternating engines; the fastest is reported (1)",
     )
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    v = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server on kvstate records",
+        description="POST /v1/chat/completions and /v1/completions (streaming or not), "
+        "GET /v1/models and /health; every connection's rows decode in one continuous "
+        "batch, prompts reuse cached prefixes, n samples share the prompt's rows.",
+    )
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    v.add_argument("--port", type=int, default=8080, help="port (8080)")
+    v.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory "
+                   "(default: SmolLM2-135M-Instruct, fetched on first use)")
+    v.add_argument("--float32", action="store_true", help="dequantize a quantized model")
+    v.add_argument("--max-batch", type=int, default=32, help="most rows decoding at once (32)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting; more are answered 429 (64)")
+    v.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="byte budget of the prefix cache in MiB; 0 turns it off (256)")
+    v.add_argument("--context", type=int, default=None,
+                   help="longest prompt + max_tokens accepted (default: the model's)")
+    v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
     t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
     t.add_argument(
@@ -499,10 +519,25 @@ def generate(args, out=None, err=None) -> int:
     return 0 if same == n else 1
 
 
+def serve(args, err=None) -> int:
+    """``kvstate serve``: load the model, then serve until interrupted."""
+    from . import serve as server
+    from .prefix_cache import PrefixCache
+
+    err = err or sys.stderr
+    loaded = load(args, err)
+    cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
+    print(f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err,
+          flush=True)
+    server.run(loaded, host=args.host, port=args.port, log=err, max_batch=args.max_batch,
+               max_queue=args.max_queue, context=args.context, prefix_cache=cache)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return generate(args)
+        return serve(args) if args.command == "serve" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
         return 2
