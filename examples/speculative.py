@@ -15,8 +15,7 @@ import sys
 
 import attrs
 import mlx.core as mx
-from _model import load
-from mlx_lm.models.cache import make_prompt_cache
+from _model import load, mlx_lm_greedy
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
@@ -49,16 +48,6 @@ def speculative_round(model, batch, k):
     return attrs.evolve(batch, tokens=nxt, payload=history), emitted
 
 
-def greedy_alone(model, prompt, n):
-    """The reference: plain greedy decoding on mlx-lm's own caches."""
-    cache, out = make_prompt_cache(model), []
-    logits = model(mx.array([prompt]), cache=cache)[:, -1]
-    for _ in range(n):
-        out.append(int(mx.argmax(logits, axis=-1).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)[:, -1]
-    return out
-
-
 def main(k=3, max_tokens=12):
     model, _ = load(__doc__.splitlines()[0])
     prompts = [mx.random.randint(1, 128, (n,), key=mx.random.key(n)).tolist() for n in (5, 9, 7)]
@@ -76,7 +65,7 @@ def main(k=3, max_tokens=12):
         )
     ok = True
     for i, p in enumerate(prompts):
-        got, ref = out[i][:max_tokens], greedy_alone(model, p, max_tokens)
+        got, ref = out[i][:max_tokens], mlx_lm_greedy(model, p, max_tokens)
         ok &= got == ref
         print(f"row {i}: {got} {'= mlx-lm greedy' if got == ref else '!= mlx-lm ' + str(ref)}")
     print(f"{rounds} rounds of k={k} for {max_tokens} tokens per row")

@@ -74,15 +74,18 @@ except PackageNotFoundError:  # pragma: no cover (running from a source tree)
     __version__ = "0+unknown"
 
 
-def compiled_decoder(model, *, attention: str = "auto"):
-    """``kvstate.mlx_lm.Decoder(model)``: a compiled decode step for an mlx-lm model.
+def compiled_decoder(model, **options):
+    """``kvstate.mlx_lm.Decoder(model, **options)``: a compiled decode step for an
+    mlx-lm model.
 
-    ``decode(tokens, states) -> (logits, states)``. Imported on call: the
-    decoder is part of the mlx-lm bridge, which needs ``mlx-lm``.
+    ``decode(tokens, states) -> (logits, states)``; ``options`` are the
+    ``Decoder``'s (``attention``, ``write``, ``wait``, ``batch_buckets``).
+    Imported on call: the decoder is part of the mlx-lm bridge, which needs
+    ``mlx-lm``.
     """
     from .mlx_lm import compiled_decoder as make
 
-    return make(model, attention=attention)
+    return make(model, **options)
 
 
 __all__ = [

@@ -15,7 +15,7 @@ import threading
 
 import mlx.core as mx
 
-from . import _shells, compiled, kernels
+from . import _buckets, _shells, compiled, kernels
 from .errors import bad, check
 from .records import CacheState
 
@@ -121,10 +121,20 @@ class Decoder:
             finished. A buffer that an in-flight read still holds cannot be
             written in place, so without the wait a pipelined loop may copy
             every plane each step on a GPU (``notes/compile.md``).
+        batch_buckets: rows are padded up to a batch-size bucket so that a
+            schedule whose batch size changes does not trace once per size
+            (``kvstate._buckets``): ``"pow2"`` (the default: the next power
+            of two), increasing ints (e.g. ``(8, 16, 32, 64)``: one trace for
+            every batch up to 8; a batch beyond the largest runs unpadded),
+            or ``None`` (no padding: one trace per batch size).
+
+    ``traces`` counts the traces; ``trace_reasons`` says why each happened
+    (first call, a new batch-size bucket, a new capacity bucket, new tokens
+    per row, a new static layout).
     """
 
     def __init__(self, model, *, attention: str = "auto", write: str = "scatter",
-                 wait: bool = False):
+                 wait: bool = False, batch_buckets=_buckets.BUCKETS):
         if attention not in ATTENTION:
             raise bad("attention", f"one of {ATTENTION}", repr(attention))
         if write not in ("scatter", "slice"):
@@ -135,7 +145,11 @@ class Decoder:
         self.model = model
         self.attention = attention
         self.wait = bool(wait)
+        self.batch_buckets = _buckets.check_buckets(batch_buckets)
         self.traces = 0
+        self.trace_reasons = []
+        self._seen = []
+        self._padding = _buckets.Padding()
         self._fns = {}
         self._mods = None
         self._pending = None
@@ -170,6 +184,9 @@ class Decoder:
     def __call__(self, tokens, states):
         if not isinstance(tokens, mx.array):
             tokens = mx.array(tokens)
+        if tokens.dtype != mx.int32 and mx.issubdtype(tokens.dtype, mx.integer):
+            # argmax and the samplers give uint32, a list int32: one dtype, one trace
+            tokens = tokens.astype(mx.int32)
         squeeze = tokens.ndim == 1
         if squeeze:
             tokens = tokens[:, None]
@@ -185,12 +202,24 @@ class Decoder:
             raise bad("states", f"{self._layers} records (one per layer of the model)",
                       len(states))
         B = tokens.shape[0]
-        flats, specs, prepared, layouts = [], [], [], {}
         for i, s in enumerate(states):
             if not _shells.is_record(s):
                 raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
             check(s.batch_size == B, f"states[{i}] batch size", f"{B} (tokens rows)",
                   s.batch_size)
+        if B == 0:  # nothing to run (mlx-lm models cannot run an empty batch)
+            from .mlx_lm import forward
+
+            logits, states = forward(self.model, tokens, states)
+            return (logits[:, -1, :] if squeeze else logits), states
+        Bb = _buckets.bucket_of(B, self.batch_buckets)
+        padded = self._padding.pad(tokens, states, Bb) if Bb != B else None
+        if padded is None:
+            Bb = B
+        else:
+            tokens, states = padded
+        flats, specs, prepared, layouts = [], [], [], {}
+        for s in states:
             s = compiled.prepare(s, N)
             lay = compiled.host_positions(s)
             if lay not in layouts:
@@ -199,31 +228,42 @@ class Decoder:
             flats.append(flat)
             specs.append(spec)
             prepared.append(s)
-        fn = self._compiled((tuple(sp.key for sp in specs), squeeze))
+        keys = tuple(sp.key for sp in specs)
+        fn = self._compiled((keys, squeeze))
         if self._pending is not None:
             mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
             self._pending = None
+        traced = self.traces
         logits, out = fn(tokens, flats)
-        del flats, states
+        if self.traces != traced:
+            sig = (Bb, B, N, squeeze, keys, tuple(s.capacity for s in prepared))
+            self.trace_reasons.append(_buckets.explain(sig, self._seen))
+            self._seen.append(sig)
+        del flats, states, padded
         if self.wait:
             self._pending = logits
         new = [compiled.unflatten(sp.replace(**compiled.advanced(s, N)), f)
                for f, sp, s in zip(out, specs, prepared)]
+        if Bb != B:
+            return self._padding.unpad(logits, new, B)
         return logits, new
 
 
-def compiled_decoder(model, *, attention: str = "auto") -> Decoder:
-    """A ``Decoder`` for ``model``: ``decode(tokens, states) -> (logits, states)``."""
-    return Decoder(model, attention=attention)
+def compiled_decoder(model, **options) -> Decoder:
+    """A ``Decoder`` for ``model``: ``decode(tokens, states) -> (logits, states)``.
+
+    ``options``: ``Decoder``'s (``attention``, ``write``, ``wait``, ``batch_buckets``).
+    """
+    return Decoder(model, **options)
 
 
-def make_step(model, *, attention: str = "auto"):
+def make_step(model, **options):
     """``step(model, tokens, states) -> (logits [B, V], states)``, compiled.
 
     Same signature as ``kvstate.mlx_lm.step`` (what ``kvstate generate
-    --compile`` calls); one ``Decoder`` per ``make_step`` call.
+    --compile`` calls); one ``Decoder(model, **options)`` per ``make_step`` call.
     """
-    decoder = Decoder(model, attention=attention)
+    decoder = Decoder(model, **options)
 
     def step(model_, tokens, states):
         if model_ is not model:
