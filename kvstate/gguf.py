@@ -201,6 +201,26 @@ def tokenizer(meta: dict) -> Tokenizer:
     Tokens of type 3 (control) are special: ``encode`` matches them in text
     (``<|im_start|>``) and ``decode`` leaves them out.
     """
+    backend, special = tokenizer_backend(meta)
+    tokens = meta["tokenizer.ggml.tokens"]
+    eos = int(_scalar(meta, "tokenizer.ggml.eos_token_id"))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    add_bos = (
+        bool(meta["tokenizer.ggml.add_bos_token"].item())
+        if "tokenizer.ggml.add_bos_token" in meta
+        else False
+    )
+    return Tokenizer.from_backend(
+        backend,
+        eos_ids=(eos,),
+        bos_id=int(bos.item()) if add_bos and bos is not None else None,
+        chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens={tokens[i]: i for i in special},
+    )
+
+
+def tokenizer_backend(meta: dict) -> tuple:
+    """``(tokenizers.Tokenizer, special token ids)`` from a GGUF's metadata."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Backend
 
@@ -230,20 +250,40 @@ def tokenizer(meta: dict) -> Tokenizer:
     backend.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i in special]
     )
-    eos = int(_scalar(meta, "tokenizer.ggml.eos_token_id"))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    add_bos = (
-        bool(meta["tokenizer.ggml.add_bos_token"].item())
-        if "tokenizer.ggml.add_bos_token" in meta
-        else False
-    )
-    return Tokenizer.from_backend(
-        backend,
-        eos_ids=(eos,),
-        bos_id=int(bos.item()) if add_bos and bos is not None else None,
-        chat_template=meta.get("tokenizer.chat_template"),
-        special_tokens={tokens[i]: i for i in special},
-    )
+    return backend, special
+
+
+def export_mlx_lm(path, out, *, dtype=mx.float32) -> Path:
+    """Write a llama ``.gguf`` file as an mlx-lm model directory (``out``), float layers.
+
+    mlx-lm cannot read GGUF files; this gives it the same model, so that
+    mlx-lm's own tools (``mlx_lm.server``, ``mlx_lm.generate``) run it:
+    ``config.json``, ``model.safetensors`` (dequantized to ``dtype``),
+    ``tokenizer.json`` and ``tokenizer_config.json`` (the chat template).
+    """
+    import dataclasses
+    import json
+
+    weights, meta = read(path)
+    model = build_model(weights, meta, dequantize=True, dtype=dtype)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.save_weights(str(out / "model.safetensors"))
+    backend, special = tokenizer_backend(meta)
+    backend.save(str(out / "tokenizer.json"))
+    tokens = meta["tokenizer.ggml.tokens"]
+    eos = tokens[int(_scalar(meta, "tokenizer.ggml.eos_token_id"))]
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "eos_token": eos,
+        "bos_token": None,
+        "add_bos_token": False,
+        "model_max_length": config.get("max_position_embeddings", 8192),
+    }, indent=2))
+    return out
 
 
 def load(path, *, dequantize: bool = False, dtype=mx.float32) -> Loaded:
