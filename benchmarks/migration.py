@@ -56,6 +56,7 @@ def main(argv=None):
     import mlx.core as mx
 
     import kvstate as kv
+    from kvstate import _links
     from kvstate import distributed as dist
 
     group = mx.distributed.init(backend=args.backend, strict=True)
@@ -64,7 +65,7 @@ def main(argv=None):
         sys.exit(f"run on 2 ranks (got {group.size()})")
     dtype = getattr(mx, args.dtype)
     timeout = None if args.timeout == "none" else float(args.timeout)
-    link = dist._transport(group, 1 - rank, args.transport, speaks_first=rank == 1)
+    link = _links._transport(group, 1 - rank, args.transport, speaks_first=rank == 1)
     transport = type(link).__name__.strip("_").lower()
 
     shape = (1, args.kv_heads, args.tokens, args.head_dim)
@@ -90,7 +91,7 @@ def main(argv=None):
         return got
 
     def raw():
-        return dist._move(link, planes if rank == 0 else None, specs)
+        return _links._move(link, planes if rank == 0 else None, specs)
 
     got = migrate()  # warm-up, and a check that the row arrived intact
     if rank == 1:

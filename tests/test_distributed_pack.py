@@ -18,6 +18,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import kvstate as kv
+from kvstate import _wire
 from kvstate import distributed as dist
 from kvstate import recurrent as rec
 
@@ -154,7 +155,7 @@ def refused_all(desc, spoilers):
         spoil(bad)
         with pytest.raises(kv.KVStateError):
             # arrays as a receiver makes them: of the (spoiled) offered shapes
-            got = [mx.zeros(shape, dtype) for _, dtype, shape in dist._specs(bad)]
+            got = [mx.zeros(shape, dtype) for _, dtype, shape in _wire._specs(bad)]
             dist.unpack(bad, got)
             pytest.fail(f"the spoiled {name} was taken")
 
