@@ -39,7 +39,7 @@ from functools import singledispatch
 import attrs
 import mlx.core as mx
 
-from . import _rows, ops
+from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease, rows_mask
@@ -493,7 +493,7 @@ def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, s
     H = suffix_kv[0].shape[1]
     rep = Hq // H
     qf = q.reshape(B, H, rep * N, D)
-    o, m, l = _partial(qf, *suffix_kv, None if suffix_mask is None else
+    o, m, total = _partial(qf, *suffix_kv, None if suffix_mask is None else
                        _fold_mask(suffix_mask, rep), scale)
     if groups:
         parts, order = [], []
@@ -530,8 +530,8 @@ def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, s
         top = mx.maximum(m, pm)
         top = mx.where(top == -mx.inf, 0.0, top)
         a, c = mx.exp(m - top), mx.exp(pm - top)
-        o, l = o * a + po * c, l * a + pl * c
-    out = o / l
+        o, total = o * a + po * c, total * a + pl * c
+    out = o / total
     return out.reshape(B, Hq, N, -1).astype(q.dtype)
 
 
@@ -614,3 +614,12 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
     """``kv.attend`` on ``materialize(state)``: the materialising read (one per-row
     copy of the prefix per call), kept for tests and the benchmark."""
     return ops.attend(materialize(state), q, scale=scale)
+
+
+@compiled.prepare.register(SharedState)
+def _(state, n: int = 1):
+    # A record holding records (its prefixes and suffix) does not flatten
+    # through the attrs-derived boundary yet: refused by name (notes/prefix.md).
+    raise bad("state", "a record kind the compiled step supports",
+              "SharedState (decode shared rows with kvstate.mlx_lm.forward/step: their "
+              "cascade read is compiled per layout there)")

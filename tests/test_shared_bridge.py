@@ -165,3 +165,35 @@ def test_a_read_that_bypasses_the_cascade_is_refused(monkeypatch):
     monkeypatch.setattr(_decoder, "_attention_modules", lambda model: set())
     with pytest.raises(kv.KVStateError, match="bypassed"):
         bridge.step(model, mx.array([4, 5]), forked)
+
+
+def test_bridge_cascade_traces_once_per_bucket_not_per_token(monkeypatch):
+    """Every layer and every decode step of one suffix bucket reuse one trace of
+    the compiled cascade read."""
+    from kvstate import shared
+
+    traces = []
+    real = shared.cascade_attention
+
+    def counted(*args, **kwargs):
+        traces.append(1)  # Python runs only while tracing
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(shared, "cascade_attention", counted)
+    shared._compiled_read.cache_clear()
+    model = llama_model(layers=3)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3, 4, 5]]), bridge.make_states(model, 1))
+    states = kv.fork(states, 0, 3)
+    tok = mx.array([5, 6, 7, 8])
+    for _ in range(6):  # 6 steps x 3 layers = 18 reads, all in the first 64-column bucket
+        logits, states = bridge.step(model, tok, states)
+        tok = mx.argmax(logits, axis=-1)
+    mx.eval(tok)
+    assert len(traces) == 1
+
+
+def test_the_compiled_decoder_refuses_shared_rows_by_name():
+    model = llama_model(layers=2)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
+    with pytest.raises(kv.KVStateError, match="SharedState"):
+        kv.compiled_decoder(model)(mx.array([1, 2]), kv.fork(states, 0, 1))
