@@ -37,7 +37,8 @@ from .masks import MaskMemo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
 from .records import CacheState, QuantizedState
-from .shared import SharedState, prefix_groups as shared_prefix_groups, read as shared_read
+from .shared import (SharedState, prefix_groups as shared_prefix_groups, read as shared_read,
+                     update_suffix as shared_update_suffix)
 
 __all__ = [
     "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
@@ -86,9 +87,7 @@ class SharedShell(_SharedReads, _shells.Shell):
             return super().update_and_fetch(keys, values)
         if not ctx.started:
             ctx.start(keys, values)
-        rec = self.record
-        suffix, sk, sv = ops.update_and_read(rec.suffix, keys, values, ctx.plans)
-        self.content = SharedState(rec.prefixes, rec.source, rec.prefix_row, rec.shared, suffix)
+        self.content, sk, sv = shared_update_suffix(self.record, keys, values, ctx.plans)
         self._offset = None
         route.pending[id(self)] = (sk, sv)  # the cascade reads the suffix columns
         return sk, sv

@@ -107,6 +107,21 @@ class SharedState:
         """Bytes this record holds, each shared prefix counted once."""
         return held_bytes([self])
 
+    def __attrs_post_init__(self):
+        _check_shared(self)
+
+
+def with_suffix(state: SharedState, suffix) -> SharedState:
+    """``state`` with new suffix rows of the same kind and batch (an append's
+    result): the row map is unchanged, so it is not checked again (the
+    decode hot path builds one per layer per step)."""
+    out = object.__new__(SharedState)
+    for name, value in (("prefixes", state.prefixes), ("source", state.source),
+                        ("prefix_row", state.prefix_row), ("shared", state.shared),
+                        ("suffix", suffix)):
+        object.__setattr__(out, name, value)
+    return out
+
 
 def held_bytes(records) -> int:
     """Bytes held by ``records`` (any kinds, e.g. every layer of every batch and
@@ -122,14 +137,14 @@ def held_bytes(records) -> int:
 
 
 def _check_shared(state: SharedState) -> SharedState:
-    """Host invariants of a new ``SharedState`` (every constructor here calls it)."""
+    """Host invariants of a new ``SharedState`` (its constructor calls it)."""
+    kind = type(state.suffix)
+    check(kind in (CacheState, QuantizedState), "suffix", "a CacheState or QuantizedState",
+          kind.__name__)
     B = state.batch_size
     for name in ("source", "prefix_row", "shared"):
         n = len(getattr(state, name))
         check(n == B, f"{name}", f"{B} entries (one per suffix row)", n)
-    kind = type(state.suffix)
-    check(kind in (CacheState, QuantizedState), "suffix", "a CacheState or QuantizedState",
-          kind.__name__)
     for i, p in enumerate(state.prefixes):
         check(type(p) is kind, f"prefixes[{i}]", f"a {kind.__name__} like the suffix",
               type(p).__name__)
@@ -229,17 +244,33 @@ def _(state: SharedState, row, n, *, step=None):
 # --- append / positions / lengths -----------------------------------------------------------
 
 
+def _first_tokens(state: SharedState, k, v):
+    """New tokens for suffix rows that hold none yet must fit the prefixes' geometry."""
+    if not state.suffix.planes:
+        _rows.validate_tokens(state, k, v)
+
+
 @ops.append.register
 def _(state: SharedState, k, v):
-    return attrs.evolve(state, suffix=ops.append(state.suffix, k, v))
+    _first_tokens(state, k, v)
+    return with_suffix(state, ops.append(state.suffix, k, v))
+
+
+def update_suffix(state: SharedState, k, v, plans=None) -> tuple:
+    """Append to the suffix rows: ``(new_state, suffix keys, suffix values)``, the
+    suffix's own read (what the cascade reads; the bridge's routed shells)."""
+    _first_tokens(state, k, v)
+    suffix, sk, sv = ops.update_and_read(state.suffix, k, v, plans)
+    return with_suffix(state, suffix), sk, sv
 
 
 @ops.update_and_read.register
 def update_and_read_shared(state: SharedState, k, v, plans=None):
     """The suffix rows take the tokens (sharing the forward's plans); the read
     is the materialized rows."""
+    _first_tokens(state, k, v)
     suffix, _, _ = ops.update_and_read(state.suffix, k, v, plans)
-    state = attrs.evolve(state, suffix=suffix)
+    state = with_suffix(state, suffix)
     return (state, *ops.fetch(state))
 
 

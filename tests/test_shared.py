@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
@@ -328,3 +329,18 @@ class SharedQuantizedRows(RuleBasedStateMachine):
 SharedQuantizedRows.TestCase.settings = settings(max_examples=15, stateful_step_count=6,
                                                  deadline=None)
 TestSharedQuantizedRows = SharedQuantizedRows.TestCase
+
+
+def test_a_shared_record_satisfies_its_invariants_or_is_refused():
+    base = kv.append(kv.empty(1), mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
+    good = kv.fork(base, 0, 1)
+    for change, arg in (({"shared": (3, 4)}, "shared"), ({"source": (0, 1)}, "source"),
+                        ({"prefix_row": (0, 1)}, "prefix_row"), ({"shared": (3,)}, "shared"),
+                        ({"suffix": kv.rotating(2, max_size=4)}, "suffix")):
+        with pytest.raises(kv.KVStateError, match=arg):
+            attrs.evolve(good, **change)
+    # The first tokens of empty suffix rows must fit the prefix's geometry.
+    with pytest.raises(kv.KVStateError, match="heads"):
+        kv.append(good, mx.zeros((2, H + 1, 1, D)), mx.zeros((2, H + 1, 1, D)))
+    with pytest.raises(kv.KVStateError, match="dtype"):
+        kv.append(good, mx.zeros((2, H, 1, D), mx.float16), mx.zeros((2, H, 1, D), mx.float16))
