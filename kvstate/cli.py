@@ -519,7 +519,7 @@ def generate(args, out=None, err=None) -> int:
     return 0 if same == n else 1
 
 
-def serve(args, err=None) -> int:
+def serve_command(args, err=None) -> int:
     """``kvstate serve``: load the model, then serve until interrupted."""
     from . import serve as server
     from .prefix_cache import PrefixCache
@@ -537,7 +537,7 @@ def serve(args, err=None) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return serve(args) if args.command == "serve" else generate(args)
+        return serve_command(args) if args.command == "serve" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
         return 2
