@@ -17,6 +17,7 @@ token, peak KV bytes), with sharing on and off, and mlx-lm's
 
     python benchmarks/shared_prefix.py --part attention --rounds 7
     python benchmarks/shared_prefix.py --part model --rounds 5
+    python benchmarks/shared_prefix.py --part bytes     # peak KV bytes only, no forward
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def attention_part(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["attention", "model"], default="attention")
+    ap.add_argument("--part", choices=["attention", "model", "bytes"], default="attention")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
@@ -111,6 +112,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.part == "attention":
         attention_part(args)
+    elif args.part == "bytes":
+        bytes_part(args)
     else:
         model_part(args)
 
@@ -264,6 +267,95 @@ def system_round(model, system, users, steps, seed):
             lease.release()
         out[side] = (statistics.mean(ttfts), ran, step, peak)
     return out
+
+
+def bytes_part(args):
+    """Peak KV bytes at the issue's sizes, from the real model's cache geometry.
+
+    Bytes depend on shapes alone, not on values, so the rows hold zeros of
+    each layer's geometry (``kvstate.persist.model_geometry``) and no forward
+    runs: the same appends, forks, copies, cache inserts and ``steps`` decode
+    appends as the model part, at n = 1, 4, 16 samples of a ``--prompt``-token
+    prompt and ``--requests`` requests sharing a ``--system``-token prompt.
+    """
+    import copy
+
+    from mlx_lm.models.cache import KVCache
+    from mlx_lm.server import LRUPromptCache
+
+    from kvstate.persist import model_geometry
+    from kvstate.prefix_cache import PrefixCache
+    from kvstate.shared import held_bytes
+
+    model, name = load(args)
+    geo = model_geometry(model)
+
+    def rows(B, n):
+        return [(mx.zeros((B, H, n, dk), dt), mx.zeros((B, H, n, dv), dt))
+                for H, dk, dv, dt, _ in geo]
+
+    def grow(states, B, n):
+        return [kv.append(s, k, v) for s, (k, v) in zip(states, rows(B, n))]
+
+    def lm_grow(caches, n):
+        for c, (k, v) in zip(caches, rows(1, n)):
+            c.update_and_fetch(k, v)
+        return caches
+
+    def prompt_states(n):
+        return grow([kv.empty(1) for _ in geo], 1, n)
+
+    print(f"# KV bytes, {name}: {len(geo)} layers, geometry {geo[0][:4]}; "
+          f"{args.steps} decode tokens per row")
+    print("| case | shared | unshared | mlx-lm LRU | shared / unshared | target |")
+    print("|---|---|---|---|---|---|")
+    for n in args.samples:
+        base = prompt_states(args.prompt)
+        shared = grow(kv.fork(base, 0, n - 1), n, 1)
+        unshared = grow([kv.filter_rows(s, [0] * n) for s in base], n, 1)
+        entry = lm_grow([KVCache() for _ in geo], args.prompt)
+        lru = LRUPromptCache()
+        lru.insert_cache("m", list(range(args.prompt)), entry)
+        copies = [lm_grow(lru.fetch_nearest_cache("m", list(range(args.prompt)))[0], 1)
+                  for _ in range(n)]
+        for _ in range(args.steps - 1):
+            shared, unshared = grow(shared, n, 1), grow(unshared, n, 1)
+            copies = [lm_grow(c, 1) for c in copies]
+        a, b = held_bytes(shared), held_bytes(unshared)
+        lm = lm_bytes(entry) + sum(lm_bytes(c) for c in copies)
+        print(f"| n={n} samples of {args.prompt} tokens | {a} | {b} | {lm} | {a / b:.3f} | "
+              f"<= {1 / n + 0.1:.3f} |")
+    # R requests sharing a system prompt: the prefix cache flow, without the model.
+    R, S, U = args.requests, args.system, args.user
+    cache, batch = PrefixCache(1 << 40), []
+    first = list(range(1, S + 1)) + [10_000] * U
+    cache.insert(first, prompt_states(S + U))
+    batch.append([kv.fork(s, 0, 0) for s in cache.pin(first).states])
+    for r in range(1, R):
+        p = list(range(1, S + 1)) + [10_000 + r] * U
+        hit = cache.lookup(p)
+        states = grow(hit.states, 1, len(p) - hit.matched)
+        cache.insert(p, states)
+        batch.append(cache.pin(p).states)
+    shared = [kv.merge_rows(list(layer)) for layer in zip(*batch)]
+    unshared = [kv.merge_rows([s] * R) for s in prompt_states(S + U)]
+    lru, running = LRUPromptCache(), []
+    for r in range(R):
+        p = list(range(1, S + 1)) + [10_000 + r] * U
+        c, rest = lru.fetch_nearest_cache("m", p)
+        if c is None:
+            c, rest = [KVCache() for _ in geo], p
+        lm_grow(c, len(rest))
+        lru.insert_cache("m", p, copy.deepcopy(c))
+        running.append(c)
+    for _ in range(args.steps):
+        shared, unshared = grow(shared, R, 1), grow(unshared, R, 1)
+        running = [lm_grow(c, 1) for c in running]
+    a = held_bytes(shared + cache.records())
+    b = held_bytes(unshared)
+    lm = sum(lm_bytes(c) for c in running) + lru.nbytes
+    print(f"| {R} requests, {S}-token system prompt + {U} | {a} | {b} | {lm} | {a / b:.3f} | "
+          "- |")
 
 
 def model_part(args):
