@@ -318,7 +318,13 @@ def rollback(states: Sequence, checkpoint, keep, tokens, forward: Callable) -> l
     The result equals never having fed the rejected tokens.
     """
     layers = list(states)
-    cps = list(checkpoint.layers) if hasattr(checkpoint, "layers") else list(checkpoint)
+    cps = getattr(checkpoint, "layers", checkpoint)
+    if not isinstance(cps, (list, tuple)):
+        raise bad(
+            "checkpoint",
+            "kv.checkpoint(states) of the states then (one per layer)",
+            type(checkpoint).__name__,
+        )
     check(len(cps) == len(layers), "checkpoint layers", len(layers), len(cps))
     if not isinstance(tokens, mx.array):
         tokens = mx.array(tokens)
@@ -330,8 +336,10 @@ def rollback(states: Sequence, checkpoint, keep, tokens, forward: Callable) -> l
     )
     B = tokens.shape[0]
     keep = per_row(keep, B, "keep")
-    for b, k in enumerate(keep):
-        check(k <= tokens.shape[1], f"keep[{b}]", f"<= {tokens.shape[1]} (tokens fed)", k)
+    seen = ops.checkpoint(layers[0]).lengths  # tokens seen now, per row (any kind)
+    for b, (k, now, then) in enumerate(zip(keep, seen, cps[0].lengths)):
+        fed = min(now - then, tokens.shape[1])
+        check(k <= fed, f"keep[{b}]", f"<= {fed} (tokens fed since the checkpoint)", k)
     if not any(_partial(s, c, keep) for s, c in zip(layers, cps)):
         return [ops.rollback(s, c, keep) for s, c in zip(layers, cps)]
     back = [_padded(ops.rollback(s, c, 0), keep) for s, c in zip(layers, cps)]

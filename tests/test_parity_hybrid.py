@@ -125,6 +125,24 @@ def test_rollback_after_rejected_draft_equals_never_drafting(family):
     decode(model, logits, states, refs, 3, f"{name} (after rollback)")
 
 
+def test_model_rollback_refuses_bad_input_and_changes_nothing(family):
+    name, model = family
+    _, states = br.prefill(model, [th.prompt(18, 5), th.prompt(19, 3)])
+    cp = kv.checkpoint(states)
+    draft = mx.array([th.prompt(32, 3), th.prompt(33, 3)])
+    _, drafted = br.forward(model, draft, states)
+    before = [kv.checkpoint(s).lengths for s in drafted]
+    for args, arg in (
+        ((cp, [1, 4], draft), "keep\\[1\\]"),
+        ((cp, [1, 1], draft[:1]), "tokens"),
+        ((cp.layers[0], 1, draft), "checkpoint"),
+        ((kv.checkpoint(drafted[:1]), 1, draft), "checkpoint layers"),
+    ):
+        with pytest.raises(kv.KVStateError, match=arg):
+            br.rollback(model, drafted, *args)
+    assert [kv.checkpoint(s).lengths for s in drafted] == before
+
+
 def test_rollback_without_replay_keeps_or_restores_rows(family):
     """keep 0 or all: every record rolls back alone (no model call), exactly."""
     name, model = family
