@@ -435,3 +435,35 @@ def _in_place_of_dense(before, after, n):
         for x in (keys, values)
     ]
     return ops.append(before, *take)
+
+
+# --- batched prefill: recurrent rows skip their right padding ------------------------------
+
+
+def register_prefill(paddable, pad_right, unpad) -> None:
+    """Register the recurrent and composite kinds with ``kvstate.mlx_lm``'s
+    batched prefill generics (called once by that module, which defines them)."""
+
+    @paddable.register(RecurrentState)
+    def _paddable_recurrent(state):
+        return True
+
+    @paddable.register(CompositeState)
+    def _paddable_composite(state):
+        return all(map(paddable, state.parts))
+
+    @pad_right.register(RecurrentState)
+    def _pad_right_recurrent(state, lengths):
+        return recurrent.prepare(state, until=lengths)
+
+    @pad_right.register(CompositeState)
+    def _pad_right_composite(state, lengths):
+        return CompositeState(tuple(pad_right(p, lengths) for p in state.parts))
+
+    @unpad.register(RecurrentState)
+    def _unpad_recurrent(state, cut):
+        return recurrent.finalize(state)  # the padding never reached the slots
+
+    @unpad.register(CompositeState)
+    def _unpad_composite(state, cut):
+        return CompositeState(tuple(unpad(p, cut) for p in state.parts))

@@ -20,6 +20,7 @@ and the leases are released when the model returns. Decisions are in
 from __future__ import annotations
 
 import weakref
+from functools import singledispatch
 from typing import Optional, Sequence
 
 import attrs
@@ -354,14 +355,43 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo]
     step_size = as_int(prefill_step_size, "prefill_step_size")
     check(step_size >= 1, "prefill_step_size", ">= 1", step_size)
     states = make_states(model, len(prompts), **make)
-    if not all(type(s) in _PADDABLE for s in states):
+    if not all(map(paddable, states)):
         return _prefill_alone(model, prompts, memo, make)
     return _prefill_rows(model, prompts, states, step_size, memo)
 
 
-# Records whose padding columns a trim removes exactly; a ring would evict real
-# tokens for padding, a recurrent state would absorb it.
-_PADDABLE = (CacheState, QuantizedState)
+@singledispatch
+def paddable(state) -> bool:
+    """Whether right-padded rows of this kind come out of a batched prefill
+    exactly as prefilled alone (``pad_right`` before, ``unpad`` after): dense
+    and quantized rows (a trim drops the padding columns) and recurrent rows
+    (they skip the padding, ``kvstate._hybrid``). A ring would evict real
+    tokens for padding, a chunked layer drop them at its next ``trim_front``."""
+    return False
+
+
+@paddable.register(CacheState)
+@paddable.register(QuantizedState)
+def _paddable_rows(state) -> bool:
+    return True
+
+
+@singledispatch
+def pad_right(state, lengths: tuple):
+    """``state`` told that of the next block of tokens, row ``b``'s first
+    ``lengths[b]`` are real, then padding (a dense row needs nothing:
+    ``unpad`` trims). Given per block, never beyond it: mlx-lm's SSD scan
+    (``ssm_attn``) reads a ``lengths`` longer than the block out of range."""
+    return state
+
+
+@singledispatch
+def unpad(state, cut: tuple):
+    """``state`` without the padding ``pad_right`` announced (``cut`` per row)."""
+    return kv.trim(state, cut)
+
+
+_hybrid.register_prefill(paddable, pad_right, unpad)
 
 
 def _prefill_alone(model, prompts, memo, make):
@@ -388,10 +418,12 @@ def _prefill_rows(model, prompts, states, step_size, memo):
         for start in range(0, width, step_size):
             if start:  # bound the graph (and memory) of long prompts, as mlx-lm does
                 mx.eval([s.planes for s in states])
+            n = min(step_size, width - start)
+            real = tuple(min(max(len(h) - start, 0), n) for h in heads)
+            states = [pad_right(s, real) for s in states]
             _, states = forward(model, tokens[:, start:start + step_size], states, memo=memo)
         cut = tuple(width - len(h) for h in heads)
-        if any(cut):
-            states = [kv.trim(s, cut) for s in states]
+        states = [unpad(s, cut) for s in states]
     return step(model, mx.array([p[-1] for p in prompts], dtype=mx.int32), states, memo=memo)
 
 

@@ -83,6 +83,18 @@ def test_ragged_batch_equals_each_row_alone(family):
     decode(model, logits, states, refs, 5, name)
 
 
+def test_batched_chunked_prefill_equals_each_row_alone(family):
+    """``prefill`` right-pads the rows and runs them in chunks of 3 tokens:
+    recurrent rows skip their padding (mlx-lm's ``lengths`` mask, counting down
+    across chunks), attention rows trim it; llama4 prefills rows alone."""
+    name, model = family
+    prompts = [th.prompt(21, 9), th.prompt(22, 2), th.prompt(23, 6)]
+    logits, states = br.prefill(model, prompts, prefill_step_size=3)
+    assert all(br.paddable(s) for s in states) == (name != "llama4")
+    refs = [Solo(model, p) for p in prompts]
+    decode(model, logits, states, refs, 3, f"{name} (batched prefill)")
+
+
 def test_continuous_batching_rows_join_and_leave(family):
     name, model = family
     prompts = [th.prompt(4, 6), th.prompt(5, 9)]
