@@ -307,6 +307,11 @@ class RecurrentState(_Unpadded):
         return len(set(self.lengths)) <= 1 and not any(self.left_padding) and self.until is None
 
     @property
+    def capacity(self) -> int:
+        """Always 0: recurrent rows have no columns (for code generic over records)."""
+        return 0
+
+    @property
     def planes(self) -> tuple:
         return tuple(a for a in self.arrays if a is not None)
 
@@ -387,6 +392,11 @@ class CompositeState(_OfParts):
     @property
     def planes(self) -> tuple:
         return tuple(p for part in self.parts for p in part.planes)
+
+    @property
+    def capacity(self) -> int:
+        """The most columns a part holds (0 for parts without columns)."""
+        return max((p.capacity for p in self.parts), default=0)
 
     @property
     def nbytes(self) -> int:
