@@ -33,7 +33,7 @@ import mlx.core as mx
 
 import attrs
 
-from . import _shells, chunked, compiled, ops, recurrent
+from . import _buckets, _shells, chunked, compiled, ops, recurrent
 from ._args import per_row
 from .errors import bad, check
 from .records import CacheState, ChunkedState, CompositeState, RecurrentState
@@ -467,3 +467,18 @@ def register_prefill(paddable, pad_right, unpad) -> None:
     @unpad.register(CompositeState)
     def _unpad_composite(state, cut):
         return CompositeState(tuple(unpad(p, cut) for p in state.parts))
+
+
+@_buckets.blank_rows.register(RecurrentState)
+def _blank_recurrent(state, n: int):
+    """``n`` rows of zero slots (a recurrent row's state before any token), so
+    the compiled decoder can pad a batch of recurrent rows to its bucket."""
+    return attrs.evolve(
+        state,
+        lengths=(0,) * n,
+        left_padding=(0,) * n,
+        until=None,
+        arrays=tuple(
+            None if a is None else mx.zeros((n, *a.shape[1:]), a.dtype) for a in state.arrays
+        ),
+    )
