@@ -242,7 +242,7 @@ class Decoder:
         del flats, states, padded
         if self.wait:
             self._pending = logits
-        new = [compiled.unflatten(sp.replace(**compiled.advanced(s, N)), f)
+        new = [compiled.rebuild(sp.replace(**compiled.advanced(s, N)), f)
                for f, sp, s in zip(out, specs, prepared)]
         if Bb != B:
             return self._padding.unpad(logits, new, B)

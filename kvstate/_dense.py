@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import attrs
 import mlx.core as mx
 
 from . import _rows, ops
 from ._args import as_int, per_row
 from .errors import bad, check
-from .records import CacheState
+from .invariants import check_float, check_plane, validate
+from .records import CacheState, derived
 
 # --- the kind's hooks ---------------------------------------------------------
 
@@ -37,13 +37,23 @@ def to_planes_dense(state: CacheState, k, v):
 @_rows.with_planes.register
 def with_planes_dense(state: CacheState, planes, **changes):
     keys, values = planes if planes else (None, None)
-    if not changes.keys() - {"lengths", "left_pad"}:
-        # The hot path (every append): the constructor, not attrs.evolve,
-        # which re-reads every field through getattr.
-        return CacheState(changes.get("lengths", state.lengths),
-                          changes.get("left_pad", state.left_pad), state.step,
-                          keys=keys, values=values)
-    return attrs.evolve(state, keys=keys, values=values, **changes)
+    return derived(state, keys=keys, values=values, **changes)
+
+
+@validate.register
+def validate_dense(state: CacheState):
+    """The padded-row checks, then planes ``[B, H, C, D]`` of one batch, head
+    count, capacity and float dtype, every row ending inside ``C``."""
+    B, ends = _rows.validate_rows(state)
+    if ends is None:
+        return state
+    _, H, C, _ = check_plane("state.keys", state.keys, B)
+    check_plane("state.values", state.values, B, C, H)
+    check_float("state.keys", state.keys.dtype)
+    if state.values.dtype != state.keys.dtype:
+        raise bad("state.values dtype", f"{state.keys.dtype} as keys", state.values.dtype)
+    _rows.check_ends(state, C)
+    return state
 
 
 # --- construction -------------------------------------------------------------

@@ -8,13 +8,13 @@ filter, extract, trim and rollback move packed bytes and never requantize.
 
 from __future__ import annotations
 
-import attrs
 import mlx.core as mx
 
 from . import _dense, _rows, ops
 from ._args import as_int
 from .errors import bad, check
-from .records import CacheState, QuantizedState
+from .invariants import check_float, check_int, check_plane, clear_hidden, validate
+from .records import CacheState, QuantizedState, derived
 
 GROUP_SIZES = (32, 64, 128)
 BITS = (2, 3, 4, 5, 6, 8)
@@ -51,7 +51,9 @@ def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> Q
         check(x.shape[3] % group_size == 0, f"{arg} head dim (shape[3])",
               f"a multiple of group_size={group_size}", x.shape[3])
     planes = _rows.to_planes(empty, *_rows.columns(state.planes, state.width))
-    return _rows.with_planes(empty, planes, lengths=state.lengths, left_pad=state.left_pad)
+    out = _rows.with_planes(empty, planes, lengths=state.lengths, left_pad=state.left_pad,
+                            row_ids=state.row_ids)
+    return clear_hidden(out)  # (mx.quantize of a zero column gives a nonzero scale)
 
 
 @_rows.geometry.register
@@ -78,7 +80,52 @@ def to_planes_quantized(state: QuantizedState, k, v):
 @_rows.with_planes.register
 def with_planes_quantized(state: QuantizedState, planes, **changes):
     keys, values = (tuple(planes[:3]), tuple(planes[3:])) if planes else (None, None)
-    return attrs.evolve(state, keys=keys, values=values, **changes)
+    return derived(state, keys=keys, values=values, **changes)
+
+
+@validate.register
+def validate_quantized(state: QuantizedState):
+    """The dense checks, plus ``bits``/``group_size`` and ``(packed, scales,
+    biases)`` planes that agree with them: packed ``uint32`` ``[B, H, C,
+    D * bits / 32]``, scales and biases ``[B, H, C, D / group_size]`` of one
+    float dtype."""
+    B, ends = _rows.validate_rows(state)
+    check_int(state.bits, "state.bits", 1)
+    check_int(state.group_size, "state.group_size", 1)
+    if state.bits not in BITS:
+        raise bad("state.bits", f"one of {BITS}", state.bits)
+    if state.group_size not in GROUP_SIZES:
+        raise bad("state.group_size", f"one of {GROUP_SIZES}", state.group_size)
+    if ends is None:
+        return state
+    H = C = dtype = None
+    for name in ("keys", "values"):
+        planes = getattr(state, name)
+        if type(planes) is not tuple or len(planes) != 3:
+            raise bad(f"state.{name}", "a (packed, scales, biases) tuple of 3 arrays",
+                      f"{type(planes).__name__} of {len(planes) if type(planes) is tuple else '?'}")
+        packed, scales, biases = planes
+        _, H, C, width = check_plane(f"state.{name}[0] (packed)", packed, B, C, H)
+        groups = check_plane(f"state.{name}[1] (scales)", scales, B, C, H)[3]
+        check_plane(f"state.{name}[2] (biases)", biases, B, C, H)
+        if biases.shape != scales.shape:
+            raise bad(f"state.{name}[2] (biases) shape", f"{list(scales.shape)} as scales",
+                      list(biases.shape))
+        if packed.dtype != mx.uint32:
+            raise bad(f"state.{name}[0] (packed) dtype", "uint32", packed.dtype)
+        dtype = scales.dtype if dtype is None else dtype
+        for j, x in ((1, scales), (2, biases)):
+            if x.dtype != dtype:
+                raise bad(f"state.{name}[{j}] dtype", f"{dtype} as keys[1] (scales)", x.dtype)
+        check_float(f"state.{name}[1] (scales)", dtype)
+        D = groups * state.group_size
+        if width * 32 != D * state.bits:
+            raise bad(f"state.{name}[0] (packed) width (shape[3])",
+                      f"{D * state.bits // 32} ({groups} groups of {state.group_size} at "
+                      f"{state.bits} bits)", width)
+    _rows.check_ends(state, C)
+    return state
+
 
 
 @ops.fetch.register

@@ -27,15 +27,16 @@ reasons: ``notes/rotating.md``.
 
 from __future__ import annotations
 
-import attrs
 import mlx.core as mx
 import numpy as np
 
 from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
-from .masks import MaskKey, lease
-from .records import Checkpoint, RotatingState
+from .invariants import (check_counts, check_float, check_int, check_plane, clear_columns,
+                         clear_hidden, cleared, distinct_row_ids, validate)
+from .masks import MaskKey, check_memo, lease
+from .records import Checkpoint, RotatingState, derived
 
 
 # --- construction -------------------------------------------------------------
@@ -234,8 +235,8 @@ def _relayout(planes, lengths, held, keep: int, old_c: int, new_c: int):
     ln, hd = np.array(lengths, np.int64), np.array(held, np.int64)
     holds, rank = _ranks(ln, hd, keep, new_c, new_c)
     src = column_of(_position_of_rank(rank, ln, hd, keep), keep, old_c)
-    src = np.where(holds, src, 0).astype(np.int32)  # unheld columns: anything (never read)
-    return _gather(planes, src)
+    src = np.where(holds, src, 0).astype(np.int32)
+    return cleared(_gather(planes, src), holds)  # unheld columns: zeros (invariants.py)
 
 
 def _gather(planes, src):
@@ -261,7 +262,7 @@ def append_ring(state: RotatingState, k, v):
         planes = _relayout(state.planes, state.lengths, kept, state.keep, state.capacity, C)
     write = ring_writer(state.lengths, N, keep=state.keep, capacity=C)
     keys, values = (write(p, x) for p, x in zip(planes, (k, v)))
-    return attrs.evolve(state, lengths=lengths, held=held, keys=keys, values=values)
+    return derived(state, lengths=lengths, held=held, keys=keys, values=values)
 
 
 def read(state: RotatingState):
@@ -394,6 +395,8 @@ def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo,
 
 @ops.next_mask.register
 def next_mask_ring(state: RotatingState, n, *, memo=None, window=None, array=False):
+    if memo is not None:
+        check_memo(memo)
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
     lengths, held, _, capacity = _plan(state, n)
@@ -402,7 +405,8 @@ def next_mask_ring(state: RotatingState, n, *, memo=None, window=None, array=Fal
 
 @ops.attend.register
 def attend_ring(state: RotatingState, q, *, scale: float, memo=None, window=None):
-    n = _rows.validate_queries(state, q, scale=scale, window=window, holds=state.held)
+    n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo,
+                               holds=state.held)
     w = _window(state, window)
     keys, values = read(state)
     return _rows.under_mask(
@@ -437,7 +441,18 @@ def _trim_to(state: RotatingState, target, arg: str) -> RotatingState:
                       f">= {lowest} or <= {keep} (the ring holds positions {s}..{n - 1}, and "
                       f"the next append needs the {ms - 1 - keep} before it)", t)
         held.append(keep + t - s)
-    return attrs.evolve(state, lengths=tuple(target), held=tuple(held))
+    keys, values = clear_columns(state.planes, _dropped_columns(state, target)) or (None, None)
+    return derived(state, lengths=tuple(target), held=tuple(held), keys=keys, values=values)
+
+
+def _dropped_columns(state: RotatingState, target) -> list:
+    """Per row, the columns of the held positions at or after ``target``."""
+    keep, C, out = state.keep, state.capacity, []
+    for t, n, s in zip(target, state.lengths, state.starts):
+        nk = min(keep, n)
+        pos = list(range(t, nk)) + list(range(max(t, s), n))
+        out.append(column_of(np.array(pos, np.int64), keep, C).tolist() if pos else [])
+    return out
 
 
 @ops.trim.register
@@ -451,7 +466,7 @@ def trim_ring(state: RotatingState, n):
 @ops.checkpoint.register
 def checkpoint_ring(state: RotatingState):
     """Tokens seen per row (``Checkpoint.lengths``); ring rows never pad."""
-    return Checkpoint(state.lengths, state.left_pad)
+    return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
 
 
 @ops.rollback.register
@@ -487,6 +502,7 @@ def commit_ring(state: RotatingState, anchor, keep=0):
                   type(anchor).__name__)
     B, ms, kp = state.batch_size, state.max_size, state.keep
     check(anchor.batch_size == B, "anchor batch size", B, anchor.batch_size)
+    _rows.check_checkpoint_rows(state, anchor, "anchor")
     check((anchor.max_size, anchor.keep) == (ms, kp), "anchor (max_size, keep)", (ms, kp),
           (anchor.max_size, anchor.keep))
     keep = per_row(keep, B, "keep")
@@ -527,8 +543,7 @@ def commit_ring(state: RotatingState, anchor, keep=0):
     mask = mx.array(k > 0)[:, None, :, None]
     write = columns_writer(dst.tolist())
     keys, values = (write(p, mx.where(mask, x, o)) for p, x, o in zip(planes, new, old))
-    return attrs.evolve(anchor, lengths=tuple(lengths), held=tuple(held), keys=keys,
-                        values=values)
+    return derived(anchor, lengths=tuple(lengths), held=tuple(held), keys=keys, values=values)
 
 
 # --- rows: merge, filter, extract --------------------------------------------------------
@@ -541,23 +556,24 @@ def filter_rows_ring(state: RotatingState, rows):
     if keys is not None and rows != list(range(state.batch_size)):
         idx = mx.array(rows, dtype=mx.int32)
         keys, values = keys[idx], values[idx]
-    return attrs.evolve(state, lengths=tuple(state.lengths[r] for r in rows),
-                        held=tuple(state.held[r] for r in rows), keys=keys, values=values)
+    return derived(state, lengths=tuple(state.lengths[r] for r in rows),
+                   held=tuple(state.held[r] for r in rows), keys=keys, values=values,
+                   row_ids=distinct_row_ids(tuple(state.row_ids[r] for r in rows)))
 
 
 @ops.extract_row.register
 def extract_row_ring(state: RotatingState, row):
     """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
     row = row_index(row, state.batch_size)
-    one = attrs.evolve(state, lengths=(state.lengths[row],), held=(state.held[row],),
-                       keys=None, values=None)
+    one = derived(state, lengths=(state.lengths[row],), held=(state.held[row],),
+                  keys=None, values=None, row_ids=(state.row_ids[row],))
     if state.keys is None:
         return one
     h = state.held[row]
     planes = _relayout(tuple(p[row:row + 1] for p in state.planes), one.lengths, one.held,
                        state.keep, state.capacity, h)
     keys, values = (mx.contiguous(p) for p in planes)
-    return attrs.evolve(one, keys=keys, values=values)
+    return derived(one, keys=keys, values=values)
 
 
 @ops.merge_same_kind.register
@@ -577,8 +593,9 @@ def merge_rows_ring(first: RotatingState, states):
                 parts.append(_relayout(s.planes, s.lengths, s.held, s.keep, s.capacity, C))
         keys = mx.concatenate([p[0] for p in parts], axis=0)
         values = mx.concatenate([p[1] for p in parts], axis=0)
-    return attrs.evolve(first, lengths=sum((s.lengths for s in states), ()),
-                        held=sum((s.held for s in states), ()), keys=keys, values=values)
+    return derived(first, lengths=sum((s.lengths for s in states), ()),
+                   held=sum((s.held for s in states), ()), keys=keys, values=values,
+                   row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())))
 
 
 # --- the compile boundary (kvstate.compiled) for rings -----------------------------------
@@ -598,7 +615,7 @@ def with_capacity_ring(state: RotatingState, capacity: int):
           capacity)
     keys, values = _relayout(state.planes, state.lengths, state.held, state.keep,
                              state.capacity, capacity)
-    return attrs.evolve(state, keys=keys, values=values)
+    return derived(state, keys=keys, values=values)
 
 
 @compiled.prepare.register
@@ -610,7 +627,7 @@ def prepare_ring(state: RotatingState, n: int = 1):
     if C == state.capacity:
         return state
     keys, values = _relayout(state.planes, state.lengths, kept, state.keep, state.capacity, C)
-    return attrs.evolve(state, held=kept, keys=keys, values=values)
+    return derived(state, held=kept, keys=keys, values=values)
 
 
 @compiled.advanced.register
@@ -657,3 +674,55 @@ def traced_mask_ring(proto: RotatingState, view: compiled.Traced, n: int, window
         return ring_mask(n, ln, hd, keep=proto.keep, capacity=C, width=C, window=w)
 
     return ctx.shared(("ring-mask", n, w, C, proto.keep), (lengths, held), build)
+
+
+# --- invariants (kvstate.invariants) ---------------------------------------------------------
+
+
+@validate.register
+def validate_ring(state: RotatingState):
+    """Counts per row, ``held <= lengths`` with the kept prefix held, ``0 <=
+    keep < max_size``, and planes ``[B, H, C, D]`` of one float dtype with
+    every row's held entries fitting in ``C``."""
+    B = check_counts(state, "state", ("lengths", "held"))
+    max_size = check_int(state.max_size, "state.max_size", 1)
+    keep = check_int(state.keep, "state.keep", 0, max_size - 1)
+    check_int(state.step, "state.step", 1)
+    for b, (n, h) in enumerate(zip(state.lengths, state.held)):
+        if h > n:
+            raise bad(f"state.held[{b}]", f"<= lengths[{b}] = {n} (tokens the row has seen)", h)
+        if n <= keep and h != n:
+            raise bad(f"state.held[{b}]", f"{n} (a row inside its kept prefix holds it all)", h)
+        if n > keep and h < keep:
+            raise bad(f"state.held[{b}]", f">= keep = {keep} (the kept prefix is never evicted)",
+                      h)
+    keys, values = state.keys, state.values
+    if keys is None or values is None:
+        if keys is not None or values is not None:
+            raise bad("state.keys and state.values", "both set or both None",
+                      f"{type(keys).__name__} and {type(values).__name__}")
+        if any(state.lengths):
+            raise bad("state.lengths", "zeros before the first append (no planes)",
+                      state.lengths)
+        return state
+    _, H, C, _ = check_plane("state.keys", keys, B)
+    check_plane("state.values", values, B, C, H)
+    check_float("state.keys", keys.dtype)
+    if values.dtype != keys.dtype:
+        raise bad("state.values dtype", f"{keys.dtype} as keys", values.dtype)
+    for b, h in enumerate(state.held):
+        if h > C:
+            raise bad(f"state.held[{b}]", f"<= {C} (the capacity)", h)
+    return state
+
+
+@clear_hidden.register
+def _clear_ring(state: RotatingState):
+    if state.keys is None or min(state.held, default=0) == state.capacity:
+        return state
+    C = state.capacity
+    holds, _ = _ranks(np.array(state.lengths, np.int64), np.array(state.held, np.int64),
+                      state.keep, C, C)
+    planes = state.planes
+    new = cleared(planes, holds)
+    return state if new is planes else derived(state, keys=new[0], values=new[1])

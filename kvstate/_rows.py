@@ -19,13 +19,15 @@ import operator
 from functools import singledispatch
 from typing import Optional
 
-import attrs
 import mlx.core as mx
+import numpy as np
 
 from . import compiled, ops
 from ._args import as_int, check_scale, per_row, row_index, row_list
 from .errors import bad, check
-from .masks import lease, rows_key, rows_mask
+from .invariants import (check_counts, check_float, check_int, clear_columns, clear_hidden,
+                         cleared, distinct_row_ids)
+from .masks import check_memo, lease, rows_key, rows_mask
 from .records import Checkpoint, _Rows
 
 
@@ -97,6 +99,7 @@ def validate_tokens(state, k, v):
     (B, Hk, N, dk), dv = k.shape, v.shape[3]
     check(B == state.batch_size, "k batch size", state.batch_size, B)
     check(N >= 1, "k tokens (shape[2])", ">= 1", N)
+    check_float("k", k.dtype)
     if geo is not None:
         H, Dk, Dv, dtype = geo
         check(Hk == H, "k heads (shape[1])", H, Hk)
@@ -289,6 +292,8 @@ def rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=Fal
 
 @ops.next_mask.register
 def next_mask_rows(state: _Rows, n, *, memo=None, window=None, array=False):
+    if memo is not None:
+        check_memo(memo)
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
     # The rows after n more tokens, from host ints alone (no record is built).
@@ -321,18 +326,21 @@ def sdpa(state, q, keys, values, *, scale: float, mask):
 
 @ops.attend.register
 def attend_rows(state: _Rows, q, *, scale: float, memo=None, window=None):
-    n = validate_queries(state, q, scale=scale, window=window)
+    n = validate_queries(state, q, scale=scale, window=window, memo=memo)
     keys, values = ops.fetch(state)
     return under_mask(read_mask(state, n, memo, window),
                       lambda mask: sdpa(state, q, keys, values, scale=scale, mask=mask))
 
 
-def validate_queries(state, q, *, scale, window, holds=None) -> int:
+def validate_queries(state, q, *, scale, window, memo=None, holds=None) -> int:
     """Host checks of ``attend``'s arguments against any record; returns ``N``.
 
     ``holds``: the tokens each row can be read at (default ``lengths``; a
-    ring passes what it still holds).
+    ring passes what it still holds). ``memo`` is checked even when the read
+    needs no mask (a wrong memo is an error, not ignored).
     """
+    if memo is not None:
+        check_memo(memo)
     geo = geometry(state)
     check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
     H, dk, _, dtype = geo
@@ -364,12 +372,31 @@ def trim_rows(state: _Rows, n):
     n = per_row(n, state.batch_size, "n")
     for b, (m, have) in enumerate(zip(n, state.lengths)):
         check(m <= have, f"n for row {b}", f"<= {have} (tokens the row holds)", m)
-    return attrs.evolve(state, lengths=tuple(h - m for h, m in zip(state.lengths, n)))
+    return _shorten(state, tuple(h - m for h, m in zip(state.lengths, n)))
+
+
+def _shorten(state, lengths: tuple):
+    """``state`` holding ``lengths`` (each ``<=`` what its row holds), the
+    dropped columns cleared (``invariants.clear_columns``)."""
+    drop = [range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths)]
+    return with_planes(state, clear_columns(state.planes, drop), lengths=lengths)
 
 
 @ops.checkpoint.register
 def checkpoint_rows(state: _Rows):
-    return Checkpoint(state.lengths, state.left_pad)
+    return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
+
+
+def check_checkpoint_rows(state, cp, arg: str = "checkpoint") -> None:
+    """``cp`` (a checkpoint, or a ring's anchor record) was taken of ``state``'s
+    rows, in this order (``row_ids``; ``kvstate.invariants``)."""
+    if cp.row_ids is None:
+        raise bad(arg, "one kv.checkpoint took of this record's rows (with row_ids)",
+                  "a checkpoint without row ids")
+    if cp.row_ids != state.row_ids:
+        raise bad(f"{arg} rows (row_ids)", f"{state.row_ids} (this record's rows, in order)",
+                  f"{cp.row_ids} (taken before a merge, filter or reorder, or of another "
+                  "record)")
 
 
 def checkpoint_target(state, cp, keep):
@@ -378,6 +405,7 @@ def checkpoint_target(state, cp, keep):
         raise bad("checkpoint", "a Checkpoint", type(cp).__name__)
     check(cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
           cp.batch_size)
+    check_checkpoint_rows(state, cp)
     check(cp.left_pad == state.left_pad, "checkpoint left_pad",
           f"{state.left_pad} (the state's row layout)", cp.left_pad)
     keep = per_row(keep, state.batch_size, "keep")
@@ -394,7 +422,7 @@ def check_checkpoint(state, cp, keep):
 
 @ops.rollback.register
 def rollback_rows(state: _Rows, checkpoint, keep=0):
-    return attrs.evolve(state, lengths=check_checkpoint(state, checkpoint, keep))
+    return _shorten(state, check_checkpoint(state, checkpoint, keep))
 
 
 @ops.anchor.register
@@ -424,7 +452,8 @@ def filter_rows_rows(state: _Rows, rows):
         if shared:
             # Padding that every survivor shares is dead weight: slice it off.
             planes = tuple(p[:, :, shared:, :] for p in planes)
-    return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp))
+    return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp),
+                       row_ids=distinct_row_ids(tuple(state.row_ids[r] for r in rows)))
 
 
 @ops.extract_row.register
@@ -432,7 +461,8 @@ def extract_row_rows(state: _Rows, row):
     row = row_index(row, state.batch_size)
     start, n = state.left_pad[row], state.lengths[row]
     planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
-    return with_planes(state, planes, lengths=(n,), left_pad=(0,))
+    return with_planes(state, planes, lengths=(n,), left_pad=(0,),
+                       row_ids=(state.row_ids[row],))
 
 
 def check_same_geometry(states, fields=()):
@@ -483,7 +513,48 @@ def merge_rows_rows(first: _Rows, states):
         lengths += s.lengths
         left_pad += [p + shift for p in s.left_pad]
     planes = merge_planes(states, width, first.step)
-    return with_planes(first, planes, lengths=tuple(lengths), left_pad=tuple(left_pad))
+    return with_planes(first, planes, lengths=tuple(lengths), left_pad=tuple(left_pad),
+                       row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())))
+
+
+# --- invariants (kvstate.invariants) for the padded row layout ----------------------------
+
+
+def validate_rows(state: _Rows) -> tuple:
+    """The checks every padded-row kind shares: ``(B, ends)``, ``ends`` ``None``
+    before the first append (no planes: then no row may hold a column)."""
+    B = check_counts(state, "state", ("lengths", "left_pad"))
+    check_int(state.step, "state.step", 1)
+    ends = state.ends
+    if state.keys is None or state.values is None:
+        if state.keys is not None or state.values is not None:
+            raise bad("state.keys and state.values", "both set or both None",
+                      f"{type(state.keys).__name__} and {type(state.values).__name__}")
+        if any(ends):
+            raise bad("state.lengths and state.left_pad",
+                      "zeros before the first append (no planes hold columns)",
+                      f"lengths {state.lengths}, left_pad {state.left_pad}")
+        return B, None
+    return B, ends
+
+
+def check_ends(state, C: int) -> None:
+    """Every row ends inside the capacity ``C`` (where its next append writes)."""
+    for b, e in enumerate(state.ends):
+        if e > C:
+            raise bad(f"state row {b} end (left_pad + lengths)", f"<= {C} (the capacity)", e)
+
+
+@clear_hidden.register
+def clear_hidden_rows(state: _Rows):
+    planes = state.planes
+    if not planes or (not any(state.left_pad)
+                      and min(state.ends, default=0) == planes[0].shape[2]):
+        return state
+    c = np.arange(planes[0].shape[2])[None, :]
+    lp, ends = np.array(state.left_pad)[:, None], np.array(state.ends)[:, None]
+    new = cleared(planes, (c >= lp) & (c < ends))
+    return state if new is planes else with_planes(state, new)
 
 
 # --- the compile boundary (kvstate.compiled) for the padded row layout ----------------

@@ -19,14 +19,14 @@ trim and row moves are the dense code, with ``start`` carried along.
 
 from __future__ import annotations
 
-import attrs
 import mlx.core as mx
 
 from . import _dense, _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease
-from .records import Checkpoint, ChunkedState
+from .invariants import check_counts, check_int, validate
+from .records import Checkpoint, ChunkedState, derived
 
 __all__ = ["chunk_mask", "chunked_state", "trim_front"]
 
@@ -46,6 +46,15 @@ def chunked_state(batch_size: int = 1, *, chunk_size: int, step: int = 256) -> C
     )
 
 
+@validate.register(ChunkedState)
+def validate_chunked(state):
+    """The dense checks, one ``start`` per row, ``chunk_size >= 1``."""
+    _dense.validate_dense(state)
+    check_counts(state, "state", ("start",))
+    check_int(state.chunk_size, "state.chunk_size", 1)
+    return state
+
+
 @_rows.geometry.register(ChunkedState)
 def _geometry_chunked(state):
     if state.keys is None:
@@ -61,7 +70,7 @@ def _to_planes_chunked(state, k, v):
 @_rows.with_planes.register(ChunkedState)
 def _with_planes_chunked(state, planes, **changes):
     keys, values = planes if planes else (None, None)
-    return attrs.evolve(state, keys=keys, values=values, **changes)
+    return derived(state, keys=keys, values=values, **changes)
 
 
 def trim_front(state: ChunkedState) -> ChunkedState:
@@ -158,7 +167,7 @@ def attend_chunked(state, q, *, scale: float, memo=None, window=None):
 @ops.checkpoint.register(ChunkedState)
 def checkpoint_chunked(state):
     """Tokens seen per row (``offsets``): a later ``trim_front`` moves columns, not positions."""
-    return Checkpoint(state.offsets, (0,) * state.batch_size)
+    return Checkpoint(state.offsets, (0,) * state.batch_size, row_ids=state.row_ids)
 
 
 def _rolled_back(b: int, t: int, start: int, offset: int, cs: int):
@@ -199,12 +208,13 @@ def rollback_chunked(state, checkpoint, keep=0):
         state.batch_size,
         checkpoint.batch_size,
     )
+    _rows.check_checkpoint_rows(state, checkpoint)
     keep = per_row(keep, state.batch_size, "keep")
     rows = [
         _rolled_back(b, c + k, s, o, state.chunk_size)
         for b, (c, k, s, o) in enumerate(zip(checkpoint.lengths, keep, state.start, state.offsets))
     ]
-    return attrs.evolve(state, start=tuple(r[0] for r in rows), lengths=tuple(r[1] for r in rows))
+    return derived(state, start=tuple(r[0] for r in rows), lengths=tuple(r[1] for r in rows))
 
 
 # --- rows: filter, extract, merge ---------------------------------------------------------
@@ -214,21 +224,21 @@ def rollback_chunked(state, checkpoint, keep=0):
 def filter_rows_chunked(state, rows):
     rows = row_list(rows, state.batch_size)
     out = ops.filter_rows.dispatch(_rows._Rows)(state, rows)
-    return attrs.evolve(out, start=tuple(state.start[r] for r in rows))
+    return derived(out, start=tuple(state.start[r] for r in rows))
 
 
 @ops.extract_row.register(ChunkedState)
 def extract_row_chunked(state, row):
     row = row_index(row, state.batch_size)
     out = ops.extract_row.dispatch(_rows._Rows)(state, row)
-    return attrs.evolve(out, start=(state.start[row],))
+    return derived(out, start=(state.start[row],))
 
 
 @ops.merge_same_kind.register(ChunkedState)
 def merge_chunked(first, states):
     _rows.check_same_geometry(states, ("chunk_size",))
     out = ops.merge_same_kind.dispatch(_rows._Rows)(first, states)
-    return attrs.evolve(out, start=sum((s.start for s in states), ()))
+    return derived(out, start=sum((s.start for s in states), ()))
 
 
 @compiled.prepare.register(ChunkedState)

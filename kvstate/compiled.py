@@ -50,6 +50,8 @@ import mlx.core as mx
 
 from ._args import as_int
 from .errors import bad, check
+from .invariants import validate
+from .records import built
 
 # --- the boundary ---------------------------------------------------------------
 
@@ -95,14 +97,19 @@ class Spec:
         check(not fields, "fields", f"host fields of {self.kind.__name__}", sorted(fields))
         return attrs.evolve(self, host=host)
 
-    def rebuild(self, planes: tuple):
+    def rebuild(self, planes: tuple, *, trusted: bool = False):
         """The record this spec stands for, holding ``planes`` (``unflatten``
-        has checked their count); checked by ``validated``."""
+        has checked their count); checked by ``validated``, with the fields'
+        converters run (per-row lists to tuples). ``trusted``: the decoder's
+        own step (a spec taken from a valid record, host fields ``advanced``
+        derived), built as it is (``kvstate.invariants``)."""
         fields, i = dict(self.host), 0
         for name, count in self.arrays:
             fields[name] = planes[i] if count == 0 else tuple(planes[i:i + count])
             i += count or 1
-        return validated(self.kind(**fields))
+        if trusted:
+            return built(self.kind, fields)
+        return validated(built(self.kind, fields, convert=True))
 
 
 class Flat(NamedTuple):
@@ -142,23 +149,40 @@ def unflatten(spec: Spec, leaves):
     the planes alone, what a compiled step returns).
 
     The device position arrays are never read back: the host fields come
-    from ``spec``. The rebuilt record is checked here, in one place.
+    from ``spec``. The rebuilt record is checked here, in one place
+    (``validated``).
     """
+    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes))
+
+
+def rebuild(spec: Spec, leaves):
+    """``unflatten`` without the check, for a compiled step's own outputs: a
+    spec taken from a valid record with host fields ``advanced`` derived
+    (the decoder's every step; ``kvstate.invariants``)."""
+    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes, trusted=True))
+
+
+def _planes_of(spec, leaves, rebuild_):
     if not isinstance(spec, Spec):
         raise bad("spec", "a Spec (from flatten)", type(spec).__name__)
     planes = tuple(leaves.planes if isinstance(leaves, Flat) else leaves)
     want = sum(c or 1 for _, c in spec.arrays)
     check(len(planes) == want, "planes", f"{want} arrays", len(planes))
-    return spec.rebuild(planes)
+    return rebuild_(planes)
 
 
 @singledispatch
 def validated(state):
-    """``state`` if its rows fit its planes, else ``KVStateError`` (every
-    record ``unflatten`` rebuilds passes here)."""
-    C = state.capacity
-    check(state.width <= C, "lengths", f"rows within the capacity {C}", state.width)
-    return state
+    """``state`` if it satisfies its kind's invariants (``invariants.validate``:
+    numbers and planes agree), else ``KVStateError`` (every record
+    ``unflatten`` rebuilds passes here). The planes are taken as they are,
+    hidden columns included: a compiled step writes only at the rows' ends
+    (``notes/invariants.md``)."""
+    if validate.dispatch(type(state)) is validate.dispatch(object):  # a kind with no check
+        C = state.capacity
+        check(state.width <= C, "lengths", f"rows within the capacity {C}", state.width)
+        return state
+    return validate(state)
 
 
 def flatten(state, *, room: int = 1, positions=None) -> tuple:

@@ -177,11 +177,11 @@ class CompositeSpec(compiled.Spec):
         check(not fields, "fields", "parts (one dict of host fields per part)", sorted(fields))
         return attrs.evolve(self, parts=tuple(p.replace(**f) for p, f in zip(self.parts, parts)))
 
-    def rebuild(self, planes: tuple) -> CompositeState:
+    def rebuild(self, planes: tuple, *, trusted: bool = False) -> CompositeState:
         out, i = [], 0
         for p in self.parts:
             n = sum(c or 1 for _, c in p.arrays)
-            out.append(p.rebuild(tuple(planes[i : i + n])))
+            out.append(p.rebuild(tuple(planes[i : i + n]), trusted=trusted))
             i += n
         return CompositeState(tuple(out))
 

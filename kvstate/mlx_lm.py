@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import attrs
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
@@ -34,9 +35,10 @@ from ._decoder import (Decoder as Decoder, compiled_decoder as compiled_decoder,
                        make_step as make_step)
 from .batch import Batch, sample_batch
 from .errors import bad, check
-from .masks import MaskMemo
+from .masks import MaskMemo, check_memo
 from .prompt_cache import (from_prompt_cache as from_prompt_cache,
                            to_prompt_cache as to_prompt_cache)
+from .invariants import share_row_ids
 from .records import CacheState, QuantizedState
 from .shared import (SharedState, prefix_groups as shared_prefix_groups, read as shared_read,
                      update_suffix as shared_update_suffix)
@@ -193,6 +195,72 @@ def layer_count(model) -> int:
     return n
 
 
+_VOCAB: dict = {}  # id(model) -> vocabulary size (or None); an entry leaves with its model
+_EMBEDDINGS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings")
+
+
+def vocab_size(model) -> Optional[int]:
+    """The number of token ids ``model`` embeds: ``model.args.vocab_size``, else
+    the rows of its token embedding; ``None`` when neither is found."""
+    if id(model) in _VOCAB:
+        return _VOCAB[id(model)]
+    import mlx.nn as nn
+
+    n = getattr(getattr(model, "args", None), "vocab_size", None)
+    if type(n) is not int or n < 1:
+        n = None
+        named = getattr(model, "named_modules", None)
+        for name, m in (named() if callable(named) else ()):
+            if (isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+                    and name.rsplit(".", 1)[-1] in _EMBEDDINGS):
+                n = m.weight.shape[0]
+                break
+    _VOCAB[id(model)] = n
+    weakref.finalize(model, _VOCAB.pop, id(model), None)
+    return n
+
+
+def token_ids(model, tokens, arg: str = "tokens"):
+    """``tokens`` as an integer ``mx.array`` ``[B, N]`` the model can embed.
+
+    Ids from the host (lists, tuples, numpy arrays) are checked here: integers
+    in ``[0, vocab_size)``, else ``KVStateError`` (an id past the embedding
+    makes its gather read outside it: mlx-lm crashes there). An ``mx.array``
+    is checked for an integer dtype only; its values are not read back, so
+    a pipelined decode loop (the next step built while the device computes
+    this one's tokens) never waits. Instead, on the device, an id outside the
+    vocabulary is replaced by 0 and its row's logits become NaN. Returns
+    ``(ids, poisoned)``: ``poisoned`` is ``None`` for host ids, else a bool
+    ``[B]`` array of the rows holding a bad id (``notes/invariants.md``).
+    """
+    if not isinstance(tokens, mx.array):
+        return mx.array(_host_ids(model, tokens, arg, 2)), None
+    V = vocab_size(model)
+    if not mx.issubdtype(tokens.dtype, mx.integer):
+        raise bad(f"{arg} dtype", "an integer dtype (token ids)", tokens.dtype)
+    if V is None or tokens.ndim != 2:
+        return tokens, None
+    wrong = (tokens < 0) | (tokens >= V)
+    return mx.where(wrong, mx.zeros((), tokens.dtype), tokens), mx.any(wrong, axis=1)
+
+
+def _host_ids(model, ids, arg: str, ndim: int) -> np.ndarray:
+    """Host token ids as int32 numpy, each in ``[0, vocab_size)`` (``token_ids``)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, np.ndarray)):
+        raise bad(arg, "token ids (an mx.array, a list or a numpy array)", type(ids).__name__)
+    try:
+        host = np.asarray(ids)
+    except ValueError as e:
+        raise bad(arg, "token ids (rows of equal length)", str(e)) from None
+    if host.dtype.kind not in "iu" or host.ndim != ndim:
+        raise bad(arg, f"integer token ids of rank {ndim}", f"{host.dtype} {list(host.shape)}")
+    V = vocab_size(model)
+    if host.size and V is not None and (host.min() < 0 or host.max() >= V):
+        wrong = sorted({int(x) for x in host.ravel() if not 0 <= x < V})
+        raise bad(f"{arg} ids", f"in [0, {V}) (the model's vocabulary)", wrong[:8])
+    return host.astype(np.int32)
+
+
 def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
                 kv_bits: Optional[int] = None, kv_group_size: int = 64) -> list:
     """One empty record per layer, as ``make_prompt_cache(model, max_kv_size)`` lays out.
@@ -218,8 +286,9 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     if not hasattr(model, "make_cache"):
         n = len(model.layers)
         if max_kv_size is not None:
-            return [kv.rotating(batch_size, max_size=max_kv_size, keep=4) for _ in range(n)]
-        return [dense() for _ in range(n)]
+            return share_row_ids([kv.rotating(batch_size, max_size=max_kv_size, keep=4)
+                               for _ in range(n)])
+        return share_row_ids([dense() for _ in range(n)])
     states = []
     for i, c in enumerate(model.make_cache()):
         if isinstance(c, lm_cache.KVCache):
@@ -230,12 +299,15 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
             states.append(kv.quantized(batch_size, group_size=c.group_size, bits=c.bits))
         else:
             states.append(_hybrid.record_for(c, batch_size, dense, f"model.make_cache()[{i}]"))
-    return states
+    return share_row_ids(states)
 
 
 def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None,
             start_early: Optional[bool] = None):
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
+
+    ``tokens``: an integer ``mx.array``, or host ids (a list of lists, a
+    numpy array), which are checked against the vocabulary (``token_ids``).
 
     Returns ``(logits [B, N, V], new_states)``; the input records are left
     unchanged. Masks are leased from ``memo`` (a fresh one when ``None``) and
@@ -249,8 +321,7 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     default device is the CPU, where it measured faster; on the H200 it
     measured slower (``notes/bridge.md``).
     """
-    if not isinstance(tokens, mx.array):
-        raise bad("tokens", "an mx.array [B, N] of token ids", type(tokens).__name__)
+    tokens, poisoned = token_ids(model, tokens)
     shape = tokens.shape
     if len(shape) != 2:
         raise bad("tokens rank", "2 ([B, N])", f"{len(shape)} {list(shape)}")
@@ -267,7 +338,7 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
     B, shells = shape[0], []
     if start_early is None:
         start_early = mx.default_device().type == _CPU
-    ctx = _shells.Eager(MaskMemo() if memo is None else memo, start_early)
+    ctx = _shells.Eager(MaskMemo() if memo is None else check_memo(memo), start_early)
     for i, s in enumerate(states):
         if not _shells.is_record(s):
             raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
@@ -285,6 +356,8 @@ def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMem
             logits = model(tokens, cache=shells)
     finally:
         ctx.release()
+    if poisoned is not None:
+        logits = mx.where(poisoned[:, None, None], mx.array(float("nan"), logits.dtype), logits)
     return logits, [sh.content for sh in shells]
 
 
@@ -352,6 +425,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo]
     prompts = [list(p) for p in prompts]
     for i, p in enumerate(prompts):
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
+        _host_ids(model, p, f"prompts[{i}]", 1)
     step_size = as_int(prefill_step_size, "prefill_step_size")
     check(step_size >= 1, "prefill_step_size", ">= 1", step_size)
     states = make_states(model, len(prompts), **make)
@@ -403,7 +477,7 @@ def _prefill_alone(model, prompts, memo, make):
     """
     last, rows = [], []
     for p in prompts:
-        logits, states = forward(model, mx.array([p]), make_states(model, 1, **make), memo=memo)
+        logits, states = forward(model, [p], make_states(model, 1, **make), memo=memo)
         last.append(logits[:, -1, :])
         rows.append(states)
     return mx.concatenate(last, axis=0), merge_rows(rows)
@@ -414,7 +488,7 @@ def _prefill_rows(model, prompts, states, step_size, memo):
     heads = [p[:-1] for p in prompts]
     width = max(len(h) for h in heads)
     if width:
-        tokens = mx.array([h + [0] * (width - len(h)) for h in heads], dtype=mx.int32)
+        tokens = np.array([h + [0] * (width - len(h)) for h in heads], dtype=np.int32)
         for start in range(0, width, step_size):
             if start:  # bound the graph (and memory) of long prompts, as mlx-lm does
                 mx.eval([s.planes for s in states])
@@ -424,13 +498,20 @@ def _prefill_rows(model, prompts, states, step_size, memo):
             _, states = forward(model, tokens[:, start:start + step_size], states, memo=memo)
         cut = tuple(width - len(h) for h in heads)
         states = [unpad(s, cut) for s in states]
-    return step(model, mx.array([p[-1] for p in prompts], dtype=mx.int32), states, memo=memo)
+    return step(model, np.array([p[-1] for p in prompts], dtype=np.int32), states, memo=memo)
 
 
 def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
          start_early: Optional[bool] = None) -> tuple:
     """One decode step: ``tokens`` ``[B]`` (one per row) -> ``(logits [B, V], states)``."""
-    tokens = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+    if not isinstance(tokens, mx.array):  # host ids: checked by forward, on the host
+        try:
+            tokens = np.asarray(tokens)
+        except ValueError as e:
+            raise bad("tokens", "token ids [B], one per row", str(e)) from None
+        if tokens.dtype == object:
+            raise bad("tokens", "token ids [B] (an mx.array, a list or a numpy array)",
+                      type(tokens).__name__)
     check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
     logits, states = forward(model, tokens[:, None], states, memo=memo, start_early=start_early)
     return logits[:, -1, :], states

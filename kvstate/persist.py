@@ -32,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +42,7 @@ import mlx.core as mx
 
 from . import _rows, records
 from .errors import KVStateError, bad, check
+from .invariants import fresh_row_ids
 
 FORMAT = "1"
 PREFIX = "kvstate."
@@ -116,23 +119,77 @@ def _encode(i, state, tensors: dict) -> dict:
     return entry
 
 
-def _decode(i, entry: dict, tensors: dict):
+# Most arrays one field may hold (a quantized triple holds 3), and how deep
+# records may nest (a CompositeState's parts).
+MAX_TUPLE = 8
+MAX_DEPTH = 4
+
+
+def _decode(i, entry, tensors: dict, used: Optional[set] = None, ids: Optional[dict] = None,
+            depth: int = 0):
+    """Record ``i`` of the table, built through its constructor (so validated).
+
+    ``used`` collects the tensor names it reads; ``ids`` maps the file's row
+    ids to fresh ones, one per saved id, so layers that shared rows still do
+    and no loaded row shares an id with a row of this process. An item of a
+    tuple of arrays that the file does not hold is ``None`` (a recurrent slot
+    never written); a single array must be there.
+    """
+    used = set() if used is None else used
+    ids = {} if ids is None else ids
+    arg = f"record {i}"
+    if (type(entry) is not dict or not {"kind", "host", "arrays"} <= set(entry)
+            or not set(entry) <= {"kind", "host", "arrays", "records"}):
+        raise bad(arg, "an object with kind, host and arrays (and records)", _short(entry))
+    kind, host, arrays = entry["kind"], entry["host"], entry["arrays"]
+    nested = entry.get("records", {})
+    cls = RECORDS.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise bad(f"{arg} kind", f"one of {sorted(RECORDS)}", _short(kind))
+    if type(host) is not dict or type(arrays) is not dict or type(nested) is not dict:
+        raise bad(arg, "host, arrays and records objects", _short(entry))
+    known = {f.name for f in attrs.fields(cls)}
+    names = [*host, *arrays, *nested]
+    if not set(names) <= known or len(set(names)) != len(names):
+        raise bad(f"{arg} fields", f"each of {sorted(known)} at most once", _short(names))
+    fields = {k: _untuple(v) for k, v in host.items()}
+    for name, n in arrays.items():
+        if type(n) is not int or not 0 <= n <= MAX_TUPLE:
+            raise bad(f"{arg} arrays[{name!r}]", f"an int in [0, {MAX_TUPLE}]", _short(n))
+        if n == 0:
+            key = f"{i}.{name}"
+            if key not in tensors:
+                raise bad(arg, f"a tensor named {key!r}", "none in the file")
+            used.add(key)
+            fields[name] = tensors[key]
+        else:
+            keys = [f"{i}.{name}.{j}" for j in range(n)]
+            used.update(keys)
+            fields[name] = tuple(tensors.get(k) for k in keys)
+            if all(x is None for x in fields[name]):
+                raise bad(arg, f"tensors named {keys[0]!r}...", "none in the file")
+    for name, parts in nested.items():
+        if type(parts) is not list or not parts or depth >= MAX_DEPTH:
+            raise bad(f"{arg} records[{name!r}]", f"a list of records (nested at most "
+                      f"{MAX_DEPTH} deep)", _short(parts))
+        fields[name] = tuple(_decode(f"{i}.{name}.{j}", e, tensors, used, ids, depth + 1)
+                             for j, e in enumerate(parts))
+    if "row_ids" in fields:
+        saved = fields["row_ids"]
+        if type(saved) is not tuple or any(type(x) is not int for x in saved):
+            raise bad(f"{arg} row_ids", "a list of ints", _short(saved))
+        fields["row_ids"] = tuple(ids.setdefault(x, fresh_row_ids(1)[0]) for x in saved)
     try:
-        cls = RECORDS[entry["kind"]]
-        fields = {k: _untuple(v) for k, v in entry["host"].items()}
-        for name, n in entry["arrays"].items():
-            fields[name] = (tensors[f"{i}.{name}"] if n == 0 else
-                            tuple(tensors.get(f"{i}.{name}.{j}") for j in range(n)))
-        for name, parts in entry.get("records", {}).items():
-            fields[name] = tuple(_decode(f"{i}.{name}.{j}", e, tensors)
-                                 for j, e in enumerate(parts))
-        known = {f.name for f in attrs.fields(cls)}
-        check(set(fields) <= known, f"record {i} fields", sorted(known), sorted(fields))
         return cls(**fields)
-    except KeyError as e:
-        raise bad(f"record {i}", f"a complete {entry.get('kind')} entry", f"missing {e}") from None
-    except TypeError as e:
-        raise bad(f"record {i}", f"fields of {entry.get('kind')}", str(e)) from None
+    except KVStateError as e:
+        raise KVStateError(f"{arg} ({kind}): {e}") from None
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise bad(f"{arg}", f"the fields of a {kind}", f"{type(e).__name__}: {e}") from None
+
+
+def _short(value, n: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 # --- save / load -----------------------------------------------------------------
@@ -192,7 +249,56 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> N
         meta[DIGEST_KEY] = digest
     meta["kvstate.format"] = FORMAT
     meta["kvstate.records"] = json.dumps(entries, separators=(",", ":"))
-    mx.save_safetensors(path, tensors, meta)
+    size = sum(len(k) + len(v) for k, v in meta.items())
+    check(size < HEADER_LIMIT, "metadata", f"under {HEADER_LIMIT} bytes in all (what load "
+          "can read back)", f"{size} bytes")
+    _write_atomic(path, tensors, meta)
+
+
+# MLX refuses a safetensors header (JSON) of this many bytes or more.
+HEADER_LIMIT = 100_000_000
+
+
+def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
+    """Write beside ``path``, flush to disk, then rename over it: a crash or a
+    full disk leaves the previous file (or none) and a stray temporary file,
+    never a torn ``path``. Any failure raises ``KVStateError``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    check(os.path.isdir(directory), "path", "a file in an existing directory",
+          f"{path} (no directory {directory})")
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}"
+                                  ".partial.safetensors")
+    try:
+        mx.save_safetensors(tmp, tensors, meta)
+        with open(tmp, "rb+") as f:
+            length = struct.unpack("<Q", f.read(8))[0]
+            check(length < HEADER_LIMIT, "metadata", f"a file header under {HEADER_LIMIT} "
+                  "bytes (what load can read back)", f"{length} bytes")
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_directory(directory)
+    except (OSError, RuntimeError, ValueError, struct.error) as e:
+        if isinstance(e, KVStateError):
+            raise
+        raise bad("path", "a file kvstate can write", f"{path}: {e}") from None
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make the rename itself durable (where the platform lets a directory be synced)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - file systems that cannot sync a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 def load(path, *, model=None, model_path=None):
@@ -214,20 +320,20 @@ def load(path, *, model=None, model_path=None):
     """
     path = _check_path(path)
     check(os.path.isfile(path), "path", "an existing file", path)
-    tensors, meta = mx.load(path, return_metadata=True)
-    if meta.get("kvstate.format") is not None:
-        check(meta["kvstate.format"] == FORMAT, "file format", FORMAT, meta["kvstate.format"])
-        entries = json.loads(meta["kvstate.records"])
-        states = [_decode(i, e, tensors) for i, e in enumerate(entries)]
+    meta = check_file(path)
+    if "kvstate.format" in meta:
+        check(meta["kvstate.format"] == FORMAT, "file format", FORMAT,
+              _short(meta["kvstate.format"]))
+        states = _load_kvstate(path, meta)
         user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
         if DIGEST_KEY in meta:
             user[DIGEST_KEY] = meta[DIGEST_KEY]
     elif "1.0" in meta and "2.0" in meta:
-        states, user = _load_mlx_lm(path)
+        states, user = _load_mlx_lm(path, meta)
     else:
         raise bad("path", "a kvstate or mlx-lm prompt-cache file", f"{path} (unknown metadata)")
     # mx.load is lazy: read now, so a later change to the file cannot leak in.
-    mx.eval([p for s in states for p in _arrays(s)])
+    _read(path, [p for s in states for p in _arrays(s)])
     if model_path is not None:
         want = model_digest(model_path)
         have = user.get(DIGEST_KEY)
@@ -255,19 +361,127 @@ def _arrays(state) -> tuple:
     return tuple(out)
 
 
-def _load_mlx_lm(path):
+def _read(path: str, arrays: list) -> None:
+    try:
+        mx.eval(arrays)
+    except (RuntimeError, ValueError) as e:
+        raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
+
+
+def _load_kvstate(path: str, meta: dict) -> list:
+    table = meta.get("kvstate.records")
+    check(table is not None, "path", "a kvstate.records table", "none")
+    try:
+        entries = json.loads(table)
+    except (ValueError, RecursionError) as e:
+        raise bad("kvstate.records", "a JSON list of records", f"{type(e).__name__}: "
+                  f"{_short(str(e))}") from None
+    if type(entries) is not list:
+        raise bad("kvstate.records", "a JSON list of records", type(entries).__name__)
+    try:
+        tensors = mx.load(path)
+    except (RuntimeError, ValueError) as e:
+        raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
+    used, ids = set(), {}
+    states = [_decode(i, e, tensors, used, ids) for i, e in enumerate(entries)]
+    extra = sorted(set(tensors) - used)
+    check(not extra, "path", "only the tensors its record table names", _short(extra))
+    return states
+
+
+
+
+def _load_mlx_lm(path, meta):
     try:
         from mlx_lm.models.cache import load_prompt_cache
     except ImportError:  # pragma: no cover - mlx-lm is an optional dependency
         raise bad("path", "mlx-lm installed to read an mlx-lm prompt-cache file",
                   "no module mlx_lm") from None
-    from .mlx_lm import from_prompt_cache
+    from .prompt_cache import CACHE_CLASSES, from_prompt_cache
 
+    for k, v in meta.items():
+        if k.startswith("1.") and v not in CACHE_CLASSES:
+            raise bad(f"mlx-lm cache class {k!r}", f"one of {CACHE_CLASSES}", _short(v))
     try:
-        caches, meta = load_prompt_cache(path, return_metadata=True)
-    except (KeyError, ValueError, TypeError) as e:
-        raise bad("path", "a readable mlx-lm prompt-cache file", f"{path}: {e}") from None
-    return list(from_prompt_cache(caches)), meta
+        caches, user = load_prompt_cache(path, return_metadata=True)
+    except Exception as e:  # mlx-lm's own reader: any failure there is a bad file
+        raise bad("path", "a readable mlx-lm prompt-cache file",
+                  f"{path}: {type(e).__name__}: {_short(str(e))}") from None
+    try:
+        return list(from_prompt_cache(caches)), user
+    except KVStateError as e:
+        raise KVStateError(f"{path}: {e}") from None
+    except Exception as e:  # an mlx-lm object built from lying numbers
+        raise bad("path", "an mlx-lm prompt-cache file holding consistent caches",
+                  f"{path}: {type(e).__name__}: {_short(str(e))}") from None
+
+
+# --- the safetensors layout -----------------------------------------------------------
+
+DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4,
+          "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+
+
+def check_file(path: str) -> dict:
+    """Check a safetensors file's layout before MLX reads it; return its metadata.
+
+    The header is parsed here: a length that fits the file and MLX's limit,
+    a JSON object whose tensors have a known dtype, a shape of non-negative
+    ints, and data offsets that lie inside the file and match dtype and
+    shape. MLX reads the data through those offsets, so a file that lies
+    about them is refused here, as ``KVStateError``, not read.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            check(len(head) == 8, "path", "a safetensors file (8-byte header length)",
+                  f"{size} bytes")
+            n = struct.unpack("<Q", head)[0]
+            check(2 <= n < min(HEADER_LIMIT, size - 7), "path header length",
+                  f"in [2, {min(HEADER_LIMIT, size - 7)}) (the file holds {size} bytes)", n)
+            raw = f.read(n)
+    except OSError as e:
+        raise bad("path", "a readable file", f"{path}: {e}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bad("path header", "a JSON object", f"{type(e).__name__}: {_short(str(e))}") \
+            from None
+    if type(header) is not dict:
+        raise bad("path header", "a JSON object", type(header).__name__)
+    meta = header.pop("__metadata__", {})
+    if type(meta) is not dict or any(type(k) is not str or type(v) is not str
+                                     for k, v in meta.items()):
+        raise bad("path metadata", "an object of strings", _short(meta))
+    data = size - 8 - n
+    spans = []
+    for name, t in header.items():
+        arg = f"tensor {name!r}"
+        if type(t) is not dict or set(t) != {"dtype", "shape", "data_offsets"}:
+            raise bad(arg, "dtype, shape and data_offsets", _short(t))
+        itemsize = DTYPES.get(t["dtype"]) if type(t["dtype"]) is str else None
+        if itemsize is None:
+            raise bad(f"{arg} dtype", f"one of {sorted(DTYPES)}", _short(t["dtype"]))
+        shape, offsets = t["shape"], t["data_offsets"]
+        if type(shape) is not list or len(shape) > 8 or any(
+                type(d) is not int or not 0 <= d < 2**40 for d in shape):
+            raise bad(f"{arg} shape", "at most 8 non-negative ints", _short(shape))
+        if type(offsets) is not list or len(offsets) != 2 or any(
+                type(o) is not int for o in offsets):
+            raise bad(f"{arg} data_offsets", "[begin, end]", _short(offsets))
+        begin, end = offsets
+        nbytes = itemsize
+        for d in shape:
+            nbytes *= d
+        if not 0 <= begin <= end <= data or end - begin != nbytes:
+            raise bad(f"{arg} data_offsets", f"{nbytes} bytes inside the {data} data bytes",
+                      offsets)
+        spans.append((begin, end))
+    spans.sort()
+    for (_, e0), (b1, _) in zip(spans, spans[1:]):
+        check(b1 >= e0, "path tensors", "data that does not overlap", f"overlap at {b1}")
+    return meta
 
 
 # --- model checks -------------------------------------------------------------------

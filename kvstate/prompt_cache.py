@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
 from . import ops
+from ._args import as_int
 from ._dense import empty, from_arrays
 from ._quantized import quantized
 from ._ring import from_temporal, rotating
@@ -23,9 +24,19 @@ from .errors import bad, check
 from .records import (CacheState, ChunkedState, CompositeState, QuantizedState,
                       RecurrentState, RotatingState)
 from .chunked import chunked_state
+from .invariants import share_row_ids
 from .recurrent import recurrent_state
 
-__all__ = ["from_prompt_cache", "to_prompt_cache"]
+__all__ = ["from_prompt_cache", "to_prompt_cache", "CACHE_CLASSES"]
+
+# The mlx-lm cache classes ``from_prompt_cache`` converts (subclasses too), by
+# name: what an mlx-lm prompt-cache file may name (mlx-lm's own reader builds
+# whatever global of its cache module a file names).
+_CONVERTED = (lm_cache.KVCache, lm_cache.QuantizedKVCache, lm_cache.RotatingKVCache,
+              lm_cache.BatchKVCache, lm_cache.BatchRotatingKVCache, lm_cache.ArraysCache,
+              lm_cache.ChunkedKVCache, lm_cache.CacheList)
+CACHE_CLASSES = tuple(sorted(name for name, c in vars(lm_cache).items()
+                             if isinstance(c, type) and issubclass(c, _CONVERTED)))
 
 
 def _own(x):
@@ -35,12 +46,44 @@ def _own(x):
     return x
 
 
+def _stored(name, c, keys) -> int:
+    """The cache's ``offset``: an int in ``[0, stored columns]`` (a slice
+    with a negative or larger offset would read the wrong columns)."""
+    n = as_int(c.offset, f"{name}.offset")
+    check(0 <= n <= keys.shape[2], f"{name}.offset", f"in [0, {keys.shape[2]}] (stored columns)",
+          n)
+    return n
+
+
+def _planes_of(name, c, triple: bool):
+    """``c.keys``/``c.values`` as mlx-lm holds them: arrays, or quantized triples."""
+    for field in ("keys", "values"):
+        x = getattr(c, field)
+        ok = (isinstance(x, (tuple, list)) and len(x) == 3
+              and all(isinstance(p, mx.array) and p.ndim == 4 for p in x)) if triple else (
+            isinstance(x, mx.array) and x.ndim == 4)
+        if not ok:
+            raise bad(f"{name}.{field}", "(packed, scales, biases) arrays [B, H, S, *]" if triple
+                      else "an mx.array [B, H, S, D]", type(x).__name__)
+
+
+def _per_row(name, c, field, B=None) -> list:
+    """An integer ``mx.array`` ``[B]`` field of a batched cache, as ints."""
+    x = getattr(c, field)
+    if (not isinstance(x, mx.array) or x.ndim != 1 or not mx.issubdtype(x.dtype, mx.integer)
+            or (B is not None and x.shape[0] != B)):
+        raise bad(f"{name}.{field}", f"an integer mx.array [{'B' if B is None else B}]",
+                  f"{type(x).__name__} {getattr(x, 'shape', '')}")
+    return x.tolist()
+
+
 def _from_cache(i, c):
     name = f"caches[{i}]"
     if isinstance(c, lm_cache.QuantizedKVCache):
         if c.keys is None:
             return quantized(1, group_size=c.group_size, bits=c.bits)
-        n, B = c.offset, c.keys[0].shape[0]
+        _planes_of(name, c, True)
+        n, B = _stored(name, c, c.keys[0]), c.keys[0].shape[0]
         keys = tuple(_own(x[:, :, :n]) for x in c.keys)
         values = tuple(_own(x[:, :, :n]) for x in c.values)
         return QuantizedState((n,) * B, (0,) * B, keys=keys, values=values,
@@ -48,33 +91,47 @@ def _from_cache(i, c):
     if isinstance(c, lm_cache.KVCache):
         if c.keys is None:
             return empty(1)
-        n = c.offset
+        _planes_of(name, c, False)
+        n = _stored(name, c, c.keys)
         return from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
     if isinstance(c, lm_cache.BatchKVCache):
         pending = getattr(c, "_right_padding", None)  # absent after load_prompt_cache
         check(pending is None, f"{name}", "a finalized BatchKVCache (call finalize())",
               "one with pending right padding")
-        lp = [int(p) for p in c.left_padding.tolist()]
+        lp = _per_row(name, c, "left_padding")
         if c.keys is None:
             check(all(p == 0 for p in lp), f"{name}.left_padding", "zeros for an empty cache", lp)
             return empty(len(lp))
-        w = c._idx
+        _planes_of(name, c, False)
+        w = as_int(c._idx, f"{name}._idx")
+        check(0 <= w <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", w)
+        check(all(0 <= p <= w for p in lp), f"{name}.left_padding", f"each in [0, {w}] (_idx)",
+              lp)
         return from_arrays(_own(c.keys[:, :, :w]), _own(c.values[:, :, :w]),
                               lengths=[w - p for p in lp], left_pad=lp)
     if isinstance(c, lm_cache.RotatingKVCache):
         if c.keys is None:
             return rotating(1, max_size=c.max_size, keep=c.keep)
+        _planes_of(name, c, False)
+        offset = as_int(c.offset, f"{name}.offset")
+        check(offset >= 0, f"{name}.offset", ">= 0", offset)
+        idx = as_int(c._idx, f"{name}._idx")
+        check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
         k, v = c._temporal_order(c.keys), c._temporal_order(c.values)  # new arrays
-        n = min(c.offset, k.shape[2])
+        n = min(offset, k.shape[2])
         return from_temporal(_own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset,
                              max_size=c.max_size, keep=c.keep)
     if isinstance(c, lm_cache.BatchRotatingKVCache):
-        B = c.offset.shape[0]
+        B = len(_per_row(name, c, "offset"))
         if c.keys is None:
             return rotating(B, max_size=c.max_size)
         pending = getattr(c, "_lengths", None)  # absent after load_prompt_cache
         check(pending is None, name, "a finalized BatchRotatingKVCache (call finalize())",
               "one with pending right padding")
+        _planes_of(name, c, False)
+        _per_row(name, c, "left_padding", B)  # (negative once rotated: extract clips it)
+        idx = as_int(c._idx, f"{name}._idx")
+        check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
         # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
         return ops.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])
     if isinstance(c, lm_cache.ArraysCache):
@@ -141,8 +198,17 @@ def _with_tokens(r, counts):
 
 
 def from_prompt_cache(caches: Sequence) -> list:
-    """Records holding what the mlx-lm cache objects ``caches`` hold (copied)."""
-    return _counted([_from_cache(i, c) for i, c in enumerate(caches)])
+    """Records holding what the mlx-lm cache objects ``caches`` hold (copied).
+
+    Every number the caches hold (offsets, write indices, padding,
+    ``bits``/``group_size``) is checked before it is used, and the records
+    are validated (``KVStateError`` otherwise). The caches are one model's
+    layers, so records of one batch size share their row ids (one
+    ``kv.checkpoint`` of any layer fits every layer).
+    """
+    if isinstance(caches, (str, bytes)) or not isinstance(caches, Sequence):
+        raise bad("caches", "a list of mlx-lm cache objects", type(caches).__name__)
+    return share_row_ids(_counted([_from_cache(i, c) for i, c in enumerate(caches)]))
 
 
 def _to_cache(i, s):

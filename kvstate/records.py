@@ -36,6 +36,9 @@ from typing import Optional
 import attrs
 import mlx.core as mx
 
+from .errors import bad
+from .invariants import check_int, clear_hidden, fresh_row_ids, validate
+
 
 def _tuple_of_ints(value) -> tuple:
     """Host bookkeeping as a tuple of ints (numpy ints too); a float or any
@@ -52,10 +55,76 @@ def _tuple_of_ints(value) -> tuple:
     try:
         return tuple(map(operator.index, value))
     except TypeError:
-        from .errors import bad
-
         raise bad("row bookkeeping (lengths, left_pad, held)", "a sequence of ints",
                   repr(value)) from None
+
+
+def _row_ids(value):
+    """``row_ids``: ``None`` (fresh ids are drawn) or a tuple of ints."""
+    return None if value is None else _tuple_of_ints(value)
+
+
+_ROW_IDS = dict(default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
+
+
+def _checked(self):
+    """After a constructor: fresh row ids where none were given, the kind's
+    ``validate``, then zeros in every column no row reads (``clear_hidden``:
+    arrays from outside may hold anything there). See ``kvstate.invariants``."""
+    if self.row_ids is None:
+        object.__setattr__(self, "row_ids", fresh_row_ids(len(self.lengths)))
+    validate(self)
+    clean = clear_hidden(self)
+    if clean is not self:
+        object.__setattr__(self, "keys", clean.keys)
+        object.__setattr__(self, "values", clean.values)
+
+
+_new = object.__new__
+_set = object.__setattr__
+_FIELDS: dict = {}
+
+
+def derived(state, **changes):
+    """A copy of ``state`` with ``changes``, not validated again.
+
+    For kvstate's pure functions only, which derive valid records from
+    valid records (the hot path of every append): the fields are taken as
+    given, with no converter and no ``validate``. Anything built from
+    outside numbers goes through the record's constructor, which checks.
+    A change of the row count without ``row_ids`` makes new rows (fresh ids).
+    """
+    cls = type(state)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+    lengths = changes.get("lengths")
+    if (lengths is not None and "row_ids" not in changes and "row_ids" in names
+            and len(lengths) != len(state.row_ids)):
+        changes["row_ids"] = fresh_row_ids(len(lengths))
+    new, hit = _new(cls), 0
+    for name in names:
+        if name in changes:
+            hit += 1
+            _set(new, name, changes[name])
+        else:
+            _set(new, name, getattr(state, name))
+    if hit != len(changes):
+        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - set(names))}")
+    return new
+
+
+def built(cls, fields: dict, *, convert: bool = False):
+    """A record of ``cls`` holding ``fields`` (a missing field is ``None``), not
+    validated: ``derived`` for a record rebuilt from its parts (the compile
+    boundary's own step). ``convert``: run the fields' converters."""
+    new = _new(cls)
+    for f in attrs.fields(cls):
+        value = fields.get(f.name)
+        if convert and value is not None and f.converter is not None:
+            value = f.converter(value)
+        _set(new, f.name, value)
+    return new
 
 
 def _array_repr(value) -> str:
@@ -74,6 +143,9 @@ class _Rows:
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
     left_pad: tuple = attrs.field(converter=_tuple_of_ints)
     step: int = 256
+    row_ids: Optional[tuple] = attrs.field(**_ROW_IDS)
+
+    __attrs_post_init__ = _checked
 
     @property
     def batch_size(self) -> int:
@@ -156,18 +228,42 @@ class QuantizedState(_Rows):
 class Checkpoint:
     """Row lengths at one moment; holds no arrays, so it pins no buffers.
 
+    ``rollback`` accepts it only for a record holding the same rows, in the
+    same order (``row_ids``): not after a merge, filter or reorder, and not
+    for another record's rows (``kvstate.invariants``).
+
     Attributes:
         lengths: per row, the tokens held when the checkpoint was taken.
-        left_pad: per row, the padding then (a rollback onto a different row
-            layout, after a merge or filter, is refused).
+        left_pad: per row, the padding then.
+        row_ids: the ids of the rows it was taken of (``kv.checkpoint`` fills
+            them; a checkpoint made by hand without them is refused by
+            ``rollback``).
     """
 
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
     left_pad: tuple = attrs.field(converter=_tuple_of_ints)
+    row_ids: Optional[tuple] = attrs.field(default=None, kw_only=True, converter=_row_ids)
+
+    def __attrs_post_init__(self):
+        validate(self)
 
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
+
+
+@validate.register
+def validate_checkpoint(cp: Checkpoint):
+    B = len(cp.lengths)
+    for name in ("left_pad", "row_ids"):
+        values = getattr(cp, name)
+        if values is not None and len(values) != B:
+            raise bad(f"checkpoint.{name}", f"{B} values (one per row, as lengths)",
+                      len(values))
+    for name in ("lengths", "left_pad"):
+        for b, v in enumerate(getattr(cp, name)):
+            check_int(v, f"checkpoint.{name}[{b}]")
+    return cp
 
 
 # --- sliding-window rings ------------------------------------------------------
@@ -231,6 +327,9 @@ class RotatingState(_Unpadded):
     step: int = attrs.field(default=256, kw_only=True)
     keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    row_ids: Optional[tuple] = attrs.field(**_ROW_IDS)
+
+    __attrs_post_init__ = _checked
 
     @property
     def starts(self) -> tuple:

@@ -43,7 +43,7 @@ from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease, rows_mask
-from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints
+from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints, derived
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
 
@@ -82,6 +82,11 @@ class SharedState:
     def left_pad(self) -> tuple:
         """The suffix's padding (what a ``Checkpoint`` compares)."""
         return self.suffix.left_pad
+
+    @property
+    def row_ids(self) -> tuple:
+        """The rows' identities: its suffix rows' (``kvstate.invariants``)."""
+        return self.suffix.row_ids
 
     @property
     def step(self) -> int:
@@ -304,7 +309,7 @@ def _(state: SharedState, n):
 
 @ops.checkpoint.register
 def _(state: SharedState):
-    return Checkpoint(state.lengths, state.left_pad)
+    return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
 
 
 @ops.rollback.register
@@ -460,7 +465,8 @@ def _(state: SharedState):
 def _materialized_rows(state: SharedState):
     """A keyless dense record with the materialized layout (for masks: host ints only)."""
     _, left_pad, ends = _layout(state)
-    return CacheState(tuple(e - p for e, p in zip(ends, left_pad)), left_pad, state.step)
+    rows = CacheState((0,) * len(ends), (0,) * len(ends), state.step)
+    return derived(rows, lengths=tuple(e - p for e, p in zip(ends, left_pad)), left_pad=left_pad)
 
 
 @ops.next_mask.register

@@ -21,6 +21,20 @@ def rand(rng: np.random.Generator, *shape) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
 
+def filled(make, lengths, seed=0, H=2, D=32):
+    """Rows of ``lengths`` random tokens, each appended alone to ``make(1)``,
+    then merged (left-padded); any record kind."""
+    rows = []
+    for i, n in enumerate(lengths):
+        s = make(1)
+        if n:
+            k1, k2 = mx.random.split(mx.random.key(seed + i))
+            s = kv.append(s, mx.random.normal((1, H, n, D), key=k1),
+                          mx.random.normal((1, H, n, D), key=k2))
+        rows.append(s)
+    return kv.merge_rows(rows)
+
+
 def np_of(x) -> np.ndarray:
     return np.array(x, copy=True)
 

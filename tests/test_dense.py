@@ -171,7 +171,15 @@ def test_trim(rng):
     s, rows = ragged(rng, [5, 3])
     t = kv.trim(s, 2)
     assert t.lengths == (3, 1) and t.left_pad == s.left_pad
-    assert t.keys is s.keys  # moves no data
+    # moves no data; the dropped columns are cleared (notes/invariants.md)
+    for old, new in ((s.keys, t.keys), (s.values, t.values)):
+        old, new = np.array(old), np.array(new)
+        dropped = np.zeros(old.shape[2], bool)
+        for b, (e, m) in enumerate(zip(s.ends, t.ends)):
+            dropped[:] = False
+            dropped[m:e] = True
+            assert (new[b][:, dropped] == 0).all()
+            np.testing.assert_array_equal(new[b][:, ~dropped], old[b][:, ~dropped])
     assert_rows_equal(visible(t), [(k[:, :-2], v[:, :-2]) for k, v in rows])
     t = kv.trim(s, [0, 3])
     assert t.lengths == (5, 0)
@@ -184,6 +192,7 @@ def test_checkpoint_holds_no_arrays(rng):
     cp = kv.checkpoint(s)
     assert isinstance(cp, kv.Checkpoint)
     assert cp.lengths == (3, 2) and cp.left_pad == (0, 1)
+    assert cp.row_ids == s.row_ids
     for f in attrs.fields(type(cp)):
         value = getattr(cp, f.name)
         assert isinstance(value, tuple) and all(type(x) is int for x in value)

@@ -32,6 +32,8 @@ def raw(x):
 def assert_same_record(a, b):
     assert type(a) is type(b)
     for f in attrs.fields(type(a)):
+        if not f.eq:  # row_ids: a loaded record's rows get fresh ids
+            continue
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, mx.array):
             assert raw(x) == raw(y), f.name
@@ -396,5 +398,5 @@ def test_corrupt_record_table_is_refused(tmp_path):
     del arrays["0.values"]
     entries[0]["kind"] = "CacheState"
     mx.save_safetensors(str(p), arrays, {**meta, "kvstate.records": json.dumps(entries)})
-    with pytest.raises(kv.KVStateError, match="record 0: expected a complete CacheState"):
+    with pytest.raises(kv.KVStateError, match="record 0: expected a tensor named .0.values."):
         kv.load(p)
