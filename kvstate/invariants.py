@@ -208,5 +208,11 @@ def check_float(arg: str, dtype) -> None:
         raise bad(f"{arg} dtype", "float16, bfloat16 or float32", dtype)
 
 
-__all__ = ["validate", "clear_hidden", "fresh_row_ids", "distinct_row_ids", "share_row_ids",
-           "MAX_POSITION"]
+__all__ = [
+    "validate",
+    "clear_hidden",
+    "fresh_row_ids",
+    "distinct_row_ids",
+    "share_row_ids",
+    "MAX_POSITION",
+]

@@ -269,12 +269,12 @@ def mutations(path, rng, flips):
     for c in cuts:
         if c < len(raw):
             yield f"cut{c}", raw[:c]
-    for c in range(flips):  # header bytes
+    for _ in range(flips):  # header bytes
         pos = rng.randrange(8, end)
         b = bytearray(raw)
         b[pos] ^= 1 << rng.randrange(8)
         yield f"hflip{pos}", bytes(b)
-    for c in range(flips // 2):  # data bytes
+    for _ in range(flips // 2):  # data bytes
         if end >= len(raw):
             break
         pos = rng.randrange(end, len(raw))
@@ -300,27 +300,31 @@ def exercise(states):
     """Use every loaded record; KVStateError is an allowed answer, nothing else."""
     for s in states:
         validate(s)
-        if s.keys is None:
+        if s.keys is not None:
+            use(s)
+
+
+def use(s):
+    """Every operation once on ``s`` (a loaded, valid record holding keys)."""
+    Hk, Dk, Dv, dtype = geometry(s)
+    B = s.batch_size
+    k = mx.zeros((B, Hk, 1, Dk), dtype)
+    v = mx.zeros((B, Hk, 1, Dv), dtype)
+    for step in (
+        lambda: kv.append(s, k, v),
+        lambda: kv.fetch(s),
+        lambda: kv.attend(kv.append(s, k, v), mx.zeros((B, Hk, 1, Dk), dtype), scale=0.1),
+        lambda: kv.trim(s, 1),
+        lambda: kv.rollback(kv.append(s, k, v), kv.checkpoint(s), 1),
+        lambda: kv.filter_rows(s, list(reversed(range(B)))),
+        lambda: kv.extract_row(s, B - 1),
+        lambda: kv.merge_rows([s, s]),
+    ):
+        try:
+            out = step()
+        except kv.KVStateError:
             continue
-        Hk, Dk, Dv, dtype = geometry(s)
-        B = s.batch_size
-        k = mx.zeros((B, Hk, 1, Dk), dtype)
-        v = mx.zeros((B, Hk, 1, Dv), dtype)
-        for step in (
-            lambda: kv.append(s, k, v),
-            lambda: kv.fetch(s),
-            lambda: kv.attend(kv.append(s, k, v), mx.zeros((B, Hk, 1, Dk), dtype), scale=0.1),
-            lambda: kv.trim(s, 1),
-            lambda: kv.rollback(kv.append(s, k, v), kv.checkpoint(s), 1),
-            lambda: kv.filter_rows(s, list(reversed(range(B)))),
-            lambda: kv.extract_row(s, B - 1),
-            lambda: kv.merge_rows([s, s]),
-        ):
-            try:
-                out = step()
-            except kv.KVStateError:
-                continue
-            mx.eval(out.planes if hasattr(out, "planes") else out)
+        mx.eval(out.planes if hasattr(out, "planes") else out)
 
 
 def main():
