@@ -652,6 +652,8 @@ def _ring_after(proto, view, n, ctx):
 @compiled.traced_update.register
 def traced_update_ring(proto: RotatingState, view: compiled.Traced, k, v,
                        ctx: compiled.TraceContext):
+    _rows.check_geometry(_rows.geometry(derived(proto, keys=view.planes[0],
+                                                values=view.planes[1])), k, v)
     N = k.shape[2]
     check(N == 1, "tokens per row", "1 for a ring in a compiled step", N)
     lengths, _ = view.positions

@@ -101,11 +101,19 @@ def validate_tokens(state, k, v):
     check(N >= 1, "k tokens (shape[2])", ">= 1", N)
     check_float("k", k.dtype)
     if geo is not None:
-        H, Dk, Dv, dtype = geo
-        check(Hk == H, "k heads (shape[1])", H, Hk)
-        check(dk == Dk, "k head dim (shape[3])", Dk, dk)
-        check(dv == Dv, "v head dim (shape[3])", Dv, dv)
-        check(k.dtype == dtype, "k dtype", dtype, k.dtype)
+        check_geometry(geo, k, v)
+
+
+def check_geometry(geo, k, v) -> None:
+    """New tokens ``k``, ``v`` have the heads, head dims and dtype ``geo`` =
+    ``(H, Dk, Dv, dtype)`` of the rows they go to. Shapes only, so it also
+    runs on traced arrays (a compiled step checks while it traces: a model
+    of another geometry is refused, not broadcast)."""
+    H, Dk, Dv, dtype = geo
+    check(k.shape[1] == H, "k heads (shape[1])", H, k.shape[1])
+    check(k.shape[3] == Dk, "k head dim (shape[3])", Dk, k.shape[3])
+    check(v.shape[3] == Dv, "v head dim (shape[3])", Dv, v.shape[3])
+    check(k.dtype == dtype, "k dtype", dtype, k.dtype)
 
 
 # --- capacity and writes (host ints or traced arrays) ---------------------------------
@@ -601,6 +609,7 @@ def traced_offset_rows(proto: _Rows, view: compiled.Traced, ctx: compiled.TraceC
 @compiled.traced_update.register
 def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v,
                        ctx: compiled.TraceContext):
+    check_geometry(geometry(with_planes(proto, view.planes)), k, v)
     ends, lp = view.positions
     N = k.shape[2]
     slice_write = view.same_end and ctx.same_end_slice

@@ -212,6 +212,29 @@ def test_small_items():
         kv.ops.next_mask(s, 1, memo={})
 
 
+def test_the_compiled_decoder_refuses_records_of_another_geometry():
+    """As eager ``forward`` does (a head dim that the model's keys do not have
+    was an MLX broadcast error): checked while tracing, so free per step."""
+    import tiny_models as tm
+
+    from kvstate import mlx_lm as br
+
+    model = tm.llama_model(layers=2)  # head_dim 32
+    decode = kv.compiled_decoder(model)
+
+    def states(D):
+        return [
+            kv.append(kv.empty(1), mx.zeros((1, 2, 3, D)), mx.zeros((1, 2, 3, D))) for _ in range(2)
+        ]
+
+    msg = re.escape("k head dim (shape[3]): expected 16")
+    with pytest.raises(kv.KVStateError, match=msg):
+        decode(mx.array([1]), states(16))
+    with pytest.raises(kv.KVStateError, match=msg):
+        br.forward(model, [[1]], states(16))
+    decode(mx.array([1]), states(32))
+
+
 def test_mlx_lm_caches_that_lie_are_refused():
     from mlx_lm.models import cache as lm_cache
 
