@@ -33,7 +33,7 @@ import mlx.core as mx
 from . import ops
 from ._args import as_int
 from .errors import bad, check
-from .records import CacheState, QuantizedState, RotatingState
+from .records import CacheState, QuantizedState, RotatingState, derived
 
 __all__ = ["BUCKETS", "Padding", "blank_rows", "bucket_of", "check_buckets", "head_rows"]
 
@@ -87,7 +87,8 @@ def _blank_quantized(state: QuantizedState, n: int):
 
 @blank_rows.register
 def _blank_ring(state: RotatingState, n: int):
-    return attrs.evolve(state, lengths=(0,) * n, held=(0,) * n, keys=None, values=None)
+    return attrs.evolve(state, lengths=(0,) * n, held=(0,) * n, keys=None, values=None,
+                        row_ids=None)  # (new rows: fresh ids)
 
 
 def head_rows(state, B: int):
@@ -102,7 +103,7 @@ def head_rows(state, B: int):
             changes[f.name] = tuple(x[:B] for x in v)
         elif isinstance(v, tuple) and len(v) == n and all(type(x) is int for x in v):
             changes[f.name] = v[:B]
-    return attrs.evolve(state, **changes)
+    return derived(state, **changes)  # (rows of a valid record: not validated again)
 
 
 class Padding:

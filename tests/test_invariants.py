@@ -412,6 +412,7 @@ class Adversary(RuleBasedStateMachine):
                 out = call(s)
             except kv.KVStateError:
                 assert_unchanged(s, snap)
+                Adversary.refused += 1
                 continue
             Adversary.operations += 1
             if isinstance(out, (kv.CacheState, kv.QuantizedState, kv.RotatingState)):
@@ -544,6 +545,6 @@ def kind_of(s):
     return {kv.CacheState: "dense", kv.QuantizedState: "quant", kv.RotatingState: "ring"}[type(s)]
 
 
-Adversary.sequences = Adversary.operations = 0
+Adversary.sequences = Adversary.operations = Adversary.refused = 0
 Adversary.TestCase.settings = settings(stateful_step_count=20)
 TestAdversary = Adversary.TestCase
