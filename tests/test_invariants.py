@@ -546,5 +546,5 @@ def kind_of(s):
 
 
 Adversary.sequences = Adversary.operations = Adversary.refused = 0
-Adversary.TestCase.settings = settings(stateful_step_count=20)
+Adversary.TestCase.settings = settings(max_examples=200, stateful_step_count=20)
 TestAdversary = Adversary.TestCase
