@@ -15,9 +15,14 @@ File layout (format 1)::
 A record is written field by field from its ``attrs`` fields: an array
 field becomes one tensor, a tuple of arrays one tensor per item, anything
 else (ints, tuples of ints, ``None``) goes to the JSON as host data. So a
-new record kind needs one entry in ``RECORDS`` and nothing else. Arrays
-are written as they are (whole capacity, stale columns included), so a
-round trip is byte-exact.
+new record kind needs one entry in ``RECORDS`` and nothing else. By
+default each row of a dense, quantized or ring layer is written compactly
+(its columns in use only, ``kvstate.compact``: then ``"kvstate.layout"`` is
+``"rows"`` and a layer's entry is a list of one-row entries, tensors
+``"{layer}.{row}.{field}"``); ``save(..., exact=True)`` writes every layer
+as it is (whole capacity, stale columns included), a byte-exact round trip.
+A ``kv.Batch`` adds ``"kvstate.batch"`` (its host per-row fields, JSON) and
+tensors ``"batch.tokens"``, ``"batch.keys"``.
 
 Files written by mlx-lm's ``save_prompt_cache`` load too: their cache
 objects are rebuilt with mlx-lm's own ``load_prompt_cache`` and converted
@@ -40,7 +45,8 @@ from typing import Optional
 import attrs
 import mlx.core as mx
 
-from . import _rows, records
+from . import _rows, compact, records
+from .batch import Batch
 from .errors import KVStateError, bad, check
 from .invariants import fresh_row_ids
 
@@ -219,12 +225,16 @@ def _check_path(path, arg="path") -> str:
     return path
 
 
-def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> None:
-    """Write ``states`` (a list of records, one per layer) to a ``.safetensors`` file.
+def save(path, states, metadata: Optional[dict] = None, *, model_path=None,
+         exact: bool = False) -> None:
+    """Write ``states`` (a list of records, one per layer, or a ``kv.Batch``) to a
+    ``.safetensors`` file.
 
     Args:
         path: the file name; must end in ``.safetensors``.
-        states: the records; arrays are written as they are (byte-exact).
+        states: the records, or a ``kv.Batch`` (its per-row data is saved too).
+            Each row's columns in use are written, nothing else
+            (``kvstate.compact``); ``load`` restores capacity in whole steps.
         metadata: optional ``str -> str`` pairs stored with the file (keys
             starting with ``"kvstate."`` are reserved, except the
             ``"kvstate.model.digest"`` that ``load`` returns: it is stored
@@ -232,14 +242,14 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None) -> N
         model_path: optional model directory; its identity (the digest of
             its ``*.safetensors`` files) is recorded so ``load`` can refuse
             the file for another model.
+        exact: write every layer as it is (whole capacity, padding and stale
+            columns too): a byte-exact round trip, at the cost of file size.
     """
     path = _check_path(path)
-    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
-        raise bad("states", "a list of records", type(states).__name__)
     meta = _check_metadata(metadata)
-    tensors, entries = {}, []
-    for i, s in enumerate(states):
-        entries.append(_encode(i, s, tensors))
+    tensors = {}
+    entries, layout = compact.encode(states, tensors, _encode, exact=exact)
+    meta.update(layout)
     if model_path is not None:
         digest = model_digest(model_path)
         given = meta.get(DIGEST_KEY, digest)
@@ -314,7 +324,8 @@ def load(path, *, model=None, model_path=None):
             recorded the same model identity (``model_digest``).
 
     Returns:
-        ``(states, metadata)``: the records, and the user metadata (plus
+        ``(states, metadata)``: the records (a ``kv.Batch`` when one was
+        saved; capacity in whole steps), and the user metadata (plus
         ``"kvstate.model.digest"`` when one was recorded). For an mlx-lm
         file, the metadata mlx-lm's ``load_prompt_cache`` returns.
     """
@@ -333,7 +344,10 @@ def load(path, *, model=None, model_path=None):
     else:
         raise bad("path", "a kvstate or mlx-lm prompt-cache file", f"{path} (unknown metadata)")
     # mx.load is lazy: read now, so a later change to the file cannot leak in.
-    _read(path, [p for s in states for p in _arrays(s)])
+    is_batch = type(states) is Batch
+    layers = states.states if is_batch else states
+    _read(path, [p for s in layers for p in _arrays(s)]
+          + ([states.tokens, states.keys] if is_batch else []))
     if model_path is not None:
         want = model_digest(model_path)
         have = user.get(DIGEST_KEY)
@@ -342,7 +356,7 @@ def load(path, *, model=None, model_path=None):
         check(have == want, "path", f"a cache for the model at {model_path} (digest {want[:16]}…)",
               f"a cache for another model (digest {have[:16]}…)")
     if model is not None:
-        check_model(states, model)
+        check_model(layers, model)
     return states, user
 
 
@@ -368,7 +382,7 @@ def _read(path: str, arrays: list) -> None:
         raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
 
 
-def _load_kvstate(path: str, meta: dict) -> list:
+def _load_kvstate(path: str, meta: dict):
     table = meta.get("kvstate.records")
     check(table is not None, "path", "a kvstate.records table", "none")
     try:
@@ -383,7 +397,8 @@ def _load_kvstate(path: str, meta: dict) -> list:
     except (RuntimeError, ValueError) as e:
         raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
     used, ids = set(), {}
-    states = [_decode(i, e, tensors, used, ids) for i, e in enumerate(entries)]
+    states = compact.decode(entries, meta, tensors,
+                            lambda i, e, t: _decode(i, e, t, used, ids), used)
     extra = sorted(set(tensors) - used)
     check(not extra, "path", "only the tensors its record table names", _short(extra))
     return states

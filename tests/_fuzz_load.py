@@ -60,8 +60,11 @@ def kvstate_files(out):
     paths = {}
     for name, states in files.items():
         p = os.path.join(out, f"kv_{name}.safetensors")
-        kv.save(p, states, {"note": name})
+        kv.save(p, states, {"note": name})  # compact: one entry per row of a layer
         paths[name] = p
+    p = os.path.join(out, "kv_layers_exact.safetensors")
+    kv.save(p, files["layers"], {"note": "exact"}, exact=True)  # one entry per layer
+    paths["layers_exact"] = p
     return paths
 
 
@@ -155,11 +158,50 @@ HOST_LIES = [
 ]
 
 
+def _slots(entries):
+    """Every record entry of a table as ``(label, path)``: a layer's entry, or each
+    row entry of a compact layer (a list of one-row entries)."""
+    out = []
+    for i, e in enumerate(entries):
+        if isinstance(e, list):
+            out += [(f"{i}.{r}", (i, r)) for r in range(len(e))]
+        else:
+            out.append((str(i), (i,)))
+    return out
+
+
+class _At:
+    """``t[i]`` (or ``t[i][r]``) of a copied table, for one mutation."""
+
+    def __init__(self, t, path):
+        self.t, self.path = t, path
+
+    def __getitem__(self, key):
+        node = self.t
+        for p in self.path[:-1]:
+            node = node[p]
+        return node[self.path[-1]][key]
+
+
+def _get(t, path):
+    for p in path:
+        t = t[p]
+    return t
+
+
+def _set(t, path, value):
+    node = t
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+
+
 def lying_tables(header):
     """(label, header) pairs whose record table lies about one thing each."""
     entries = records_of(header)
     out = []
-    for i, e in enumerate(entries):
+    for i, path in _slots(entries):
+        e = _At(entries, path)
         for field, value in e["host"].items():
             lies = list(HOST_LIES)
             if isinstance(value, list):
@@ -173,29 +215,29 @@ def lying_tables(header):
                 ]
             for j, lie in enumerate(lies):
                 t = copy.deepcopy(entries)
-                t[i]["host"][field] = lie
+                _At(t, path)["host"][field] = lie
                 out.append((f"r{i}.{field}={j}", t))
             t = copy.deepcopy(entries)
-            del t[i]["host"][field]
+            del _At(t, path)["host"][field]
             out.append((f"r{i}.{field}.missing", t))
         for field, n in e["arrays"].items():
             for j, lie in enumerate([n + 1, max(n - 1, 0), -1, 9, 1.0, "0", None]):
                 t = copy.deepcopy(entries)
-                t[i]["arrays"][field] = lie
+                _At(t, path)["arrays"][field] = lie
                 out.append((f"r{i}.arrays.{field}={j}", t))
             t = copy.deepcopy(entries)
-            t[i]["host"][field] = t[i]["arrays"].pop(field) and None
+            _At(t, path)["host"][field] = _At(t, path)["arrays"].pop(field) and None
             out.append((f"r{i}.arrays.{field}->host", t))
         for kind in ("CacheState", "QuantizedState", "RotatingState", "Checkpoint", "dict", 5):
             t = copy.deepcopy(entries)
-            t[i]["kind"] = kind
+            _set(t, path + ("kind",), kind)
             out.append((f"r{i}.kind={kind}", t))
         for j, extra in enumerate([{"bogus": 1}, {"keys": [1, 2]}]):
             t = copy.deepcopy(entries)
-            t[i]["host"].update(extra)
+            _At(t, path)["host"].update(extra)
             out.append((f"r{i}.extra{j}", t))
         t = copy.deepcopy(entries)
-        t[i] = [t[i]]
+        _set(t, path, [_get(t, path)])
         out.append((f"r{i}.notdict", t))
     out += [
         ("table.empty", []),
