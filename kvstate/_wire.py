@@ -237,7 +237,7 @@ def _parts(states) -> tuple:
 
 
 @_parts.register
-def _(states: Batch) -> tuple:
+def parts_batch(states: Batch) -> tuple:
     return _layers(states.states, "states.states"), states
 
 

@@ -50,25 +50,39 @@ class MaskKey:
 
 
 class _Entry:
-    __slots__ = ("key", "mask", "holds")
+    """One built mask: its holders are the leases and, while it sits in a
+    memo's slot, the memo. When the last holder lets go the entry drops the
+    mask, so nothing in kvstate keeps it alive (a caller's graph still may)."""
+
+    __slots__ = ("key", "mask", "holds", "slotted")
 
     def __init__(self, key, mask):
-        self.key, self.mask, self.holds = key, mask, 0
+        self.key, self.mask, self.holds, self.slotted = key, mask, 0, True
+
+    def unslot(self) -> None:
+        self.slotted = False
+        if not self.holds:
+            self.mask = None
+
+    def drop(self) -> None:
+        self.holds -= 1
+        if not self.holds and not self.slotted:
+            self.mask = None
 
 
 class MaskLease:
     """A hold on one memoized mask; release it exactly once (or use ``with``)."""
 
-    __slots__ = ("_memo", "_entry", "_released")
+    __slots__ = ("_memo", "_entry", "_key", "_released")
 
     def __init__(self, memo: "MaskMemo", entry: _Entry):
-        self._memo, self._entry, self._released = memo, entry, False
+        self._memo, self._entry, self._key, self._released = memo, entry, entry.key, False
         entry.holds += 1
         memo._live += 1
 
     @property
     def key(self) -> MaskKey:
-        return self._entry.key
+        return self._key
 
     @property
     def mask(self):
@@ -85,8 +99,10 @@ class MaskLease:
         if self._released:
             raise bad("lease", "an unreleased lease", "a lease released already", LeaseError)
         self._released = True
-        self._entry.holds -= 1
-        self._memo._live -= 1
+        entry, memo = self._entry, self._memo
+        self._entry = self._memo = None  # a released lease holds nothing
+        memo._live -= 1
+        entry.drop()
 
     def __enter__(self):
         return self
@@ -120,13 +136,22 @@ class MaskMemo:
             raise bad("key", "a MaskKey", type(key).__name__)
         entry = self._slots.get(key.family)
         if entry is None or entry.key != key:
-            entry = _Entry(key, build())
+            new = _Entry(key, build())
             self.builds += 1
-            self._slots[key.family] = entry
+            self._slots[key.family] = new
+            if entry is not None:
+                entry.unslot()
+            entry = new
         return MaskLease(self, entry)
 
     def clear(self) -> None:
-        """Drop the memo's own holds; masks already leased stay valid until released."""
+        """Drop the memo's own holds; masks already leased stay valid until released.
+
+        A mask no lease holds is dropped now; one still leased is dropped by
+        its last ``release``.
+        """
+        for entry in self._slots.values():
+            entry.unslot()
         self._slots.clear()
 
 

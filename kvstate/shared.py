@@ -214,7 +214,7 @@ def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows
 
 
 @fork.register
-def _(state: _Rows, row, n, *, step=None):
+def fork_rows(state: _Rows, row, n, *, step=None):
     row, n = _fork_args(state, row, n)
     check(type(state) in (CacheState, QuantizedState), "state",
           "a CacheState or QuantizedState", type(state).__name__)
@@ -229,7 +229,7 @@ def _(state: _Rows, row, n, *, step=None):
 
 
 @fork.register
-def _(state: SharedState, row, n, *, step=None):
+def fork_shared(state: SharedState, row, n, *, step=None):
     row, n = _fork_args(state, row, n)
     if n == 0:
         return state
@@ -256,7 +256,7 @@ def _first_tokens(state: SharedState, k, v):
 
 
 @ops.append.register
-def _(state: SharedState, k, v):
+def append_shared(state: SharedState, k, v):
     _first_tokens(state, k, v)
     return with_suffix(state, ops.append(state.suffix, k, v))
 
@@ -273,19 +273,17 @@ def update_suffix(state: SharedState, k, v, plans=None) -> tuple:
 def update_and_read_shared(state: SharedState, k, v, plans=None):
     """The suffix rows take the tokens (sharing the forward's plans); the read
     is the materialized rows."""
-    _first_tokens(state, k, v)
-    suffix, _, _ = ops.update_and_read(state.suffix, k, v, plans)
-    state = with_suffix(state, suffix)
+    state, _, _ = update_suffix(state, k, v, plans)
     return (state, *ops.fetch(state))
 
 
 @ops.positions.register
-def _(state: SharedState):
+def positions_shared(state: SharedState):
     return None if state.aligned else mx.array(state.lengths, dtype=mx.int32)
 
 
 @_rows.geometry.register
-def _(state: SharedState):
+def geometry_shared(state: SharedState):
     geo = _rows.geometry(state.suffix)
     return geo if geo is not None else _rows.geometry(state.prefixes[0])
 
@@ -299,7 +297,7 @@ def _cut(state: SharedState, target: tuple) -> SharedState:
 
 
 @ops.trim.register
-def _(state: SharedState, n):
+def trim_shared(state: SharedState, n):
     n = per_row(n, state.batch_size, "n")
     have = state.lengths
     for b, (m, h) in enumerate(zip(n, have)):
@@ -308,12 +306,12 @@ def _(state: SharedState, n):
 
 
 @ops.checkpoint.register
-def _(state: SharedState):
+def checkpoint_shared(state: SharedState):
     return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
 
 
 @ops.rollback.register
-def _(state: SharedState, checkpoint, keep=0):
+def rollback_shared(state: SharedState, checkpoint, keep=0):
     target = _rows.checkpoint_target(state, checkpoint, keep)
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
@@ -336,7 +334,7 @@ def _reindex(prefixes, source, prefix_row, shared, suffix) -> SharedState:
 
 
 @ops.filter_rows.register
-def _(state: SharedState, rows):
+def filter_rows_shared(state: SharedState, rows):
     rows = row_list(rows, state.batch_size)
     return _reindex(state.prefixes, [state.source[r] for r in rows],
                     tuple(state.prefix_row[r] for r in rows),
@@ -344,7 +342,7 @@ def _(state: SharedState, rows):
 
 
 @ops.extract_row.register
-def _(state: SharedState, row):
+def extract_row_shared(state: SharedState, row):
     """A one-row ``SharedState``: a compact copy of the row's suffix, still
     sharing its prefix record (which it pins, being shared by definition)."""
     row = row_index(row, state.batch_size)
@@ -353,7 +351,7 @@ def _(state: SharedState, row):
 
 
 @ops.merge_same_kind.register
-def _(first: SharedState, states):
+def merge_rows_shared(first: SharedState, states):
     kinds = {type(s.suffix) for s in states}
     check(len(kinds) == 1, "states suffix kinds", "one record kind",
           sorted(k.__name__ for k in kinds))
@@ -456,7 +454,7 @@ def materialize(state: SharedState):
 
 
 @ops.fetch.register
-def _(state: SharedState):
+def fetch_shared(state: SharedState):
     check(_rows.geometry(state) is not None, "state", "a state holding keys (append first)",
           "an empty state")
     return ops.fetch(materialize(state))
@@ -470,7 +468,7 @@ def _materialized_rows(state: SharedState):
 
 
 @ops.next_mask.register
-def _(state: SharedState, n, *, memo=None, window=None, array=False):
+def next_mask_shared(state: SharedState, n, *, memo=None, window=None, array=False):
     return ops.next_mask(_materialized_rows(state), n, memo=memo, window=window, array=array)
 
 
@@ -592,7 +590,7 @@ def group_kv(state: SharedState, groups) -> list:
 
 
 @ops.attend.register
-def _(state: SharedState, q, *, scale: float, memo=None, window=None):
+def attend_shared(state: SharedState, q, *, scale: float, memo=None, window=None):
     check(type(state.suffix) is CacheState, "state", "a SharedState of CacheState rows "
           "(quantized shared rows are read through kv.fetch / materialize)",
           f"{type(state.suffix).__name__} rows")
@@ -654,7 +652,7 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
 
 
 @compiled.prepare.register(SharedState)
-def _(state, n: int = 1):
+def prepare_shared(state, n: int = 1):
     # A record holding records (its prefixes and suffix) does not flatten
     # through the attrs-derived boundary yet: refused by name (notes/prefix.md).
     raise bad("state", "a record kind the compiled step supports",

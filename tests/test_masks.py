@@ -98,6 +98,50 @@ def test_clear_keeps_leased_masks_valid():
     assert memo.live == 0
 
 
+MIB = 1 << 20
+
+
+def _active() -> int:
+    mx.synchronize()
+    return mx.get_active_memory()
+
+
+def test_last_release_frees_the_mask():
+    """Once the last lease is released and the memo has let go (``clear``, or
+    a new key in the family), nothing in kvstate holds the mask: active
+    memory returns to the baseline though every lease object is still alive.
+    The control holds one lease and sees the memory stay."""
+    L = 4096  # a [1, 1, L, L] bool mask: 16 MiB
+    bidirectional = mx.zeros((L,), mx.bool_)
+    mx.eval(bidirectional)
+    memo = kv.MaskMemo()
+    base = _active()
+    first = kv.encoder_window_mask(memo, L, bidirectional)
+    mx.eval(first.mask)
+    assert _active() - base >= 15 * MIB
+    second = kv.encoder_window_mask(memo, L, bidirectional)  # the same mask, no build
+    assert memo.builds == 1
+    first.release()
+    memo.clear()
+    assert _active() - base >= 15 * MIB  # control: the second lease still holds it
+    second.release()
+    assert _active() - base < MIB  # freed, while first and second are still referenced
+    assert first.key == second.key  # a released lease still names its key
+
+    # A new key in the family replaces the slot: the old mask goes with its last lease.
+    held = kv.encoder_window_mask(memo, L, bidirectional)
+    mx.eval(held.mask)
+    other = mx.ones((L,), mx.bool_)
+    replaced = kv.encoder_window_mask(memo, L, other)
+    mx.eval(replaced.mask)
+    assert _active() - base >= 31 * MIB  # two masks: one in the slot, one leased
+    held.release()
+    assert _active() - base < 17 * MIB
+    replaced.release()
+    memo.clear()
+    assert _active() - base < 2 * MIB
+
+
 def test_lease_release_exactly_once_and_context_manager():
     memo = kv.MaskMemo()
     lease = memo.mask_for(kv.MaskKey("f"), lambda: None)

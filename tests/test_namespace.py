@@ -1,0 +1,63 @@
+"""The public namespace: ``kvstate.__all__``, module names, registration names, version."""
+
+import importlib
+import importlib.metadata
+import importlib.util
+import pkgutil
+import types
+
+import pytest
+
+import kvstate as kv
+
+
+def test_all_lists_the_public_api_and_nothing_missing():
+    assert len(kv.__all__) == len(set(kv.__all__))
+    for name in kv.__all__:
+        assert hasattr(kv, name), name
+    for name in ("next_mask", "append", "fetch", "attend", "rotating", "quantized", "empty",
+                 "flatten", "unflatten", "compiled_decoder", "MaskMemo", "KVStateError"):
+        assert name in kv.__all__
+    star = {}
+    exec("from kvstate import *", star)
+    assert {n for n in star if not n.startswith("__")} == set(kv.__all__)
+
+
+def test_no_exported_name_shadows_a_module():
+    """An exported name is never also a submodule (``kv.rotating`` is the
+    constructor and there is no ``kvstate.rotating`` module it hides)."""
+    for name in kv.__all__:
+        assert importlib.util.find_spec(f"kvstate.{name}") is None, name
+        assert not isinstance(getattr(kv, name), types.ModuleType), name
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("kvstate.rotating")
+    assert callable(kv.rotating) and callable(kv.quantized)
+
+
+def _modules():
+    for info in pkgutil.iter_modules(kv.__path__):
+        if info.name in ("__main__",):
+            continue
+        try:
+            yield importlib.import_module(f"kvstate.{info.name}")
+        except ImportError as e:  # an optional dependency (mlx-lm is in the test extra)
+            pytest.fail(f"kvstate.{info.name} does not import: {e}")
+
+
+def test_every_registration_has_a_name():
+    """Tracebacks through a generic function never say ``in _``."""
+    seen = 0
+    for mod in _modules():
+        for obj in vars(mod).values():
+            registry = getattr(obj, "registry", None)
+            if not callable(obj) or not isinstance(registry, types.MappingProxyType):
+                continue
+            for cls, impl in registry.items():
+                seen += 1
+                assert getattr(impl, "__name__", "") not in ("_", "<lambda>"), (
+                    f"{mod.__name__}.{obj.__name__} for {cls.__name__}")
+    assert seen > 50
+
+
+def test_one_version_string():
+    assert kv.__version__ == importlib.metadata.version("kvstate")
