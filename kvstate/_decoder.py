@@ -147,10 +147,10 @@ class Decoder:
         self.wait = bool(wait)
         self.batch_buckets = _buckets.check_buckets(batch_buckets)
         self.traces = 0
-        self.trace_reasons = []
-        self._seen = []
+        self.trace_reasons: list = []
+        self._seen: list = []
         self._padding = _buckets.Padding()
-        self._fns = {}
+        self._fns: dict = {}
         self._mods = None
         self._pending = None
         self._layers = None
@@ -270,7 +270,7 @@ def make_step(model, **options):
             raise bad("model", "the model this step was compiled for", type(model_).__name__)
         return decoder(tokens, states)
 
-    step.decoder = decoder
+    step.decoder = decoder  # type: ignore[attr-defined]
     return step
 
 

@@ -9,7 +9,7 @@ given), the append hot path the bridge takes every decode step, and
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 
@@ -24,9 +24,7 @@ from .records import CacheState, derived
 
 @_rows.geometry.register
 def geometry_dense(state: CacheState):
-    if state.keys is None:
-        return None
-    return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
+    return _rows.kv_geometry(state.keys, state.values)
 
 
 @_rows.to_planes.register
@@ -108,7 +106,8 @@ def update_and_read_dense(state: CacheState, k, v, plans: Optional[_rows.Plans] 
     append is done once per layout instead of once per layer.
     """
     state, width = _append(state, k, v, plans)
-    keys, values = state.keys, state.values
+    keys: Any = state.keys
+    values: Any = state.values
     if width == keys.shape[2]:
         return state, keys, values
     return state, keys[:, :, :width], values[:, :, :width]
@@ -120,7 +119,8 @@ def _append(state: CacheState, k, v, plans):
     Anything that is not the hot path (an empty record, tokens that do not
     fit) takes the general path, which names what is wrong.
     """
-    keys, values = state.keys, state.values
+    keys: Any = state.keys
+    values: Any = state.values
     if keys is not None and _rows.fits(k, v, keys.shape[0], keys.shape[1], keys.shape[3],
                                        values.shape[3], keys.dtype):
         plan = _rows.plan_for(state, k.shape[2], plans)
@@ -131,11 +131,12 @@ def _append(state: CacheState, k, v, plans):
 
 @ops.fetch.register
 def fetch_dense(state: CacheState):
-    keys = state.keys
+    keys: Any = state.keys
+    values: Any = state.values
     if keys is None:
         raise bad("state", "a state holding keys (append first)", "an empty state")
     width = state.width
     if width == keys.shape[2]:
-        return keys, state.values
-    return keys[:, :, :width], state.values[:, :, :width]  # (the short index parses faster)
+        return keys, values
+    return keys[:, :, :width], values[:, :, :width]  # (the short index parses faster)
 

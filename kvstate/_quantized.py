@@ -8,6 +8,8 @@ filter, extract, trim and rollback move packed bytes and never requantize.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from . import _dense, _rows, ops
@@ -47,7 +49,8 @@ def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> Q
     empty = quantized(state.batch_size, group_size=group_size, bits=bits, step=state.step)
     if state.keys is None:
         return empty
-    for arg, x in (("state keys", state.keys), ("state values", state.values)):
+    planes: Any = (state.keys, state.values)
+    for arg, x in zip(("state keys", "state values"), planes):
         check(x.shape[3] % group_size == 0, f"{arg} head dim (shape[3])",
               f"a multiple of group_size={group_size}", x.shape[3])
     planes = _rows.to_planes(empty, *_rows.columns(state.planes, state.width))
@@ -60,8 +63,10 @@ def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> Q
 def geometry_quantized(state: QuantizedState):
     if state.keys is None:
         return None
-    kp, ks, _ = state.keys
-    vp, vs, _ = state.values
+    keys: Any = state.keys
+    values: Any = state.values
+    kp, ks, _ = keys
+    vp, vs, _ = values
     # The head dim is recoverable from the scales: one scale per group.
     return (kp.shape[1], ks.shape[3] * state.group_size, vs.shape[3] * state.group_size,
             ks.dtype)

@@ -27,6 +27,8 @@ reasons: ``notes/rotating.md``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import numpy as np
 
@@ -193,8 +195,8 @@ def ring_writer(lengths, N: int, *, keep: int, capacity: int):
     if isinstance(lengths, mx.array):
         pos = lengths[:, None] + mx.arange(N, dtype=lengths.dtype)[None, :]
         return _rows.scatter_writer(column_of(pos, keep, capacity)[:, None, :, None])
-    pos = np.array(lengths, np.int64).reshape(-1, 1) + np.arange(N)[None, :]
-    return columns_writer(column_of(pos, keep, capacity).tolist())
+    host = np.array(lengths, np.int64).reshape(-1, 1) + np.arange(N)[None, :]
+    return columns_writer(column_of(host, keep, capacity).tolist())
 
 
 def columns_writer(cols):
@@ -275,9 +277,11 @@ def read(state: RotatingState):
     """
     check(state.keys is not None, "state", "a state holding keys (append first)", "an empty state")
     w = read_width(state)
+    keys: Any = state.keys
+    values: Any = state.values
     if w == state.capacity:
-        return state.keys, state.values
-    return state.keys[:, :, :w, :], state.values[:, :, :w, :]
+        return keys, values
+    return keys[:, :, :w, :], values[:, :, :w, :]
 
 
 @ops.update_and_read.register
@@ -355,9 +359,7 @@ def positions_ring(state: RotatingState):
 
 @_rows.geometry.register
 def geometry_ring(state: RotatingState):
-    if state.keys is None:
-        return None
-    return (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
+    return _rows.kv_geometry(state.keys, state.values)
 
 
 # --- masks and attention ------------------------------------------------------------
@@ -552,7 +554,8 @@ def commit_ring(state: RotatingState, anchor, keep=0):
 @ops.filter_rows.register
 def filter_rows_ring(state: RotatingState, rows):
     rows = row_list(rows, state.batch_size)
-    keys, values = state.keys, state.values
+    keys: Any = state.keys
+    values: Any = state.values
     if keys is not None and rows != list(range(state.batch_size)):
         idx = mx.array(rows, dtype=mx.int32)
         keys, values = keys[idx], values[idx]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from functools import singledispatch
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,13 @@ def round_up(n: int, step: int) -> int:
 def geometry(state):
     """``(H, Dk, Dv, dtype)`` of the stored rows, or ``None`` before the first append."""
     raise NotImplementedError(type(state).__name__)
+
+
+def kv_geometry(keys: Any, values: Any):
+    """``(H, Dk, Dv, dtype)`` of ``[B, H, C, D]`` key and value planes (``None``: no planes)."""
+    if keys is None:
+        return None
+    return (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
 
 
 @singledispatch

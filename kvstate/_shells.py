@@ -47,10 +47,10 @@ class Eager:
     def __init__(self, memo: MaskMemo, start_early: bool = False):
         self.memo = memo
         self.route = None  # an attention router for this forward (kvstate.shared's cascade)
-        self.leases = []
+        self.leases: list = []
         self.plans = Plans()
         self.started = not start_early
-        self._positions = {}
+        self._positions: dict = {}
         self._last = None
 
     def start(self, keys, values):

@@ -306,7 +306,7 @@ class TraceContext:
 
     def __init__(self, same_end_slice: bool = False):
         self.same_end_slice = same_end_slice
-        self._memo = {}
+        self._memo: dict = {}
 
     def shared(self, key, arrays, build):
         """``build()``, once per ``key`` and identity of ``arrays``."""

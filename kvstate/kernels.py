@@ -7,7 +7,7 @@ over column chunks, a second kernel merges them. No mask array is built,
 which is what makes ragged decode on the H200 about as cheap as aligned
 decode (``notes/compile.md``, ``notes/benchmarks.md``). Elsewhere (CPU,
 Metal, shapes the kernel does not cover) it is the masked fused SDPA, with
-the same result. ``kvstate.compiled.Decoder(attention="kernel")`` routes a
+the same result. ``kvstate.mlx_lm.Decoder(attention="kernel")`` routes a
 compiled step's dense decode reads here.
 """
 
@@ -141,7 +141,7 @@ _MERGE_SRC = r"""
     out[(size_t)row * D + d] = static_cast<T>(O / L);
 """
 
-_kernels = {}
+_kernels: dict = {}
 
 
 def _get_kernels():

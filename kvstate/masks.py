@@ -100,7 +100,7 @@ class MaskLease:
             raise bad("lease", "an unreleased lease", "a lease released already", LeaseError)
         self._released = True
         entry, memo = self._entry, self._memo
-        self._entry = self._memo = None  # a released lease holds nothing
+        self._entry = self._memo = None  # type: ignore[assignment]  # a released lease holds nothing
         memo._live -= 1
         entry.drop()
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from functools import singledispatch
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import attrs
 import mlx.core as mx
@@ -58,6 +58,7 @@ class _SharedReads:
     """What a ``SharedState`` shell reports of its record: the suffix rows' arrays."""
 
     __slots__ = ()
+    record: Any  # (the Shell's)
 
     @property
     def keys(self):
