@@ -38,6 +38,7 @@ from . import ops
 from ._args import row_index, row_list
 from .errors import bad
 from .layers import _layers
+from .records import _RowsOfFirst
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
 from .shared import fork
 
@@ -76,7 +77,7 @@ _PER_ROW = attrs.Converter(_per_row, takes_self=True)
 
 
 @attrs.frozen
-class Batch:
+class Batch(_RowsOfFirst):
     """A model's records and per-row data, one value (see the module docstring).
 
     ``kv.Batch(states, tokens)`` fills in the rest: greedy sampling, keys from
@@ -140,14 +141,9 @@ class Batch:
             if not isinstance(s, Sampling):
                 raise bad(f"sampling[{b}]", "a kv.Sampling", type(s).__name__)
 
-    @property
-    def batch_size(self) -> int:
-        return self.states[0].batch_size
-
-    @property
-    def lengths(self) -> tuple:
-        """Per row, the tokens in the cache (the pending token is not one of them)."""
-        return self.states[0].lengths
+    # batch_size, and lengths: per row, the tokens in the cache (the pending
+    # token is not one of them), are the first layer's (records._RowsOfFirst).
+    _first = "states"
 
 
 def row_fields() -> list:

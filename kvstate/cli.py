@@ -206,17 +206,13 @@ def _parser():
     g.add_argument("--max-tokens", type=int, default=48, help="most tokens per completion (48)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="request i samples with seed SEED + i; tiny: weights and workload (0)",
-    )
+    g.add_argument("--seed", type=int, default=0, help="request i: SEED + i; tiny: weights too (0)")
     g.add_argument("--batch-size", type=int, default=8, help="most rows decoded at once (8)")
     g.add_argument(
         "--prefill-step-size",
         type=int,
         default=512,
+        metavar="N",
         help="most prompt tokens per prefill forward (512)",
     )
     g.add_argument(
@@ -283,20 +279,10 @@ def _parser():
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
     t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
-    t.add_argument(
-        "--prompt-len",
-        type=_range,
-        default=(16, 64),
-        metavar="LO:HI",
-        help="prompt lengths, uniform (16:64)",
-    )
-    t.add_argument(
-        "--gen-len",
-        type=_range,
-        default=(8, 48),
-        metavar="LO:HI",
-        help="tokens generated per request, uniform (8:48)",
-    )
+    for flag, (lo, hi), what in (("--prompt-len", (16, 64), "prompt lengths"),
+                                  ("--gen-len", (8, 48), "tokens generated per request")):
+        t.add_argument(flag, type=_range, default=(lo, hi), metavar="LO:HI",
+                       help=f"{what}, uniform ({lo}:{hi})")
     t.add_argument(
         "--arrival-gap", type=int, default=2, help="mean decode steps between arrivals (2)"
     )

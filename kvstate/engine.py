@@ -159,7 +159,7 @@ def serve(
         held = sum(len(row.request.prompt) + len(row.tokens) - 1 for row in active)
         per_tok.append(engine.nbytes(batch) / held)
         keep = [i for i, row in enumerate(active) if not row.done()]
-        for i, row in enumerate(active):
+        for row in active:
             if row.done():
                 finish(row)
         if len(keep) < len(active):

@@ -24,7 +24,7 @@ import attrs
 
 from . import ops
 from .errors import bad
-from .records import Checkpoint
+from .records import Checkpoint, _RowsOfFirst
 
 __all__ = ["ModelCheckpoint"]
 
@@ -32,7 +32,7 @@ _RECORD = "a kvstate record (CacheState, RotatingState, QuantizedState, ...)"
 
 
 @attrs.frozen
-class ModelCheckpoint:
+class ModelCheckpoint(_RowsOfFirst):
     """One checkpoint of every layer of a model's records; holds no arrays.
 
     Attributes:
@@ -41,14 +41,9 @@ class ModelCheckpoint:
 
     layers: tuple = attrs.field(converter=tuple)
 
-    @property
-    def lengths(self) -> tuple:
-        """Per row, the tokens held at the checkpoint (every layer has seen the same)."""
-        return self.layers[0].lengths
-
-    @property
-    def batch_size(self) -> int:
-        return self.layers[0].batch_size
+    # batch_size, and lengths: per row, the tokens held at the checkpoint
+    # (every layer has seen the same), are the first layer's (records._RowsOfFirst).
+    _first = "layers"
 
 
 def _like(states, items):

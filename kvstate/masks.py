@@ -70,7 +70,25 @@ class _Entry:
             self.mask = None
 
 
-class MaskLease:
+class Releasable:
+    """A hold released exactly once (``release``); as a context manager it
+    releases on exit unless released already."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self.released:
+            self.release()
+        return False
+
+
+class MaskLease(Releasable):
     """A hold on one memoized mask; release it exactly once (or use ``with``)."""
 
     __slots__ = ("_memo", "_entry", "_key", "_released")
@@ -103,14 +121,6 @@ class MaskLease:
         self._entry = self._memo = None  # type: ignore[assignment]  # a released lease holds nothing
         memo._live -= 1
         entry.drop()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if not self._released:
-            self.release()
-        return False
 
 
 class MaskMemo:

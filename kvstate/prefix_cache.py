@@ -36,6 +36,7 @@ import mlx.core as mx
 from . import ops, persist
 from ._args import as_int
 from .errors import bad, check
+from .masks import Releasable
 from .records import CacheState, QuantizedState
 from .shared import SharedState, fork, held_bytes, materialize
 
@@ -74,7 +75,7 @@ class _Entry:
         self.tokens, self.states, self.pins = tokens, states, 0
 
 
-class PrefixLease:
+class PrefixLease(Releasable):
     """A pin on one cache entry, with rows reading its first ``matched`` tokens.
 
     Attributes:
@@ -102,13 +103,6 @@ class PrefixLease:
         self._entry.pins -= 1
         self._cache._fit()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if not self.released:
-            self.release()
-        return False
 
 
 def _check_states(states, arg="states") -> list:

@@ -31,7 +31,7 @@ validation, mask keys and checkpoints never wait on the device.
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import ClassVar, Optional
 
 import attrs
 import mlx.core as mx
@@ -221,7 +221,8 @@ class QuantizedState(_Rows):
 
     @property
     def planes(self) -> tuple:
-        return () if self.keys is None else (*self.keys, *self.values)
+        keys, values = self.keys, self.values
+        return () if keys is None or values is None else (*keys, *values)
 
 
 @attrs.frozen
@@ -458,16 +459,26 @@ class ChunkedState(_Rows):
         return _Rows.aligned.fget(self) and len(set(self.start)) <= 1
 
 
-class _OfParts:
-    """Rows of a record made of parts: those of its first part (all parts share them)."""
+class _RowsOfFirst:
+    """``batch_size`` and ``lengths`` of a value made of several records that
+    share their rows (parts of a layer, layers of a model): the first's.
+    ``_first`` names the field holding them."""
+
+    _first: ClassVar[str]
 
     @property
     def batch_size(self) -> int:
-        return self.parts[0].batch_size
+        return getattr(self, self._first)[0].batch_size
 
     @property
     def lengths(self) -> tuple:
-        return self.parts[0].lengths
+        return getattr(self, self._first)[0].lengths
+
+
+class _OfParts(_RowsOfFirst):
+    """Rows of a record made of parts: those of its first part (all parts share them)."""
+
+    _first = "parts"
 
 
 @attrs.frozen

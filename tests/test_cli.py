@@ -143,6 +143,7 @@ def run_json(argv, capsys):
     return [json.loads(line) for line in cap.out.splitlines()], cap.err
 
 
+@pytest.mark.slow
 def test_default_model_answers_a_chat_prompt(capsys):
     rows, err = run_json(["--prompt", "What is the capital of France?", "--max-tokens", "12"],
                          capsys)
@@ -155,6 +156,7 @@ def test_default_model_answers_a_chat_prompt(capsys):
     assert "SmolLM2-135M-Instruct" in err and "prompt tok" in err  # the table, on stderr
 
 
+@pytest.mark.slow
 def test_compare_on_the_real_model(capsys):
     argv = ["generate", "--raw", "--float32", "--prompt", "The capital of France is",
             "--prompt", "Hi", "--prompt", "1 2 3 4 5 6", "--max-tokens", "3", "--compare",
@@ -165,6 +167,7 @@ def test_compare_on_the_real_model(capsys):
     assert "[0] The capital of France is" in out  # each completion printed
 
 
+@pytest.mark.slow
 def test_prompts_file_and_sampling(tmp_path, capsys):
     f = tmp_path / "prompts.jsonl"
     f.write_text('The sky is\n'

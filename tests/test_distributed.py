@@ -88,6 +88,7 @@ def test_bad_input_raises_on_both_ends():
     assert 0.9 < r1["dst"]["seconds"] < 10
 
 
+@pytest.mark.slow
 def test_example_prefill_on_one_rank_decode_on_another():
     """``examples/disaggregated.py`` under the real launcher (ring, loopback)."""
     example = Path(__file__).parents[1] / "examples" / "disaggregated.py"

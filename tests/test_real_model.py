@@ -55,6 +55,7 @@ def batched(model, prompts, n_new, **make):
     return mx.stack(out, axis=1), [list(t) for t in zip(*toks)], states
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [None, 8, 4], ids=["dense", "kv8", "kv4"])
 def test_ragged_batch_equals_mlx_lm_alone(smollm, bits):
     model, prompts = smollm.model, encode(smollm)
@@ -80,6 +81,7 @@ def test_ragged_batch_equals_mlx_lm_alone(smollm, bits):
         )
 
 
+@pytest.mark.slow
 def test_batched_prefill_equals_one_at_a_time(smollm):
     model, prompts = smollm.model, encode(smollm)
     logits, states = br.prefill(model, prompts)
@@ -104,6 +106,7 @@ def test_batched_prefill_equals_one_at_a_time(smollm):
         )
 
 
+@pytest.mark.slow
 def test_chat_prompt_gets_the_right_answer(smollm):
     tok = smollm.tokenizer
     prompt = tok.chat([{"role": "user", "content": "What is the capital of France?"}])
