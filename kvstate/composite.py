@@ -39,20 +39,10 @@ def composite_state(parts: Sequence) -> CompositeState:
     return CompositeState(parts)
 
 
-def _one_part(name):
-    def impl(state, *args, **kwargs):
-        raise bad(
-            "state", f"one record ({name} applies to one part: state.parts[i])", "a CompositeState"
-        )
-
-    impl.__name__ = f"{name}_composite"
-    return impl
-
-
-ops.append.register(CompositeState)(_one_part("append"))
-ops.attend.register(CompositeState)(_one_part("attend"))
-ops.next_mask.register(CompositeState)(_one_part("next_mask"))
-ops.update_and_read.register(CompositeState)(_one_part("update_and_read"))
+for _name in ("append", "attend", "next_mask", "update_and_read"):
+    getattr(ops, _name).register(CompositeState)(ops.refusing(
+        f"{_name}_composite", f"one record ({_name} applies to one part: state.parts[i])",
+        "a CompositeState"))
 
 
 def _each(state, fn):

@@ -25,6 +25,17 @@ def _unsupported(name):
     return impl
 
 
+def refusing(name: str, expected: str, actual: str):
+    """An implementation (named ``name``) that refuses any call: what a record
+    kind registers for an operation that does not apply to it."""
+
+    def impl(state, *args, **kwargs):
+        raise bad("state", expected, actual)
+
+    impl.__name__ = name
+    return impl
+
+
 @singledispatch
 def append(state, k, v):
     """Write ``k`` ``[B, H, N, Dk]`` and ``v`` ``[B, H, N, Dv]`` at each row's end.

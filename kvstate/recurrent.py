@@ -153,22 +153,10 @@ def finalize(state: RecurrentState) -> RecurrentState:
 # --- the generic functions -------------------------------------------------------------
 
 
-def _no_tokens(name):
-    def impl(state, *args, **kwargs):
-        raise bad(
-            "state",
-            f"a record holding keys and values ({name} reads or writes them)",
-            "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)",
-        )
-
-    impl.__name__ = f"{name}_recurrent"
-    return impl
-
-
-ops.append.register(RecurrentState)(_no_tokens("append"))
-ops.attend.register(RecurrentState)(_no_tokens("attend"))
-ops.next_mask.register(RecurrentState)(_no_tokens("next_mask"))
-ops.update_and_read.register(RecurrentState)(_no_tokens("update_and_read"))
+for _name in ("append", "attend", "next_mask", "update_and_read"):
+    getattr(ops, _name).register(RecurrentState)(ops.refusing(
+        f"{_name}_recurrent", f"a record holding keys and values ({_name} reads or writes them)",
+        "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)"))
 
 
 @ops.fetch.register(RecurrentState)
