@@ -220,9 +220,19 @@ class CompositeShell:
         return all(p.is_trimmable() for p in self.parts)
 
 
-_shells.shell_class.register(RecurrentState, lambda record: RecurrentShell)
-_shells.shell_class.register(ChunkedState, lambda record: ChunkedShell)
-_shells.shell_class.register(CompositeState, lambda record: CompositeShell)
+@_shells.shell_class.register
+def shell_class_recurrent(record: RecurrentState) -> type:
+    return RecurrentShell
+
+
+@_shells.shell_class.register
+def shell_class_chunked(record: ChunkedState) -> type:
+    return ChunkedShell
+
+
+@_shells.shell_class.register
+def shell_class_composite(record: CompositeState) -> type:
+    return CompositeShell
 
 
 # --- records for mlx-lm's caches --------------------------------------------------------------
