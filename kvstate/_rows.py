@@ -103,7 +103,7 @@ def validate_tokens(state, k, v):
     if geo is not None and fits(k, v, state.batch_size, *geo):
         return
     check_kv("k", k, "v", v)
-    (B, Hk, N, dk), dv = k.shape, v.shape[3]
+    B, N = k.shape[0], k.shape[2]
     check(B == state.batch_size, "k batch size", state.batch_size, B)
     check(N >= 1, "k tokens (shape[2])", ">= 1", N)
     check_float("k", k.dtype)
