@@ -199,7 +199,7 @@ class TextStream:
             if at >= 0:
                 self.stopped = True
                 return self._release(full[:at])
-        return self._release(full[:len(full) - self._hold] if self._hold else full)
+        return self._release(full[:max(len(full) - self._hold, 0)])
 
     def flush(self) -> str:
         """At the end: release what was held back (no stop string matched)."""

@@ -83,3 +83,8 @@ def test_a_good_request_parses():
               chat=True, tokenize=_tok, context=100)
     assert (p.prompt, p.max_tokens, p.temperature, p.stop, p.n, p.seed, p.stream) == \
         ([1, 2, 3], 5, 0.0, ("\n",), 2, 7, True)
+
+
+def test_a_held_back_tail_shorter_than_the_hold_releases_nothing():
+    # found by hypothesis: "b " with a 3-character hold must release nothing yet
+    assert released([1, 2, 0], ("STOP", "b a")) == ("", True)
