@@ -74,9 +74,10 @@ MODELS = {
 
 PRESETS = {
     "cpu": dict(model="small", dtype="float32", batch="1,8,32", context="512,2048",
-                impl="mlx-lm,eager,compiled", copy_mb=512),
+                impl="mlx-lm,eager,compiled", copy_mb=512, mem_gb=4),
     "h200": dict(model="llama-3.2-1b", dtype="bfloat16", batch="1,8,32",
-                 context="512,2048,8192", impl="mlx-lm,eager,compiled,kernel", copy_mb=4096),
+                 context="2048,8192,32768", impl="mlx-lm,eager,compiled,kernel", copy_mb=4096,
+                 mem_gb=110),
 }
 
 IMPLS = ("mlx-lm", "eager", "compiled", "kernel")
@@ -170,8 +171,9 @@ def run_steps(step, n, tokens, state, sync=False):
     return tokens, state
 
 
-def time_interleaved(runs, warmup, steps, rounds):
-    """Median seconds per step for each of ``runs`` (name -> [step, tokens, state]).
+def time_interleaved(runs, warmup, steps, rounds, spread=None):
+    """Median seconds per step for each of ``runs`` (name -> [step, tokens, state]);
+    ``spread`` (a dict), when given, gets each name's per-round seconds.
 
     Every round times each implementation once, one after another, so a
     load change on a shared machine touches all of them alike.
@@ -184,6 +186,8 @@ def time_interleaved(runs, warmup, steps, rounds):
             t0 = time.perf_counter()
             r[1], r[2] = run_steps(r[0], steps, r[1], r[2], "sync" in name)
             per[name].append((time.perf_counter() - t0) / steps)
+    if spread is not None:
+        spread.update(per)
     return {name: statistics.median(v) for name, v in per.items()}
 
 
@@ -231,43 +235,54 @@ def kernel_check(model, dtype, B=8, ctx=2048):
     return out
 
 
-def attention_micro(model, dtype, B, ctx, reps=50):
-    """Per-layer attention read at B rows x ctx (ragged): microseconds per call."""
+def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(16, 64, 256)):
+    """Per-layer attention read at B rows x ctx (``layout`` rows): microseconds per
+    call of each candidate read, and the valid KV bytes it must read."""
     a = model.args
     Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     C = round_up(ctx + 1, 256)
     q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
     k = mx.random.normal((B, H, C, D)).astype(dtype)
     v = mx.random.normal((B, H, C, D)).astype(dtype)
-    lens = row_lengths(B, ctx, "ragged")
+    lens = row_lengths(B, ctx, layout)
     lp = mx.array([ctx - n for n in lens], mx.int32)
     en = mx.array([ctx] * B, mx.int32)
     kw, vw = k[:, :, :ctx], v[:, :, :ctx]
     s = D ** -0.5
-    cases = {
-        "sdpa, no mask, width ctx": lambda: mx.fast.scaled_dot_product_attention(
-            q, kw, vw, scale=s),
-        "sdpa, bool mask, width ctx": lambda: mx.fast.scaled_dot_product_attention(
-            q, kw, vw, scale=s, mask=rows_mask(1, lp, en, ctx)),
-        "compiled: mask from arrays, capacity C": mx.compile(
-            lambda q, k, v, lp, en: mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=s, mask=rows_mask(1, lp, en, C))),
-    }
+    cases = {}
+    if layout == "aligned":  # mlx-lm's read of aligned rows: exact width, no mask
+        cases["sdpa, no mask, width ctx"] = lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s)
+    else:  # mlx-lm's read of ragged rows (BatchKVCache): a bool mask
+        cases["sdpa, bool mask, width ctx"] = lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s, mask=rows_mask(1, lp, en, ctx))
+    cases["compiled: mask from arrays, capacity C"] = mx.compile(
+        lambda q, k, v, lp, en: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=s, mask=rows_mask(1, lp, en, C)))
     if kernels.kernel_available():
-        cases["ragged_attention kernel, capacity C"] = mx.compile(
+        auto = kernels.splits_for(B, H, C)
+        cases[f"kernel, capacity C, splits auto ({auto})"] = mx.compile(
             lambda q, k, v, lp, en: kernels.ragged_attention(q, k, v, lp, en, scale=s))
+        for S in splits:
+            if S != auto and S <= max(1, C // 16):
+                cases[f"kernel, capacity C, splits {S}"] = mx.compile(
+                    lambda q, k, v, lp, en, S=S: kernels.ragged_attention(
+                        q, k, v, lp, en, scale=s, splits=S))
     out = {}
     for name, f in cases.items():
-        call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "ragged")) \
+        call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "kernel")) \
             else f
         for _ in range(5):
             mx.eval(call())
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            y = call()
-            mx.async_eval(y)
-        mx.eval(y)
-        out[name] = (time.perf_counter() - t0) / reps * 1e6
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                y = call()
+                mx.async_eval(y)
+            mx.eval(y)
+            rounds.append((time.perf_counter() - t0) / reps * 1e6)
+        out[name] = (statistics.median(rounds), min(rounds), max(rounds))
     kv_bytes = sum(lens) * H * D * 2 * dtype.size
     return out, kv_bytes
 
@@ -353,6 +368,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (5)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (4)")
     p.add_argument("--copy-mb", type=int)
+    p.add_argument("--mem-gb", type=float, help="skip step cases whose caches (all "
+                   "implementations together) need more than this (h200: 110)")
     p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
     p.add_argument("--write", choices=["scatter", "slice", "auto"], default="scatter",
                    help="compiled decoders' cache writes; auto: the fastest kernel variant "
@@ -369,6 +386,7 @@ def main(argv=None):
     batches = [int(x) for x in (args.batch or pre["batch"]).split(",")]
     contexts = [int(x) for x in (args.context or pre["context"]).split(",")]
     layouts = args.layout.split(",")
+    mem_gb = args.mem_gb or pre["mem_gb"]
     impls = (args.impl or pre["impl"]).split(",")
     for i in impls:
         if i not in IMPLS:
@@ -455,6 +473,13 @@ def main(argv=None):
                     continue
                 lengths = row_lengths(B, ctx, layout)
                 cap = round_up(ctx + room, 256)
+                need = len(impls) * 2 * a.num_hidden_layers * B * a.num_key_value_heads \
+                    * cap * a.head_dim * dtype.size
+                if need > mem_gb * 1e9:
+                    print(f"  B={B} ctx={ctx} {layout}: skipped: its caches need "
+                          f"{need / 1e9:.0f} GB for {len(impls)} implementations "
+                          f"(--mem-gb {mem_gb:g})")
+                    continue
                 kv_valid = (sum(lengths) + B * (args.warmup + args.steps * args.rounds / 2)) \
                     * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2 * dtype.size
                 runs = {}
@@ -476,7 +501,8 @@ def main(argv=None):
                         del runs[name]
                 runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
                 try:
-                    times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
+                    per = {}
+                    times = time_interleaved(runs, args.warmup, args.steps, args.rounds, per)
                 except Exception as e:
                     print(f"  B={B} ctx={ctx} {layout}: FAILED {type(e).__name__}: {e}")
                     continue
@@ -486,27 +512,37 @@ def main(argv=None):
                 for name, t in times.items():
                     row = dict(B=B, context=ctx, layout=layout, impl=name, ms=t * 1e3,
                                tok_s=B / t, roofline=(wbytes + kv_valid) / bw / t,
-                               floor_ms=fl * 1e3, vs_mlx_lm=(base / t) if base else float("nan"))
+                               floor_ms=fl * 1e3, vs_mlx_lm=(base / t) if base else float("nan"),
+                               min_ms=min(per[name]) * 1e3, max_ms=max(per[name]) * 1e3,
+                               rounds=len(per[name]))
+                    if base and name != "mlx-lm":  # the ratio in each round, paired
+                        r = [x / y for x, y in zip(per["mlx-lm"], per[name])]
+                        row.update(ratio_min=min(r), ratio_max=max(r))
                     rows.append(row)
                     print(f"  B={B:<3} ctx={ctx:<5} {layout:<8} {name:<9} {t * 1e3:8.2f} ms"
+                          f" [{row['min_ms']:.2f}-{row['max_ms']:.2f}]"
                           f" {B / t:9.0f} tok/s  roofline {row['roofline']:6.1%}"
                           f"  x{row['vs_mlx_lm']:.2f} vs mlx-lm  (floor {fl * 1e3:.2f} ms)")
                 mx.clear_cache()
     micro = {}
     if args.micro:
-        for B in batches:
-            ctx = 2048 if 2048 in contexts else contexts[-1]
-            res, kvb = attention_micro(model, dtype, B, ctx)
-            micro[f"B={B} ctx={ctx}"] = dict(us=res, kv_bytes=kvb)
-            print(f"attention per layer, B={B}, ragged ctx {ctx} ({kvb / 1e6:.1f} MB valid KV):")
-            for n, us in res.items():
-                print(f"  {n:<40} {us:8.1f} us  ({kvb / (us * 1e-6) / 1e12:.2f} TB/s on valid KV)")
+        for B, ctx, layout in [(B, c, lay) for B in batches for c in contexts for lay in layouts
+                               if not (lay == "ragged" and B == 1)]:
+            res, kvb = attention_micro(model, dtype, B, ctx, layout)
+            micro[f"B={B} ctx={ctx} {layout}"] = dict(us=res, kv_bytes=kvb)
+            print(f"attention per layer, B={B}, {layout} ctx {ctx} ({kvb / 1e6:.1f} MB valid KV;"
+                  f" median [min-max] of 5 rounds of 50 calls):")
+            for n, (us, lo, hi) in res.items():
+                rate = kvb / (us * 1e-6)
+                print(f"  {n:<44} {us:8.1f} us [{lo:.1f}-{hi:.1f}]  {rate / 1e12:5.2f} TB/s"
+                      f" = {rate / bw:6.1%} of copy bandwidth")
+            mx.clear_cache()
     meta["micro"] = micro
     print_table(rows, floors, meta)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
         with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -521,11 +557,12 @@ def print_table(rows, floors, meta):
     print(f"model {meta['model']} {meta['dtype']} on {meta['device']}; copy bandwidth "
           f"{meta['copy_bandwidth'] / 1e12:.3f} TB/s; weights {meta['weight_bytes'] / 1e9:.3f} GB")
     print(f"{'B':>3} {'ctx':>5} {'layout':<8} {'impl':<9} {'ms/step':>8} {'tok/s':>8} "
-          f"{'roofline':>8} {'floor ms':>8} {'vs mlx-lm':>9}")
+          f"{'roofline':>8} {'floor ms':>8} {'vs mlx-lm':>9}  per-round ms [min-max], ratio")
     for r in rows:
+        ratio = (f", x{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if "ratio_min" in r else "")
         print(f"{r['B']:>3} {r['context']:>5} {r['layout']:<8} {r['impl']:<9} {r['ms']:8.2f} "
               f"{r['tok_s']:8.0f} {r['roofline']:8.1%} {r['floor_ms']:8.2f} "
-              f"{r['vs_mlx_lm']:9.2f}")
+              f"{r['vs_mlx_lm']:9.2f}  [{r['min_ms']:.2f}-{r['max_ms']:.2f}]{ratio}")
 
 
 def plot(rows, meta, path):

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import _buckets, _shells, compiled, kernels
 from .errors import bad, check
-from .records import CacheState
+from .records import CacheState, RotatingState
 
 
 def _attention_modules(model):
@@ -80,13 +80,32 @@ class routed_attention:
 
 
 def _kernel_read(queries, keys, values, cache, scale, sinks):
-    """A one-token read of dense rows in a compiled step: ``ragged_attention``
-    (mask-free); ``None`` for anything else."""
+    """A compiled step's read of dense or ring rows through ``ragged_attention``
+    (mask-free) when its shapes fit the kernel (``kernels.kernel_fits``;
+    ``ragged_attention`` then reads per ``kernels.decode_read``: off CUDA, the
+    masked SDPA); ``None`` (the model's own masked SDPA) for anything else.
+
+    Dense rows: 1 to ``kernels.MAX_QUERIES`` queries per row (decode and
+    verify windows), columns ``[left_pad, end)``. Ring rows: one query; a
+    ring whose capacity is at most its ``max_size`` holds its entries in
+    columns ``[0, held)`` (``_ring.column_of``: it fills columns in order,
+    and once it evicts it holds ``max_size`` = every column), so the read is
+    that range; a wider ring (grown for a multi-token append) stays masked.
+    """
     content = getattr(cache, "content", None)
-    if (sinks is None and queries.shape[2] == 1 and isinstance(content, compiled.Traced)
-            and type(content.proto) is CacheState):
+    if sinks is not None or not isinstance(content, compiled.Traced):
+        return None
+    N = queries.shape[2]
+    if not kernels.kernel_fits(queries, keys):  # (off CUDA ragged_attention is the masked read)
+        return None
+    kind = type(content.proto)
+    if kind is CacheState:
         ends, left_pad = content.positions  # after the write
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
+    if kind is RotatingState and N == 1 and keys.shape[2] <= content.proto.max_size:
+        _, held = content.positions  # after the write
+        return kernels.ragged_attention(queries, keys, values, mx.zeros_like(held), held,
+                                        scale=scale)
     return None
 
 

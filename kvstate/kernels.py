@@ -30,24 +30,24 @@ _KERNEL_SRC = r"""
 
     const int split = blockIdx.x;
     const int bh = blockIdx.y;
+    const int n = blockIdx.z;  // query n of the row's NQ (query NQ-1 is the newest)
     const int b = bh / HKV;
     const int h = bh % HKV;
     const int tid = threadIdx.x;
     const int g = tid / LPK;
     const int lane = tid % LPK;
-    const int lo = lp[b];
-    const int hi = en[b];
+    const int hi = en[b] - (NQ - 1 - n);  // one past the last column query n sees
+    const int lo = W > 0 ? max(lp[b], hi - W) : lp[b];
     const int chunk = (hi - lo + S - 1) / S;
     const int start = lo + split * chunk;
     const int stop = min(start + chunk, hi);
-
     const float qs = scale[0];
     float qf[REP][ELEMS];
     float m[REP], l[REP], o[REP][ELEMS];
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
         uint4 raw = *reinterpret_cast<const uint4*>(
-            q + ((size_t)(b * HKV + h) * REP + r) * D + lane * ELEMS);
+            q + (((size_t)(b * HKV + h) * REP + r) * NQ + n) * D + lane * ELEMS);
         const T* t = reinterpret_cast<const T*>(&raw);
         #pragma unroll
         for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]) * qs; o[r][e] = 0.f; }
@@ -119,7 +119,7 @@ _KERNEL_SRC = r"""
             L += w * sm_l[gg][r];
             O += w * sm_o[gg][r][d];
         }
-        const size_t row = ((size_t)(b * HKV + h) * REP + r) * S + split;
+        const size_t row = (((size_t)(b * HKV + h) * REP + r) * NQ + n) * S + split;
         po[row * D + d] = O;
         if (d == 0) { pm[row] = M; pl[row] = L; }
     }
@@ -155,10 +155,25 @@ def _get_kernels():
     return _kernels
 
 
-def splits_for(B: int, H: int, C: int) -> int:
-    """Key splits per (row, head): about 4096 blocks in all (several waves on a
-    large GPU, so the last one is a small share), at least 64 columns each."""
-    return max(1, min(64, 4096 // max(1, B * H), max(1, C // 64)))
+#: Most queries per row the kernel takes (a verify window); more go to the stock read.
+MAX_QUERIES = 8
+#: Blocks a read aims for: several waves on the H200's 132 SMs, so the last is a small share.
+TARGET_BLOCKS = 4096
+#: Fewest columns a split reads (below this the merge costs more than the split saves).
+MIN_SPLIT = 64
+
+
+def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
+    """Key splits per (row, KV head, query): from the rows' longest span of
+    columns ``span`` (the capacity bucket in a compiled step, which is within
+    one ``step`` of the longest row) and the blocks the other axes give.
+
+    ``B * H * N * S`` blocks aim at ``TARGET_BLOCKS`` (so one row at B=1 is
+    still spread over the whole GPU, and B=32 still gets several waves), and
+    no split reads fewer than ``MIN_SPLIT`` columns of the span. Inside the
+    kernel each row divides its own length, so a short row's splits are short.
+    """
+    return max(1, min(256, TARGET_BLOCKS // max(1, B * H * N), max(1, span // MIN_SPLIT)))
 
 
 def kernel_available(dtype=None) -> bool:
@@ -169,37 +184,77 @@ def kernel_available(dtype=None) -> bool:
         return False
 
 
-def ragged_attention(q, k, v, left_pad, ends, *, scale: float):
-    """Decode attention over each row's own columns ``[left_pad[b], ends[b])``.
+def kernel_fits(q, k) -> bool:
+    """Whether ``ragged_attention``'s kernel covers these shapes and dtypes
+    (on a backend where it runs): 1 to ``MAX_QUERIES`` queries per row, a key
+    row a power-of-two number (<= 32) of 16-byte loads, a float dtype."""
+    N, D = q.shape[2], k.shape[-1]
+    lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
+    return (1 <= N <= MAX_QUERIES and (D * k.dtype.size) % 16 == 0 and 0 < lanes <= 32
+            and lanes & (lanes - 1) == 0 and q.shape[1] % k.shape[1] == 0
+            and k.dtype in (mx.float32, mx.float16, mx.bfloat16))
 
-    ``q`` ``[B, Hq, 1, D]``, ``k``/``v`` ``[B, H, C, D]`` (``Hq`` a multiple of
-    ``H``), ``left_pad``/``ends`` int32 ``[B]`` arrays (traceable). No mask
-    array is built: on MLX's CUDA backend a split-K kernel reads only the
-    valid columns; elsewhere this is the masked fused SDPA (same result).
-    The caller guarantees ``0 <= left_pad < ends <= C``.
+
+def decode_read(N: int, q=None, k=None) -> str:
+    """THE choice of attention read over a fixed-capacity buffer (a compiled
+    decode or verify step), in one place: ``"kernel"`` (``ragged_attention``'s
+    split-K kernel: only the valid columns, no mask) or ``"masked"`` (the
+    stock fused SDPA with a per-row bool mask over the capacity).
+
+    The stock fused SDPA *without* a mask (mlx-lm's read of aligned rows, and
+    the eager bridge's: its fetch cuts aligned rows to their exact width, so
+    ``_rows.rows_read_mask`` gives ``None``/``"causal"``) cannot read a fixed
+    capacity: the spare columns past the ends would enter every softmax, and
+    a compiled step's width is a shape, fixed per capacity bucket. With a mask,
+    MLX CUDA's SDPA falls back to matmul + softmax + matmul (4-6x slower per
+    layer, ``notes/gpu.md``), so on CUDA the kernel reads every row layout,
+    aligned ones included; the notes record it against the unmasked read.
+
+    Args:
+        N: queries per row.
+        q, k: the arrays (for the shape check), when known.
+    """
+    fits = kernel_fits(q, k) if q is not None else 1 <= N <= MAX_QUERIES
+    return "kernel" if kernel_available() and fits else "masked"
+
+
+def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0,
+                     splits: int = 0):
+    """Attention of each row's last ``N`` positions over its own columns.
+
+    ``q`` ``[B, Hq, N, D]`` (``N`` <= ``MAX_QUERIES``), ``k``/``v`` ``[B, H, C, D]``
+    (``Hq`` a multiple of ``H``), ``left_pad``/``ends`` int32 ``[B]`` arrays
+    (traceable). Query ``i`` of row ``b`` stands at column ``ends[b] - N + i``
+    and reads columns ``[left_pad[b], ends[b] - N + i]`` (with ``window`` > 0,
+    only the last ``window`` of them): ``masks.rows_mask``'s rule. No mask
+    array is built: on MLX's CUDA backend a split-K kernel reads only those
+    columns; elsewhere this is the masked fused SDPA (same result). A ring
+    row whose held entries fill columns ``[0, held)`` reads with
+    ``left_pad=0, ends=held`` (one query). The caller guarantees
+    ``0 <= left_pad <= ends - N`` and ``ends <= C``.
+    ``splits`` overrides ``splits_for`` (for measurements).
     """
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
-    lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
-    if (not kernel_available() or N != 1 or (D * k.dtype.size) % 16 or lanes > 32
-            or lanes & (lanes - 1) or k.dtype not in (mx.float32, mx.float16, mx.bfloat16)):
-        mask = rows_mask(N, left_pad, ends, C)
+    if decode_read(N, q, k) != "kernel":
+        mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     rep = Hq // H
-    S = splits_for(B, H, C)
+    S = splits or splits_for(B, H, C, N)
     kern = _get_kernels()
     if q.dtype != k.dtype:
         q = q.astype(k.dtype)
     po, pm, pl = kern["split"](
         inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32)],
-        template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C)],
-        grid=(128 * S, B * H, 1), threadgroup=(128, 1, 1),
-        output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
+        template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C),
+                  ("NQ", N), ("W", int(window))],
+        grid=(128 * S, B * H, N), threadgroup=(128, 1, 1),
+        output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     (out,) = kern["merge"](
         inputs=[po, pm, pl], template=[("T", k.dtype), ("D", D), ("S", S)],
-        grid=(D, B * Hq, 1), threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, 1, D)], output_dtypes=[k.dtype])
+        grid=(D, B * Hq * N, 1), threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, N, D)], output_dtypes=[k.dtype])
     return out
 
 

@@ -216,7 +216,7 @@ def test_kernel_mode_routes_dense_reads_without_a_mask(monkeypatch):
     calls = []
     real = kernels.ragged_attention
 
-    def spy(q, k, v, left_pad, ends, *, scale):
+    def spy(q, k, v, left_pad, ends, *, scale, **kw):
         calls.append(q.shape)
         return real(q, k, v, left_pad, ends, scale=scale)
 
