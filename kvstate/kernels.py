@@ -157,8 +157,12 @@ def _get_kernels():
 
 #: Most queries per row the kernel takes (a verify window); more go to the stock read.
 MAX_QUERIES = 8
-#: Blocks a read aims for: several waves on the H200's 132 SMs, so the last is a small share.
-TARGET_BLOCKS = 4096
+#: Blocks a read aims for (B * H * N * S): measured on the H200 (``notes/gpu.md``), about
+#: 512 blocks of 128 threads beat 4096: a split's merge costs more than the extra waves save.
+TARGET_BLOCKS = 512
+#: Fewest splits per (row, head, query) when the span allows them (measured: 16 was the best
+#: of 16/64/256 at B=8 and B=32 for 2K-32K columns).
+MIN_SPLITS = 16
 #: Fewest columns a split reads (below this the merge costs more than the split saves).
 MIN_SPLIT = 64
 
@@ -168,12 +172,15 @@ def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
     columns ``span`` (the capacity bucket in a compiled step, which is within
     one ``step`` of the longest row) and the blocks the other axes give.
 
-    ``B * H * N * S`` blocks aim at ``TARGET_BLOCKS`` (so one row at B=1 is
-    still spread over the whole GPU, and B=32 still gets several waves), and
-    no split reads fewer than ``MIN_SPLIT`` columns of the span. Inside the
-    kernel each row divides its own length, so a short row's splits are short.
+    ``B * H * N * S`` aims at ``TARGET_BLOCKS`` with at least ``MIN_SPLITS``
+    splits (so one row at B=1 is spread over 64 splits per head, and B=32
+    still gets 16), and no split reads fewer than ``MIN_SPLIT`` columns of
+    the span. Inside the kernel each row divides its own length, so a short
+    row's splits are short. The constants come from the split sweep in
+    ``benchmarks/suite.py --micro`` (``notes/gpu.md``).
     """
-    return max(1, min(256, TARGET_BLOCKS // max(1, B * H * N), max(1, span // MIN_SPLIT)))
+    want = max(MIN_SPLITS, TARGET_BLOCKS // max(1, B * H * N))
+    return max(1, min(256, want, span // MIN_SPLIT))
 
 
 def kernel_available(dtype=None) -> bool:

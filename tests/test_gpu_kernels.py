@@ -75,7 +75,13 @@ def test_kernel_in_float32_is_exact_for_any_split(splits):
     q, k, v = _data(4, 8, 2, 160, 64, 3, mx.float32, seed=splits)
     got = kernels.ragged_attention(q, k, v, mx.array(lp, mx.int32), mx.array(en, mx.int32),
                                    scale=0.125, splits=splits)
-    want = _masked(q, k, v, rows_mask(3, lp, en, 160), 0.125)
+    # the reference in float64 on the host (MLX CUDA's masked SDPA uses TF32 matmuls)
+    qn, kn, vn = (np.array(x, dtype=np.float64) for x in (q, k, v))
+    kn, vn = np.repeat(kn, 4, axis=1), np.repeat(vn, 4, axis=1)
+    s = np.einsum("bhnd,bhcd->bhnc", qn, kn) * 0.125
+    s = np.where(np.array(rows_mask(3, lp, en, 160)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = mx.array(np.einsum("bhnc,bhcd->bhnd", p / p.sum(-1, keepdims=True), vn), mx.float32)
     assert _rel(got, want) < 1e-5
 
 
@@ -94,8 +100,8 @@ def test_kernel_reads_ring_rows(gqa, D):
 
 def test_splits_fill_the_gpu_at_any_batch():
     assert kernels.splits_for(1, 8, 2304) >= 32  # one row spread over many blocks
-    assert 1 * 8 * kernels.splits_for(1, 8, 32768) >= 1024
-    assert 32 * 8 * kernels.splits_for(32, 8, 2304) >= 1024
+    assert kernels.splits_for(1, 8, 32768) == 64  # the measured best at B=1
+    assert kernels.splits_for(32, 8, 8192) == 16  # the measured best at B=32
     assert kernels.splits_for(32, 8, 64) == 1  # never a split under MIN_SPLIT columns
 
 
