@@ -264,7 +264,8 @@ class KVStateEngine:
                                        prefill_step_size=self.prefill_step_size)
         from .prefix_cache import prefill
 
-        logits, states, leases, ran = prefill(self.model, prompts, self.cache)
+        logits, states, leases, ran = prefill(self.model, prompts, self.cache,
+                                              prefill_step_size=self.prefill_step_size)
         self.prefilled += sum(ran)
         return logits, _Leased(states, leases)
 

@@ -268,7 +268,7 @@ class PrefixCache:
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None = None, *,
-            memo=None, **make) -> tuple:
+            memo=None, prefill_step_size: Optional[int] = None, **make) -> tuple:
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 
     A prompt whose start is cached prefills only the rest (its rows read the
@@ -280,6 +280,8 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         model: an mlx-lm model.
         prompts: lists of token ids, one per row.
         cache: the prefix cache (``None``: no reuse; rows still share nothing).
+        prefill_step_size: most tokens per forward (``None``: each prompt's
+            uncached rest in one forward).
         make: ``make_states`` options (``kv_bits``, ``kv_group_size``).
 
     Returns:
@@ -292,6 +294,9 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
     from .mlx_lm import forward, make_states, merge_rows
 
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    if prefill_step_size is not None:
+        prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
+        check(prefill_step_size >= 1, "prefill_step_size", ">= 1", prefill_step_size)
     last, rows, leases, prefilled = [], [], [], []
     for i, p in enumerate(prompts):
         p = list(p)
@@ -299,7 +304,10 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         hit = cache.lookup(p) if cache is not None else None
         start = 0 if hit is None else hit.matched
         states = make_states(model, 1, **make) if hit is None else hit.states
-        logits, states = forward(model, mx.array([p[start:]]), states, memo=memo)
+        rest = p[start:]
+        chunk = len(rest) if prefill_step_size is None else prefill_step_size
+        for at in range(0, len(rest), chunk):  # (chunks bound a long prompt's activations)
+            logits, states = forward(model, mx.array([rest[at:at + chunk]]), states, memo=memo)
         prefilled.append(len(p) - start)
         if cache is not None and cache.insert(p, states):
             held = cache.pin(p)  # the row reads the entry (the same records when dense)
