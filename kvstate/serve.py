@@ -66,7 +66,8 @@ class Job:
         """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
         leases, self.leases = self.leases, []
         for lease in leases:
-            lease.release()
+            if lease is not None:  # (prefix_cache.prefill gives None for a row it did not cache)
+                lease.release()
 
     def cancel(self, choice: Optional[int] = None) -> None:
         """Stop one choice (a stop string matched) or all of them (client gone)."""
