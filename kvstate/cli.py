@@ -28,7 +28,14 @@ import mlx.core as mx
 
 import kvstate as kv
 
-from .engine import Completion, KVStateEngine, MlxLmEngine, Request, serve
+from .engine import (
+    Completion,
+    KVStateEngine,
+    MlxLmEngine,
+    Request,
+    SpeculativeEngine,
+    serve,
+)
 from .prefix_cache import PrefixCache
 from .models import tiny_llama
 
@@ -251,6 +258,19 @@ def _parser():
         help="byte budget of the prefix cache, MiB (1024)",
     )
     g.add_argument(
+        "--draft",
+        choices=["ngram"],
+        help="speculate with prompt lookup: drafts copied from each row's own context",
+    )
+    g.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
+    )
+    g.add_argument(
+        "--num-draft", type=int, default=4, help="most draft tokens per row and round (4)"
+    )
+    g.add_argument(
         "--repeat",
         type=int,
         default=1,
@@ -323,6 +343,25 @@ def load(args, err):
             "(expected a .gguf file, an mlx-lm model directory, or 'tiny')"
         )
     return models.load_model(path, dequantize=args.float32, log=err)
+
+
+def _drafter(args, err):
+    """``--draft ngram`` / ``--draft-model PATH`` as a ``kvstate.drafts`` drafter (or ``None``)."""
+    from .drafts import DraftModel, Lookup
+
+    if args.num_draft < 1:
+        raise SystemExit("kvstate generate: --num-draft must be >= 1")
+    if args.draft and args.draft_model:
+        raise SystemExit("kvstate generate: give --draft ngram or --draft-model, not both")
+    if args.draft == "ngram":
+        return Lookup()
+    if args.draft_model is None:
+        return None
+    from . import models
+
+    draft = models.load_model(Path(args.draft_model).expanduser(), dequantize=args.float32,
+                              log=err)
+    return DraftModel(draft.model)
 
 
 def _vocab(model):
@@ -469,6 +508,10 @@ def generate(args, out=None, err=None) -> int:
     cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
     engines = [KVStateEngine(model, compiled=compiled, prefill_step_size=args.prefill_step_size,
                              prefix_cache=cache)]
+    drafter = _drafter(args, err)
+    if drafter is not None:
+        engines = [SpeculativeEngine(model, drafter, args.num_draft, args.prefill_step_size,
+                                     compiled=compiled)]
     if args.compare:
         engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
     table_out = err if args.json else out
@@ -489,6 +532,11 @@ def generate(args, out=None, err=None) -> int:
         ]
     results = [(e.name, s) for e, s in zip(engines, best)]
     _table(results, requests, table_out)
+    if drafter is not None:
+        e = engines[0]
+        rate = f"{e.accepted / e.drafted:.0%}" if e.drafted else "-"
+        print(f"speculation: {e.accepted}/{e.drafted} draft tokens accepted ({rate}), "
+              f"over {args.repeat + 1} runs (warm-up included)", file=table_out)
     if not args.compare:
         return 0
     (_, ours), (_, theirs) = results

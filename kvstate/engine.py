@@ -77,6 +77,13 @@ class _Row:
         r = self.request
         return len(self.tokens) >= r.max_tokens or (bool(self.tokens) and self.tokens[-1] in r.stop)
 
+    def extend(self, tokens):
+        """Take the tokens a decode round emitted, up to the end of the request."""
+        for t in tokens:
+            if self.done():
+                return
+            self.tokens.append(t)
+
 
 def serve(
     engine,
@@ -152,10 +159,15 @@ def serve(
             t = max(t + 1, pending[0].arrival) if pending else t
             continue
         tokens = mx.array([row.tokens[-1] for row in active], dtype=mx.int32)
-        logits, batch = engine.step(batch, tokens)
-        nxt, keys = _sample(logits, keys, [row.request for row in active])
-        for row, tok in zip(active, nxt):
-            row.tokens.append(tok)
+        requests_ = [row.request for row in active]
+        if hasattr(engine, "decode"):  # several tokens per row and round (speculative)
+            emitted, batch, keys = engine.decode(batch, tokens, keys, requests_)
+        else:
+            logits, batch = engine.step(batch, tokens)
+            nxt, keys = _sample(logits, keys, requests_)
+            emitted = [[tok] for tok in nxt]
+        for row, toks in zip(active, emitted):
+            row.extend(toks)
         held = sum(len(row.request.prompt) + len(row.tokens) - 1 for row in active)
         per_tok.append(engine.nbytes(batch) / held)
         keep = [i for i, row in enumerate(active) if not row.done()]
@@ -362,6 +374,75 @@ class MlxLmEngine:
     def nbytes(self, batch):
         held = sum(c.nbytes for c in batch)
         self.peak_bytes = max(getattr(self, "peak_bytes", 0), held)
+        return held
+
+    def reset(self):
+        self.peak_bytes = 0
+
+
+class SpeculativeEngine:
+    """Rows speculate (``kvstate.speculative``): each round drafts, verifies every
+    row's window in one target forward and emits each row's accepted tokens.
+
+    The scheduler's pending tokens, keys and requests are the truth: ``decode``
+    puts them into the ``Speculation`` (a row just prefilled gets its first
+    token there) and returns several tokens per row. ``drafted`` and
+    ``accepted`` count the draft tokens over a run.
+    """
+
+    name = "kvstate (speculative)"
+
+    def __init__(self, model, drafter, num_draft: int, prefill_step_size: int = 512,
+                 compiled: bool = False):
+        from . import mlx_lm as bridge
+        from . import speculative
+
+        self.model, self.bridge, self.sp = model, bridge, speculative
+        self.drafter, self.num_draft, self.prefill_step_size = drafter, num_draft, prefill_step_size
+        self.forward = speculative.compiled(model) if compiled else None
+        if compiled:
+            self.name = "kvstate (speculative, compiled)"
+        self.drafted = self.accepted = self.peak_bytes = 0
+
+    def prefill(self, prompts):
+        bridge, sp = self.bridge, self.sp
+        logits, states = bridge.prefill(self.model, prompts,
+                                        prefill_step_size=self.prefill_step_size)
+        draft = None
+        if isinstance(self.drafter, sp.DraftModel):
+            _, draft = bridge.prefill(self.drafter.model, prompts,
+                                      prefill_step_size=self.prefill_step_size)
+        B = len(prompts)
+        batch = sp.Batch(states, mx.zeros((B,), mx.uint32))
+        return logits, sp.Speculation(batch, prompts, (self.num_draft,) * B,
+                                      (self.num_draft,) * B, draft)
+
+    def join(self, batch, rows):
+        return self.sp.join(batch, rows)
+
+    def leave(self, batch, keep):
+        return self.sp.leave(batch, keep)
+
+    def decode(self, spec, tokens, keys, requests):
+        sp = self.sp
+        pending = tokens.tolist()
+        context = [c if len(c) > len(r.prompt) else c + (t,)
+                   for c, t, r in zip(spec.context, pending, requests)]
+        params = [sampling.Sampling(temperature=r.temperature, top_p=r.top_p) for r in requests]
+        if keys is None:
+            keys = sampling.row_keys([r.seed for r in requests])
+        batch = attrs.evolve(spec.batch, tokens=tokens.astype(mx.uint32), keys=keys,
+                             sampling=params)
+        spec = attrs.evolve(spec, batch=batch, context=context)
+        spec, r = sp.step(self.model, spec, drafter=self.drafter, forward=self.forward)
+        self.drafted += sum(r.drafted)
+        self.accepted += sum(r.accepted)
+        return [list(e) for e in r.emitted], spec, spec.batch.keys
+
+    def nbytes(self, spec):
+        held = sum(s.nbytes for s in spec.states) + sum(
+            s.nbytes for s in (spec.draft_states or ()))
+        self.peak_bytes = max(self.peak_bytes, held)
         return held
 
     def reset(self):

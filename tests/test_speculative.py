@@ -349,3 +349,30 @@ def test_bad_arguments_are_refused(llama):
         Lookup(min_ngram=0)
     with pytest.raises(kv.KVStateError, match="rows"):
         sp.leave(spec, [3])
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [["--draft", "ngram"], ["--draft", "ngram", "--compile"]])
+def test_cli_speculative_generate_matches_mlx_lm(flags, capsys):
+    """``kvstate generate --draft ngram`` (continuous batching, rows joining and
+    leaving) gives mlx-lm's own batched tokens, request by request."""
+    from kvstate import cli
+
+    argv = ["generate", "--model", "tiny", "--requests", "4", "--prompt-len", "6:12",
+            "--gen-len", "3:9", "--batch-size", "3", "--num-draft", "3", "--quiet",
+            "--compare", *flags]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "token parity: 4/4 requests identical" in out
+    assert "draft tokens accepted" in out
+
+
+def test_cli_draft_flags_are_checked():
+    from kvstate import cli
+
+    with pytest.raises(SystemExit, match="not both"):
+        cli.main(["generate", "--model", "tiny", "--draft", "ngram", "--draft-model", "x"])
+    with pytest.raises(SystemExit, match="num-draft"):
+        cli.main(["generate", "--model", "tiny", "--draft", "ngram", "--num-draft", "0"])
