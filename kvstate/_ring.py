@@ -624,8 +624,6 @@ def with_capacity_ring(state: RotatingState, capacity: int):
 @compiled.prepare.register
 def prepare_ring(state: RotatingState, n: int = 1):
     n = compiled.check_room(state, n)
-    check(n == 1, "tokens per row", "1 for a RotatingState in a compiled step "
-          "(prefill blocks with kvstate.mlx_lm.forward)", n)
     _, _, kept, C = _plan(state, n)
     if C == state.capacity:
         return state
@@ -657,14 +655,13 @@ def traced_update_ring(proto: RotatingState, view: compiled.Traced, k, v,
                        ctx: compiled.TraceContext):
     _rows.check_geometry(_rows.geometry(derived(proto, keys=view.planes[0],
                                                 values=view.planes[1])), k, v)
-    N = k.shape[2]
-    check(N == 1, "tokens per row", "1 for a ring in a compiled step", N)
+    N = k.shape[2]  # a block (a verify window) holds up to max_size + N - 1, as append does
     lengths, _ = view.positions
     C = view.capacity
-    write = ctx.shared(("ring-write", proto.keep, C), (lengths,),
-                       lambda: ring_writer(lengths, 1, keep=proto.keep, capacity=C))
+    write = ctx.shared(("ring-write", N, proto.keep, C), (lengths,),
+                       lambda: ring_writer(lengths, N, keep=proto.keep, capacity=C))
     planes = (write(view.planes[0], k), write(view.planes[1], v))
-    after = _ring_after(proto, view, 1, ctx)
+    after = _ring_after(proto, view, N, ctx)
     return compiled.Traced(proto, planes, after, view.same_end), planes[0], planes[1]
 
 

@@ -136,6 +136,17 @@ def test_greedy_equals_plain_compiled_verify(llama):
     assert forward.decoder.traces <= 2 * len(widths)
 
 
+def test_greedy_equals_plain_compiled_verify_on_rings(gemma):
+    """gemma3's rings (8 wide) take the verify window as a block inside the
+    compiled step (the ring grows to hold it, as an eager block append does)
+    and roll back per row after it; prompts and output wrap the rings."""
+    prompts = [repetitive(16, 13, 3), repetitive(17, 6, 2), repetitive(18, 10, 4)]
+    forward = sp.compiled(gemma)
+    got, rounds = speculate(gemma, prompts, 12, Lookup(min_ngram=1), 3, forward=forward)
+    assert got == plain(gemma, prompts, 12)
+    assert max(r.width for r in rounds) > 1
+
+
 # --- rows join and leave ----------------------------------------------------------
 
 
