@@ -63,7 +63,8 @@ CODE = [
 ]
 
 KINDS = {
-    "rewrite": [f"Rewrite this paragraph exactly, but in the past tense:\n\n{p}" for p in PARAGRAPHS],
+    "rewrite": [f"Rewrite this paragraph exactly, but in the past tense:\n\n{p}"
+                for p in PARAGRAPHS],
     "code edit": [f"Add a docstring to every function in this code and return the whole "
                   f"code:\n\n{c}" for c in CODE],
     "summarize": [f"Summarize this text in two sentences, reusing its words:\n\n{p}"
@@ -122,6 +123,17 @@ def mlx_lm_run(model, prompt, T, draft=None, k=3):
     return time.perf_counter() - t0, out, None
 
 
+def methods_for(model, draft, prompts, n, k, with_draft):
+    """The timed runs, by name: each returns ``(seconds, tokens per row, stats)``."""
+    ms = {"plain": lambda: plain_run(model, prompts, n),
+          "lookup": lambda: spec_run(model, prompts, n, Lookup(), k)}
+    if with_draft:
+        ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
+        ms["mlx-lm plain"] = lambda: mlx_lm_run(model, prompts[0], n)
+        ms["mlx-lm draft"] = lambda: mlx_lm_run(model, prompts[0], n, draft, k)
+    return ms
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -136,6 +148,7 @@ def main(argv=None):
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS))
+    ap.add_argument("--no-draft", action="store_true", help="prompt lookup only (no draft model)")
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized)
     draft = truncated(model, args.draft_layers)
@@ -151,14 +164,10 @@ def main(argv=None):
         for B in args.batch:
             prompts = [tok.chat([{"role": "user", "content": texts[i % len(texts)]}])
                        for i in range(B)]
-            methods = {"plain": lambda: plain_run(model, prompts, T),
-                       "lookup": lambda: spec_run(model, prompts, T, Lookup(), k)}
-            if B == 1:
-                methods["draft"] = lambda: spec_run(model, prompts, T, DraftModel(draft), k)
-                methods["mlx-lm plain"] = lambda: mlx_lm_run(model, prompts[0], T)
-                methods["mlx-lm draft"] = lambda: mlx_lm_run(model, prompts[0], T, draft, k)
-            for f in methods.values():  # warm-up (and the reference tokens)
+            for f in methods_for(model, draft, prompts, 6, k, B == 1 and not args.no_draft
+                                 ).values():  # warm-up: a short run of each
                 f()
+            methods = methods_for(model, draft, prompts, T, k, B == 1 and not args.no_draft)
             times = {m: [] for m in methods}
             stats, ref = {}, None
             for r in range(args.rounds):

@@ -163,7 +163,7 @@ def test_rows_join_and_leave_mid_speculation(llama, rows, use_model):
             for arrive, n, period, new, k, seed in rows]
     batch, live, done, t = None, [], {}, 0
     while len(done) < len(reqs):
-        for i, (arrive, p, new, k) in enumerate(reqs):
+        for i, (arrive, p, _, k) in enumerate(reqs):
             if arrive == t:
                 one = sp.start(llama, [p], drafter=drafter, num_draft=k)
                 batch = one if batch is None else sp.join(batch, one)
@@ -215,7 +215,10 @@ def test_ring_commit_equals_single_token_decoding(max_size, keep, prefix, block,
     draft = min(draft, max_size - keep)
     B, H, D = 2, 1, 4
     rng = np.random.default_rng(prefix * 31 + draft)
-    tok = lambda n: mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32))
+
+    def tok(n):
+        return mx.array(rng.standard_normal((B, H, n, D)).astype(np.float32))
+
     s = kv.rotating(B, max_size=max_size, keep=keep, step=4)
     if block:
         x = tok(prefix)
