@@ -536,7 +536,7 @@ def generate(args, out=None, err=None) -> int:
         e = engines[0]
         rate = f"{e.accepted / e.drafted:.0%}" if e.drafted else "-"
         print(f"speculation: {e.accepted}/{e.drafted} draft tokens accepted ({rate}), "
-              f"over {args.repeat + 1} runs (warm-up included)", file=table_out)
+              "in the last run", file=table_out)
     if not args.compare:
         return 0
     (_, ours), (_, theirs) = results

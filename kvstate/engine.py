@@ -446,4 +446,4 @@ class SpeculativeEngine:
         return held
 
     def reset(self):
-        self.peak_bytes = 0
+        self.drafted = self.accepted = self.peak_bytes = 0
