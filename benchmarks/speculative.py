@@ -174,6 +174,8 @@ def main(argv=None):
                 names = list(methods) if r % 2 == 0 else list(methods)[::-1]
                 for m in names:
                     dt, out, st = methods[m]()
+                    print(f"  {kind} B={B} round {r} {m}: {dt:.2f} s", file=sys.stderr,
+                          flush=True)
                     times[m].append(dt)
                     if st is not None:
                         stats[m] = st
