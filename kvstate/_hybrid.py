@@ -284,19 +284,24 @@ def _partial_composite(state, checkpoint, keep):
 
 
 @singledispatch
-def _padded(state, keep):
-    """``state`` with the replay's right padding (recurrent rows take ``keep`` tokens)."""
+def pad_right(state, lengths: tuple):
+    """``state`` told that of the next block of tokens, row ``b``'s first
+    ``lengths[b]`` are real, then padding (a dense row needs nothing:
+    ``unpad`` trims). Given per block, never beyond it: mlx-lm's SSD scan
+    (``ssm_attn``) reads a ``lengths`` longer than the block out of range.
+    The batched prefill (``kvstate.mlx_lm.pad_right``) and the replay of
+    ``rollback`` both pad through it."""
     return state
 
 
-@_padded.register(RecurrentState)
-def _padded_recurrent(state, keep):
-    return recurrent.prepare(state, until=keep)
+@pad_right.register(RecurrentState)
+def _pad_right_recurrent(state, lengths):
+    return recurrent.prepare(state, until=lengths)
 
 
-@_padded.register(CompositeState)
-def _padded_composite(state, keep):
-    return CompositeState(tuple(_padded(p, keep) for p in state.parts))
+@pad_right.register(CompositeState)
+def _pad_right_composite(state, lengths):
+    return CompositeState(tuple(pad_right(p, lengths) for p in state.parts))
 
 
 @singledispatch
@@ -352,7 +357,7 @@ def rollback(states: Sequence, checkpoint, keep, tokens, forward: Callable) -> l
         check(k <= fed, f"keep[{b}]", f"<= {fed} (tokens fed since the checkpoint)", k)
     if not any(_partial(s, c, keep) for s, c in zip(layers, cps)):
         return [ops.rollback(s, c, keep) for s, c in zip(layers, cps)]
-    back = [_padded(ops.rollback(s, c, 0), keep) for s, c in zip(layers, cps)]
+    back = [pad_right(ops.rollback(s, c, 0), keep) for s, c in zip(layers, cps)]
     _, replayed = forward(tokens[:, : max(keep)], back)
     return [_settle(s, c, keep) for s, c in zip(replayed, cps)]
 
@@ -450,7 +455,7 @@ def _in_place_of_dense(before, after, n):
 # --- batched prefill: recurrent rows skip their right padding ------------------------------
 
 
-def register_prefill(paddable, pad_right, unpad) -> None:
+def register_prefill(paddable, unpad) -> None:
     """Register the recurrent and composite kinds with ``kvstate.mlx_lm``'s
     batched prefill generics (called once by that module, which defines them)."""
 
@@ -461,14 +466,6 @@ def register_prefill(paddable, pad_right, unpad) -> None:
     @paddable.register(CompositeState)
     def _paddable_composite(state):
         return all(map(paddable, state.parts))
-
-    @pad_right.register(RecurrentState)
-    def _pad_right_recurrent(state, lengths):
-        return recurrent.prepare(state, until=lengths)
-
-    @pad_right.register(CompositeState)
-    def _pad_right_composite(state, lengths):
-        return CompositeState(tuple(pad_right(p, lengths) for p in state.parts))
 
     @unpad.register(RecurrentState)
     def _unpad_recurrent(state, cut):

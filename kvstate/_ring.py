@@ -37,7 +37,7 @@ from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import (check_counts, check_float, check_int, check_plane, clear_columns,
                          clear_hidden, cleared, distinct_row_ids, validate)
-from .masks import MaskKey, check_memo, lease
+from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState, derived
 
 
@@ -397,10 +397,7 @@ def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo,
 
 @ops.next_mask.register
 def next_mask_ring(state: RotatingState, n, *, memo=None, window=None, array=False):
-    if memo is not None:
-        check_memo(memo)
-    n = as_int(n, "n")
-    check(n >= 1, "n", ">= 1", n)
+    n = _rows.next_count(n, memo)
     lengths, held, _, capacity = _plan(state, n)
     return _read_mask(lengths, held, capacity, state, n, memo, _window(state, window), array)
 
@@ -459,10 +456,8 @@ def _dropped_columns(state: RotatingState, target) -> list:
 
 @ops.trim.register
 def trim_ring(state: RotatingState, n):
-    n = per_row(n, state.batch_size, "n")
-    for b, (m, have) in enumerate(zip(n, state.lengths)):
-        check(m <= have, f"n for row {b}", f"<= {have} (tokens the row has seen)", m)
-    return _trim_to(state, tuple(m - k for m, k in zip(state.lengths, n)), "lengths - n")
+    return _trim_to(state, _rows.trimmed_lengths(state, n, "tokens the row has seen"),
+                    "lengths - n")
 
 
 @ops.checkpoint.register

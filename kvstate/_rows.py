@@ -305,12 +305,19 @@ def rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=Fal
     return held.mask, held
 
 
-@ops.next_mask.register
-def next_mask_rows(state: _Rows, n, *, memo=None, window=None, array=False):
+def next_count(n, memo) -> int:
+    """``next_mask``'s arguments checked on the host: ``n`` as a positive int
+    (returned), ``memo`` a ``MaskMemo`` when given."""
     if memo is not None:
         check_memo(memo)
     n = as_int(n, "n")
     check(n >= 1, "n", ">= 1", n)
+    return n
+
+
+@ops.next_mask.register
+def next_mask_rows(state: _Rows, n, *, memo=None, window=None, array=False):
+    n = next_count(n, memo)
     # The rows after n more tokens, from host ints alone (no record is built).
     left_pad = state.left_pad
     ends = tuple([p + m + n for p, m in zip(left_pad, state.lengths)])
@@ -382,12 +389,18 @@ def validate_queries(state, q, *, scale, window, memo=None, holds=None) -> int:
 # --- lengths: trim, checkpoint, rollback ----------------------------------------------
 
 
-@ops.trim.register
-def trim_rows(state: _Rows, n):
+def trimmed_lengths(state, n, counted: str = "tokens the row holds") -> tuple:
+    """Each row's length after ``trim(state, n)``: ``n`` checked per row
+    against ``state.lengths`` (what a row's length counts: ``counted``)."""
     n = per_row(n, state.batch_size, "n")
     for b, (m, have) in enumerate(zip(n, state.lengths)):
-        check(m <= have, f"n for row {b}", f"<= {have} (tokens the row holds)", m)
-    return _shorten(state, tuple(h - m for h, m in zip(state.lengths, n)))
+        check(m <= have, f"n for row {b}", f"<= {have} ({counted})", m)
+    return tuple(h - m for h, m in zip(state.lengths, n))
+
+
+@ops.trim.register
+def trim_rows(state: _Rows, n):
+    return _shorten(state, trimmed_lengths(state, n))
 
 
 def _shorten(state, lengths: tuple):

@@ -451,13 +451,7 @@ def _paddable_rows(state) -> bool:
     return True
 
 
-@singledispatch
-def pad_right(state, lengths: tuple):
-    """``state`` told that of the next block of tokens, row ``b``'s first
-    ``lengths[b]`` are real, then padding (a dense row needs nothing:
-    ``unpad`` trims). Given per block, never beyond it: mlx-lm's SSD scan
-    (``ssm_attn``) reads a ``lengths`` longer than the block out of range."""
-    return state
+pad_right = _hybrid.pad_right  # one generic: the batched prefill and hybrid rollback's replay
 
 
 @singledispatch
@@ -466,7 +460,7 @@ def unpad(state, cut: tuple):
     return kv.trim(state, cut)
 
 
-_hybrid.register_prefill(paddable, pad_right, unpad)
+_hybrid.register_prefill(paddable, unpad)
 
 
 def _prefill_alone(model, prompts, memo, make):
