@@ -5,7 +5,8 @@ Both rings are filled past ``max_size`` (wrapped), then decode one token per
 step, alternating sides, each step timed to its evaluated output (float32,
 CPU, same process, same inputs). Run at two ring sizes: a step that wrote
 in place costs the same at both; one that copied the buffer would grow
-with ``max_size`` (the append-only rows show the write alone). Prints the median step time of each side and the ratio
+with ``max_size`` (the append-only rows show the write alone). Prints the median step
+time of each side and the ratio
 (mlx-lm time / kvstate time; above 1.0 means kvstate is faster).
 
     python benchmarks/ring_decode.py
@@ -34,7 +35,7 @@ def run(max_size, keep, steps, B, H, Hq, D):
     s = kv.append(s, mx.repeat(fill, B, axis=0), mx.repeat(fill, B, axis=0))
     mx.eval(*s.planes, *[c.keys for c in caches])
     ours, theirs = [], []
-    for t in range(steps):
+    for _ in range(steps):
         k = mx.random.normal((B, H, 1, D))
         q = mx.random.normal((B, Hq, 1, D))
         mx.eval(k, q)
@@ -68,7 +69,7 @@ def run_append(max_size, keep, steps, B, H, D):
     del fill
     mx.eval(*s.planes, *[c.keys for c in caches])
     ours, theirs = [], []
-    for t in range(steps):
+    for _ in range(steps):
         k = mx.random.normal((B, H, 1, D))
         mx.eval(k)
         t0 = time.perf_counter()

@@ -73,9 +73,9 @@ def start(kind: str, model_dir: Path, max_batch: int) -> tuple:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
                 return proc, port
-        except OSError:
+        except OSError as e:
             if proc.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"{kind} server did not start: {' '.join(cmd)}")
+                raise SystemExit(f"{kind} server did not start: {' '.join(cmd)}") from e
             time.sleep(0.5)
 
 
@@ -175,7 +175,7 @@ def main():
             if args.soak:
                 samples = []
 
-                def tick(t, pid=proc.pid):
+                def tick(t, pid=proc.pid, samples=samples):
                     samples.append((t, *rss(pid)))
                     print(f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB", flush=True)
 

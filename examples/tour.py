@@ -27,7 +27,7 @@ print("after verify ", "lengths", s.lengths, "ends", s.ends, "aligned", s.aligne
 memo = kv.MaskMemo()
 s = kv.append(s, *tokens(1))
 q = mx.random.normal((B, 2 * H, 1, D))  # grouped-query attention
-for layer in range(4):
+for _layer in range(4):
     out = kv.attend(s, q, scale=D**-0.5, memo=memo)
 print("attend       ", out.shape, "masks built", memo.builds, "leases live", memo.live)
 print("RoPE offsets ", kv.positions(s))

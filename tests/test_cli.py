@@ -13,8 +13,8 @@ from kvstate import cli
 
 import tiny_models as tm
 
-SMALL = ["--model", "tiny", "--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9", "--batch-size", "3",
-         "--arrival-gap", "1"]
+SMALL = ["--model", "tiny", "--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9",
+         "--batch-size", "3", "--arrival-gap", "1"]
 
 
 def table(stdout):

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as kv
 import kvstate.compiled as kc
-from kvstate import _decoder, _rows, kernels, mlx_lm as br
+from kvstate import _rows, kernels, mlx_lm as br
 
 import tiny_models as tm
 
@@ -281,7 +281,7 @@ def test_manual_compiled_step_over_flatten_equals_append():
         return [write(p, x) for p, x in zip(planes, (k, v))]
 
     want = s
-    for i in range(12):
+    for _ in range(12):
         k, v = mx.random.normal((3, 2, 1, 8)), mx.random.normal((3, 2, 1, 8))
         want = kv.append(want, k, v)
         s = kc.prepare(s)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import kvstate as kv
-from _rows import append_peak, assert_rows_equal, assert_unchanged, np_of, rand, ref_attend, snapshot, visible
+from _rows import (append_peak, assert_rows_equal, assert_unchanged, np_of, rand, ref_attend,
+                   snapshot, visible)
 
 H, D = 2, 8
 

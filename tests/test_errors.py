@@ -223,9 +223,10 @@ def test_per_row_counts_as_integer_arrays(as_array):
         drafted = kv.append(s, *(mx.zeros((2, H, 3, 32)),) * 2)
         got = kv.rollback(drafted, cp, as_array([1, 3]))
         assert got.lengths == kv.rollback(drafted, cp, [1, 3]).lengths == (6, 6)
-        refused(lambda: kv.trim(s, as_array([6, 0])), [s], "n for row 0",
+        refused(lambda s=s: kv.trim(s, as_array([6, 0])), [s], "n for row 0",
                 "<= 5", "got 6")
-        refused(lambda: kv.rollback(drafted, cp, as_array([-1, 0])), [drafted], "keep[0]",
+        refused(lambda drafted=drafted, cp=cp: kv.rollback(drafted, cp, as_array([-1, 0])),
+                [drafted], "keep[0]",
                 ">= 0", "-1")
 
 
@@ -234,7 +235,8 @@ def test_per_row_arrays_of_the_wrong_kind(state):
                           (mx.array([True, False]), "bool [2]"),
                           (np.array([[1, 2]]), "int64 [1, 2]"),
                           (np.array([0.5, 1.0]), "float64 [2]")):
-        refused(lambda: kv.trim(state, value), [state], "n", "1-D integer array", actual)
+        refused(lambda value=value: kv.trim(state, value), [state], "n", "1-D integer array",
+                actual)
     refused(lambda: kv.trim(state, mx.array([1, 1, 1])), [state], "n", "2 values", "3 values")
 
 
@@ -256,7 +258,7 @@ def test_numpy_ints_and_index_arrays_are_taken_like_ints():
               kv.append(kv.rotating(3, max_size=8), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4)))):
         assert kv.filter_rows(s, np.array([2, 0])).batch_size == 2
         assert kv.extract_row(s, np.int64(1)).batch_size == 1
-        refused(lambda: kv.filter_rows(s, np.array([[0]])), [s], "rows", "[1, 1]")
+        refused(lambda s=s: kv.filter_rows(s, np.array([[0]])), [s], "rows", "[1, 1]")
 
 
 @pytest.mark.parametrize("scale", [None, "a", True])
@@ -265,7 +267,7 @@ def test_attend_scale_must_be_a_number(scale):
     r = kv.append(kv.rotating(1, max_size=4), mx.ones((1, 1, 2, 4)), mx.ones((1, 1, 2, 4)))
     q = kv.append(kv.quantized(1, group_size=32), mx.ones((1, 1, 2, 64)), mx.ones((1, 1, 2, 64)))
     for st, d in ((s, 4), (r, 4), (q, 64)):
-        refused(lambda: kv.attend(st, mx.ones((1, 1, 1, d)), scale=scale), [st], "scale")
+        refused(lambda st=st, d=d: kv.attend(st, mx.ones((1, 1, 1, d)), scale=scale), [st], "scale")
 
 
 def test_records_refuse_non_integer_bookkeeping():

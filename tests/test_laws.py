@@ -138,7 +138,7 @@ def test_shared_memo_changes_nothing_and_builds_once_per_family(sr, data):
                              lengths=s.lengths, left_pad=s.left_pad)
               for _ in range(4)]
     memo = kv.MaskMemo()
-    for forward in range(2):
+    for _forward in range(2):
         builds = memo.builds
         for layer in layers:
             q = mx.array(rand(rng, s.batch_size, 2 * H, n, D))

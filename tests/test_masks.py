@@ -52,13 +52,13 @@ def test_build_runs_once_per_key():
     key = kv.MaskKey("rows", (1,))
     leases = [memo.mask_for(kv.MaskKey("rows", (1,)), build) for _ in range(5)]
     assert len(calls) == 1 and memo.builds == 1 and memo.live == 5
-    assert all(l.mask == "m1" for l in leases) and all(l.key == key for l in leases)
-    for l in leases:
-        l.release()
+    assert all(ls.mask == "m1" for ls in leases) and all(ls.key == key for ls in leases)
+    for ls in leases:
+        ls.release()
     assert memo.live == 0
     # still memoized after every lease is released
-    with memo.mask_for(key, build) as l:
-        assert l.mask == "m1"
+    with memo.mask_for(key, build) as ls:
+        assert ls.mask == "m1"
     assert len(calls) == 1
 
 
@@ -80,8 +80,8 @@ def test_one_slot_per_family():
     f3 = memo.mask_for(kv.MaskKey("rows", (1,)), full)
     assert f3.mask == "full3" and memo.builds == 4
     assert memo.live == 4
-    for l in (f1, s1, f2, f3):
-        l.release()
+    for ls in (f1, s1, f2, f3):
+        ls.release()
     assert memo.live == 0
 
 
@@ -151,18 +151,18 @@ def test_lease_release_exactly_once_and_context_manager():
     with pytest.raises(kv.LeaseError):
         lease.release()
     with pytest.raises(kv.LeaseError):
-        lease.mask
+        _ = lease.mask
     assert memo.live == 0
-    with memo.mask_for(kv.MaskKey("f"), lambda: None) as l:
-        assert memo.live == 1 and l.mask is None
-    assert memo.live == 0 and l.released
+    with memo.mask_for(kv.MaskKey("f"), lambda: None) as ls:
+        assert memo.live == 1 and ls.mask is None
+    assert memo.live == 0 and ls.released
     with pytest.raises(RuntimeError):
         with memo.mask_for(kv.MaskKey("f"), lambda: None):
             assert memo.live == 1
             raise RuntimeError("released on the way out")
     assert memo.live == 0
-    with memo.mask_for(kv.MaskKey("f"), lambda: None) as l:
-        l.release()  # an explicit release inside the block is not repeated on exit
+    with memo.mask_for(kv.MaskKey("f"), lambda: None) as ls:
+        ls.release()  # an explicit release inside the block is not repeated on exit
     assert memo.live == 0
 
 

@@ -2,8 +2,8 @@
 
 Both sides run in this process on the same float32 inputs. Hypothesis draws a
 program (prefill single rows, some with no tokens, merge them, then append /
-trim / filter / extend (also with empty rows) / extract in any order) and applies every step to an mlx-lm cache
-object and to a kvstate record. After every step we compare:
+trim / filter / extend (also with empty rows) / extract in any order) and applies every step
+to an mlx-lm cache object and to a kvstate record. After every step we compare:
 
 - the fetch shape: mlx-lm's ``update_and_fetch`` / ``keys_and_values``
   against ``kv.fetch`` (``[B, H, width, D]``, the same width on both sides);

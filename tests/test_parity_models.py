@@ -92,7 +92,9 @@ def test_continuous_batching_dense(build):
 
 def test_continuous_batching_quantized_llama():
     model = tm.llama_model()
-    make_cache = lambda: [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+    def make_cache():
+        return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+
     check_parity(model, make_cache, {"kv_bits": 8, "kv_group_size": 32})
 
 
@@ -115,7 +117,9 @@ def test_continuous_batching_llama_sliding_layers():
 
 def test_continuous_batching_qwen3_max_kv_size():
     model = tm.qwen3_model()  # no make_cache: max_kv_size gives rings with keep=4
-    make_cache = lambda: make_prompt_cache(model, max_kv_size=10)
+    def make_cache():
+        return make_prompt_cache(model, max_kv_size=10)
+
     check_parity(model, make_cache, {"max_kv_size": 10})
 
 

@@ -371,9 +371,11 @@ def test_bad_input_names_the_argument_and_writes_nothing(tmp_path):
         (lambda: kv.save(p, good, {"a": 1}), r"metadata\['a'\]: expected str keys and str values"),
         (lambda: kv.save(p, good, {"kvstate.x": "1"}), "reserved"),
         (lambda: kv.save(p, good, ["a"]), "metadata: expected a dict"),
-        (lambda: kv.save(tmp_path / "x.npz", good), r"path: expected a name ending in \.safetensors"),
+        (lambda: kv.save(tmp_path / "x.npz", good),
+         r"path: expected a name ending in \.safetensors"),
         (lambda: kv.save(p, kv.empty(1)), "states: expected a list of records"),
-        (lambda: kv.save(p, good, model_path=tmp_path / "none"), "model_path: expected an existing"),
+        (lambda: kv.save(p, good, model_path=tmp_path / "none"),
+         "model_path: expected an existing"),
     ]
     for call, match in cases:
         with pytest.raises(kv.KVStateError, match=match):
