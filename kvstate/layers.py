@@ -24,7 +24,7 @@ import attrs
 
 from . import ops
 from .errors import bad
-from .records import Checkpoint, _RowsOfFirst
+from .records import Checkpoint, _RowsOfFirst, _tuple
 
 __all__ = ["ModelCheckpoint"]
 
@@ -39,7 +39,7 @@ class ModelCheckpoint(_RowsOfFirst):
         layers: one ``Checkpoint`` per layer, in layer order.
     """
 
-    layers: tuple = attrs.field(converter=tuple)
+    layers: tuple = attrs.field(converter=_tuple)
 
     # batch_size, and lengths: per row, the tokens held at the checkpoint
     # (every layer has seen the same), are the first layer's (records._RowsOfFirst).

@@ -40,6 +40,11 @@ from .errors import bad
 from .invariants import check_int, clear_hidden, fresh_row_ids, validate
 
 
+def _tuple(value) -> tuple:
+    """``tuple(value)``, as a named converter (mypy's attrs plugin types its ``__init__``)."""
+    return tuple(value)
+
+
 def _tuple_of_ints(value) -> tuple:
     """Host bookkeeping as a tuple of ints (numpy ints too); a float or any
     other non-integer is refused rather than truncated.
@@ -62,9 +67,6 @@ def _tuple_of_ints(value) -> tuple:
 def _row_ids(value):
     """``row_ids``: ``None`` (fresh ids are drawn) or a tuple of ints."""
     return None if value is None else _tuple_of_ints(value)
-
-
-_ROW_IDS = dict(default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
 
 
 def _checked(self):
@@ -143,7 +145,8 @@ class _Rows:
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
     left_pad: tuple = attrs.field(converter=_tuple_of_ints)
     step: int = 256
-    row_ids: Optional[tuple] = attrs.field(**_ROW_IDS)
+    row_ids: Optional[tuple] = attrs.field(
+        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
 
     __attrs_post_init__ = _checked
 
@@ -274,6 +277,8 @@ class _Unpadded:
     """``batch_size`` and an all-zero ``left_pad`` for records whose rows never
     pad columns (rings, recurrent rows), so code generic over records reads them."""
 
+    lengths: tuple  # declared by each attrs subclass
+
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
@@ -328,7 +333,8 @@ class RotatingState(_Unpadded):
     step: int = attrs.field(default=256, kw_only=True)
     keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
-    row_ids: Optional[tuple] = attrs.field(**_ROW_IDS)
+    row_ids: Optional[tuple] = attrs.field(
+        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
 
     __attrs_post_init__ = _checked
 
@@ -400,7 +406,7 @@ class RecurrentState(_Unpadded):
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
     left_padding: tuple = attrs.field(converter=_tuple_of_ints)
     until: Optional[tuple] = attrs.field(default=None, converter=_optional_ints)
-    arrays: tuple = attrs.field(default=(), kw_only=True, converter=tuple, repr=_array_repr)
+    arrays: tuple = attrs.field(default=(), kw_only=True, converter=_tuple, repr=_array_repr)
 
     @property
     def aligned(self) -> bool:
@@ -456,7 +462,7 @@ class ChunkedState(_Rows):
     @property
     def aligned(self) -> bool:
         """Every row holds the same positions at the same columns."""
-        return _Rows.aligned.fget(self) and len(set(self.start)) <= 1
+        return super().aligned and len(set(self.start)) <= 1
 
 
 class _RowsOfFirst:
@@ -493,7 +499,7 @@ class CompositeState(_OfParts):
         parts: the records, in the model's order.
     """
 
-    parts: tuple = attrs.field(converter=tuple)
+    parts: tuple = attrs.field(converter=_tuple)
 
     @property
     def left_pad(self) -> tuple:
@@ -528,7 +534,7 @@ class RecurrentCheckpoint:
     """
 
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
-    arrays: tuple = attrs.field(default=(), converter=tuple, repr=_array_repr)
+    arrays: tuple = attrs.field(default=(), converter=_tuple, repr=_array_repr)
 
     @property
     def batch_size(self) -> int:
@@ -539,4 +545,4 @@ class RecurrentCheckpoint:
 class CompositeCheckpoint(_OfParts):
     """One checkpoint per part of a ``CompositeState``."""
 
-    parts: tuple = attrs.field(converter=tuple)
+    parts: tuple = attrs.field(converter=_tuple)

@@ -115,10 +115,6 @@ def _ints(value, B: int, arg: str) -> list:
     return out
 
 
-def _one(arg, low, high):
-    return lambda v: _floats(v, 1, arg, low, high)[0]
-
-
 @attrs.frozen
 class Sampling:
     """One row's sampling parameters, checked when made (``KVStateError`` names the field).
@@ -132,10 +128,13 @@ class Sampling:
             (an int in [0, 2**64)); ``None``: the row's index in the batch made.
     """
 
-    temperature: float = attrs.field(default=0.0, converter=_one("temperature", 0.0, math.inf))
-    top_p: float = attrs.field(default=1.0, converter=_one("top_p", 0.0, 1.0))
+    temperature: float = attrs.field(
+        default=0.0, converter=lambda v: _floats(v, 1, "temperature", 0.0, math.inf)[0])
+    top_p: float = attrs.field(
+        default=1.0, converter=lambda v: _floats(v, 1, "top_p", 0.0, 1.0)[0])
     top_k: int = attrs.field(default=0, converter=lambda v: _ints(v, 1, "top_k")[0])
-    min_p: float = attrs.field(default=0.0, converter=_one("min_p", 0.0, 1.0))
+    min_p: float = attrs.field(
+        default=0.0, converter=lambda v: _floats(v, 1, "min_p", 0.0, 1.0)[0])
     seed: int | None = attrs.field(
         default=None, kw_only=True, converter=lambda v: v if v is None else _seed(v, "seed")
     )

@@ -43,7 +43,8 @@ from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease, rows_mask
-from .records import CacheState, Checkpoint, QuantizedState, _Rows, _tuple_of_ints, derived
+from .records import (CacheState, Checkpoint, QuantizedState, _Rows, _tuple, _tuple_of_ints,
+                      derived)
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
 
@@ -63,7 +64,7 @@ class SharedState:
             ``B`` rows); appends write here.
     """
 
-    prefixes: tuple = attrs.field(converter=tuple)
+    prefixes: tuple = attrs.field(converter=_tuple)
     source: tuple = attrs.field(converter=_tuple_of_ints)
     prefix_row: tuple = attrs.field(converter=_tuple_of_ints)
     shared: tuple = attrs.field(converter=_tuple_of_ints)

@@ -41,6 +41,7 @@ from .batch import Batch, sampling_arrays
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import per_row, row_list
 from .errors import bad, check
+from .records import _tuple
 from .sampling import filter_logprobs, sample_arrays, split_keys
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
@@ -64,8 +65,8 @@ class Speculation:
 
     batch: Batch
     context: tuple = attrs.field(converter=lambda c: tuple(tuple(r) for r in c))
-    num_draft: tuple = attrs.field(converter=tuple)
-    max_draft: tuple = attrs.field(converter=tuple)
+    num_draft: tuple = attrs.field(converter=_tuple)
+    max_draft: tuple = attrs.field(converter=_tuple)
     draft_states: tuple | None = attrs.field(
         default=None, converter=lambda s: None if s is None else tuple(s))
 
