@@ -94,7 +94,8 @@ def _blank_ring(state: RotatingState, n: int):
 def head_rows(state, B: int):
     """The first ``B`` rows of ``state``: its per-row tuples and arrays sliced (views,
     no copy), every column kept (capacity and layout unchanged)."""
-    n, changes = state.batch_size, {}
+    n = state.batch_size
+    changes: dict = {}
     for f in attrs.fields(type(state)):
         v = getattr(state, f.name)
         if isinstance(v, mx.array):

@@ -289,7 +289,7 @@ def make_step(model, **options):
             raise bad("model", "the model this step was compiled for", type(model_).__name__)
         return decoder(tokens, states)
 
-    step.decoder = decoder  # type: ignore[attr-defined]
+    step.decoder = decoder
     return step
 
 

@@ -45,11 +45,13 @@ def validate_dense(state: CacheState):
     B, ends = _rows.validate_rows(state)
     if ends is None:
         return state
-    _, H, C, _ = check_plane("state.keys", state.keys, B)
-    check_plane("state.values", state.values, B, C, H)
-    check_float("state.keys", state.keys.dtype)
-    if state.values.dtype != state.keys.dtype:
-        raise bad("state.values dtype", f"{state.keys.dtype} as keys", state.values.dtype)
+    keys, values = state.keys, state.values
+    assert keys is not None and values is not None  # validate_rows: ends are None without planes
+    _, H, C, _ = check_plane("state.keys", keys, B)
+    check_plane("state.values", values, B, C, H)
+    check_float("state.keys", keys.dtype)
+    if values.dtype != keys.dtype:
+        raise bad("state.values dtype", f"{keys.dtype} as keys", values.dtype)
     _rows.check_ends(state, C)
     return state
 

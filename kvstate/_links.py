@@ -196,7 +196,8 @@ class _Waiter:
             waiter = cls._live.get(key)
             if waiter is None:
                 waiter = cls._live[key] = cls(device)
-        box, done = {}, threading.Event()
+        box: dict = {}
+        done = threading.Event()
         waiter.jobs.put((fn, box, done))
         if not done.wait(timeout):
             with cls._lock:

@@ -103,7 +103,7 @@ def validate_quantized(state: QuantizedState):
         raise bad("state.group_size", f"one of {GROUP_SIZES}", state.group_size)
     if ends is None:
         return state
-    H = C = dtype = None
+    H = C = dtype = None  # set by the first plane checked (keys)
     for name in ("keys", "values"):
         planes = getattr(state, name)
         if type(planes) is not tuple or len(planes) != 3:
@@ -128,7 +128,7 @@ def validate_quantized(state: QuantizedState):
             raise bad(f"state.{name}[0] (packed) width (shape[3])",
                       f"{D * state.bits // 32} ({groups} groups of {state.group_size} at "
                       f"{state.bits} bits)", width)
-    _rows.check_ends(state, C)
+    _rows.check_ends(state, C)  # type: ignore[arg-type]  # C: set by the keys loop above
     return state
 
 

@@ -38,7 +38,7 @@ from .errors import bad, check
 from .invariants import (check_counts, check_float, check_int, check_plane, clear_columns,
                          clear_hidden, cleared, distinct_row_ids, validate)
 from .masks import MaskKey, lease
-from .records import Checkpoint, RotatingState, derived
+from .records import Checkpoint, RotatingState, derived, row_ids_of
 
 
 # --- construction -------------------------------------------------------------
@@ -556,7 +556,7 @@ def filter_rows_ring(state: RotatingState, rows):
         keys, values = keys[idx], values[idx]
     return derived(state, lengths=tuple(state.lengths[r] for r in rows),
                    held=tuple(state.held[r] for r in rows), keys=keys, values=values,
-                   row_ids=distinct_row_ids(tuple(state.row_ids[r] for r in rows)))
+                   row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)))
 
 
 @ops.extract_row.register
@@ -564,7 +564,7 @@ def extract_row_ring(state: RotatingState, row):
     """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
     row = row_index(row, state.batch_size)
     one = derived(state, lengths=(state.lengths[row],), held=(state.held[row],),
-                  keys=None, values=None, row_ids=(state.row_ids[row],))
+                  keys=None, values=None, row_ids=(row_ids_of(state)[row],))
     if state.keys is None:
         return one
     h = state.held[row]

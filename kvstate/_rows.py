@@ -28,7 +28,7 @@ from .errors import bad, check
 from .invariants import (check_counts, check_float, check_int, clear_columns, clear_hidden,
                          cleared, distinct_row_ids)
 from .masks import check_memo, lease, rows_key, rows_mask
-from .records import Checkpoint, _Rows
+from .records import Checkpoint, _Rows, row_ids_of
 
 
 def round_up(n: int, step: int) -> int:
@@ -481,7 +481,7 @@ def filter_rows_rows(state: _Rows, rows):
             # Padding that every survivor shares is dead weight: slice it off.
             planes = tuple(p[:, :, shared:, :] for p in planes)
     return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp),
-                       row_ids=distinct_row_ids(tuple(state.row_ids[r] for r in rows)))
+                       row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)))
 
 
 @ops.extract_row.register
@@ -490,7 +490,7 @@ def extract_row_rows(state: _Rows, row):
     start, n = state.left_pad[row], state.lengths[row]
     planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
     return with_planes(state, planes, lengths=(n,), left_pad=(0,),
-                       row_ids=(state.row_ids[row],))
+                       row_ids=(row_ids_of(state)[row],))
 
 
 def check_same_geometry(states, fields=()):
@@ -548,7 +548,7 @@ def merge_rows_rows(first: _Rows, states):
 # --- invariants (kvstate.invariants) for the padded row layout ----------------------------
 
 
-def validate_rows(state: _Rows) -> tuple:
+def validate_rows(state: Any) -> tuple:  # a padded-rows record with keys/values planes
     """The checks every padded-row kind shares: ``(B, ends)``, ``ends`` ``None``
     before the first append (no planes: then no row may hold a column)."""
     B = check_counts(state, "state", ("lengths", "left_pad"))

@@ -152,7 +152,8 @@ def pack(states: Sequence, rows: Sequence[int]) -> tuple:
     ``[name, dtype, shape]`` of each array; ``arrays`` are in the specs'
     order. Each row is ``kv.extract_row`` of its layer: its tokens only.
     """
-    tensors, entries = {}, []
+    tensors: dict = {}
+    entries: list = []
     for j, r in enumerate(rows):
         entries.append(
             [
@@ -209,7 +210,7 @@ def _batch_row(layers: list, item, j: int) -> Batch:
         f"the fields {sorted(names)}",
         item if not isinstance(item, dict) else sorted(item),
     )
-    fields = {}
+    fields: dict = {}
     try:
         for name in names:
             x = item[name]
@@ -309,7 +310,8 @@ def unpack(desc: dict, arrays: Sequence) -> list:
         layers, rows = desc["layers"], desc["rows"]
     except (KeyError, TypeError):
         raise bad("offer", "a dict with layers, rows and arrays", type(desc).__name__) from None
-    check(isinstance(rows, list) and rows, "offer rows", "a non-empty list", type(rows).__name__)
+    check(isinstance(rows, list) and bool(rows), "offer rows", "a non-empty list",
+          type(rows).__name__)
     out = []
     for j, entries in enumerate(rows):
         check(

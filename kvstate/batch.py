@@ -156,7 +156,7 @@ def row_fields() -> list:
 def take_rows(b: Batch, rows: Sequence[int]) -> dict:
     """The per-row fields of rows ``rows`` (in that order), for ``attrs.evolve``."""
     idx = mx.array(list(rows), mx.int32)
-    out = {}
+    out: dict = {}
     for name in row_fields():
         value = getattr(b, name)
         out[name] = value[idx] if isinstance(value, mx.array) else tuple(value[r] for r in rows)
@@ -165,7 +165,7 @@ def take_rows(b: Batch, rows: Sequence[int]) -> dict:
 
 def join_rows(batches: Sequence[Batch]) -> dict:
     """The per-row fields of ``batches``' rows, in order, for ``attrs.evolve``."""
-    out = {}
+    out: dict = {}
     for name in row_fields():
         values = [getattr(b, name) for b in batches]
         if isinstance(values[0], mx.array):

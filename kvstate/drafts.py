@@ -19,6 +19,7 @@ one forward (``kvstate.speculative``). Two sources:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -103,7 +104,7 @@ def truncated(model, layers: int):
     import copy
 
     layers = as_int(layers, "layers")
-    inner = getattr(model, "model", None)
+    inner: Any = getattr(model, "model", None)
     check(inner is not None and hasattr(inner, "layers"), "model",
           "an mlx-lm model with model.layers", type(model).__name__)
     n = len(inner.layers)

@@ -109,7 +109,8 @@ def serve(
     """
     pending = sorted(requests, key=lambda r: r.arrival)
     done: dict = {}
-    active, batch, keys, t, per_tok = [], None, None, 0, []
+    active: list = []
+    batch, keys, t, per_tok = None, None, 0, []
     arrived: dict = {}
     start = time.perf_counter()
 
@@ -131,7 +132,7 @@ def serve(
             if r.arrival > t:
                 break
             arrived.setdefault(r.id, now)
-        admit = []
+        admit: list = []
         while pending and pending[0].arrival <= t and len(active) + len(admit) < batch_size:
             admit.append(pending.pop(0))
         if admit:
@@ -176,7 +177,11 @@ def serve(
                 finish(row)
         if len(keep) < len(active):
             active = [active[i] for i in keep]
-            batch = engine.leave(batch, keep) if keep else _drop(engine, batch)
+            if keep:
+                batch = engine.leave(batch, keep)
+            else:
+                _drop(engine, batch)
+                batch = None
             keys = keys[mx.array(keep)] if keep else None
         t += 1
         if progress:

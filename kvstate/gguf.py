@@ -29,6 +29,7 @@ interleaved ("traditional") RoPE, so the model is built with
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import attrs
 import mlx.core as mx
@@ -72,7 +73,7 @@ def read(path) -> tuple:
     if not path.is_file():
         raise bad("path", "an existing .gguf file", str(path))
     try:
-        return mx.load(str(path), return_metadata=True)
+        return cast(tuple, mx.load(str(path), return_metadata=True))  # (weights, metadata)
     except (RuntimeError, ValueError) as e:
         raise bad("path", "a GGUF file MLX can read", f"{path} ({e})") from None
 

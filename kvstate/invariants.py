@@ -68,7 +68,8 @@ def share_row_ids(states: list) -> list:
 
     from .records import derived
 
-    first, out = {}, []
+    first: dict = {}
+    out: list = []
     for s in states:
         if "row_ids" not in attrs.fields_dict(type(s)):
             out.append(s)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from functools import singledispatch
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -584,7 +584,7 @@ def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
                   type(tokens).__name__ if isinstance(tokens, (str, bytes)) else len(tokens))
     if batch.batch_size == 0:
         return batch
-    seqs = [[p, *t] for p, t in zip(batch.tokens.tolist(), tokens)]
+    seqs = [[p, *t] for p, t in zip(cast(list, batch.tokens.tolist()), tokens)]
     if len({len(s) for s in seqs}) == 1:
         logits, states = forward(model, mx.array(seqs), list(batch.states), memo=memo)
         last = logits[:, -1]

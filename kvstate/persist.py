@@ -40,7 +40,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import attrs
 import mlx.core as mx
@@ -247,7 +247,7 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None,
     """
     path = _check_path(path)
     meta = _check_metadata(metadata)
-    tensors = {}
+    tensors: dict = {}
     entries, layout = compact.encode(states, tensors, _encode, exact=exact)
     meta.update(layout)
     if model_path is not None:
@@ -278,6 +278,7 @@ def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
           f"{path} (no directory {directory})")
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}"
                                   ".partial.safetensors")
+    moved = False  # the partial file became ``path``
     try:
         mx.save_safetensors(tmp, tensors, meta)
         with open(tmp, "rb+") as f:
@@ -286,14 +287,14 @@ def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
                   "bytes (what load can read back)", f"{length} bytes")
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        tmp = None
+        moved = True
         _fsync_directory(directory)
     except (OSError, RuntimeError, ValueError, struct.error) as e:
         if isinstance(e, KVStateError):
             raise
         raise bad("path", "a file kvstate can write", f"{path}: {e}") from None
     finally:
-        if tmp is not None and os.path.exists(tmp):
+        if not moved and os.path.exists(tmp):
             os.unlink(tmp)
 
 
@@ -384,7 +385,8 @@ def _read(path: str, arrays: list) -> None:
 
 def _load_kvstate(path: str, meta: dict):
     table = meta.get("kvstate.records")
-    check(table is not None, "path", "a kvstate.records table", "none")
+    if table is None:
+        raise bad("path", "a kvstate.records table", "none")
     try:
         entries = json.loads(table)
     except (ValueError, RecursionError) as e:
@@ -393,10 +395,11 @@ def _load_kvstate(path: str, meta: dict):
     if type(entries) is not list:
         raise bad("kvstate.records", "a JSON list of records", type(entries).__name__)
     try:
-        tensors = mx.load(path)
+        tensors = cast(dict, mx.load(path))  # a .safetensors file: a dict of arrays
     except (RuntimeError, ValueError) as e:
         raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
-    used, ids = set(), {}
+    used: set = set()
+    ids: dict = {}
     states = compact.decode(entries, meta, tensors,
                             lambda i, e, t: _decode(i, e, t, used, ids), used)
     extra = sorted(set(tensors) - used)

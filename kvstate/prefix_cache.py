@@ -311,6 +311,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         prefilled.append(len(p) - start)
         if cache is not None and cache.insert(p, states):
             held = cache.pin(p)  # the row reads the entry (the same records when dense)
+            assert held is not None  # inserted just above
             states = held.states
             if hit is not None:
                 hit.release()

@@ -9,7 +9,7 @@ reach a record. Re-exported as ``kvstate.mlx_lm.from_prompt_cache`` /
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -74,7 +74,7 @@ def _per_row(name, c, field, B=None) -> list:
             or (B is not None and x.shape[0] != B)):
         raise bad(f"{name}.{field}", f"an integer mx.array [{'B' if B is None else B}]",
                   f"{type(x).__name__} {getattr(x, 'shape', '')}")
-    return x.tolist()
+    return cast(list, x.tolist())  # a 1-D array (checked above)
 
 
 def _from_cache(i, c):

@@ -69,6 +69,12 @@ def _row_ids(value):
     return None if value is None else _tuple_of_ints(value)
 
 
+def row_ids_of(state) -> tuple:
+    """``state.row_ids``: always a tuple once constructed (``_checked`` draws fresh
+    ids where ``None`` was given), though the field's type admits ``None``."""
+    return state.row_ids
+
+
 def _checked(self):
     """After a constructor: fresh row ids where none were given, the kind's
     ``validate``, then zeros in every column no row reads (``clear_hidden``:

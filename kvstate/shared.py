@@ -33,6 +33,7 @@ design, the alternatives and the measurements are in ``notes/prefix.md``.
 from __future__ import annotations
 
 import functools
+from typing import Any
 import operator
 from functools import singledispatch
 
@@ -44,7 +45,7 @@ from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease, rows_mask
 from .records import (CacheState, Checkpoint, QuantizedState, _Rows, _tuple, _tuple_of_ints,
-                      derived)
+                      derived, row_ids_of)
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
 
@@ -68,7 +69,7 @@ class SharedState:
     source: tuple = attrs.field(converter=_tuple_of_ints)
     prefix_row: tuple = attrs.field(converter=_tuple_of_ints)
     shared: tuple = attrs.field(converter=_tuple_of_ints)
-    suffix: _Rows = attrs.field()
+    suffix: Any = attrs.field()  # a dense record of the prefixes' kind (_Rows)
 
     @property
     def batch_size(self) -> int:
@@ -87,7 +88,7 @@ class SharedState:
     @property
     def row_ids(self) -> tuple:
         """The rows' identities: its suffix rows' (``kvstate.invariants``)."""
-        return self.suffix.row_ids
+        return row_ids_of(self.suffix)
 
     @property
     def step(self) -> int:
@@ -324,7 +325,8 @@ def rollback_shared(state: SharedState, checkpoint, keep=0):
 
 def _reindex(prefixes, source, prefix_row, shared, suffix) -> SharedState:
     """A ``SharedState`` keeping only the prefixes some row reads (by identity, in order)."""
-    keep, index = [], {}
+    keep: list = []
+    index: dict = {}
     for s in source:
         p = prefixes[s]
         if id(p) not in index:
@@ -436,7 +438,7 @@ def materialize(state: SharedState):
     starts = left_pad  # the first prefix token of row b goes to column left_pad[b]
     planes = []
     nplanes = len(state.prefixes[0].planes) if P else len(suffix.planes)
-    hide = None
+    hide: Any = None  # set when both the prefixes and the suffix have columns
     if shifted is not None and P:
         split = mx.array([P + lp for lp in suffix.left_pad], dtype=mx.int32)
         hide = (mx.arange(W, dtype=mx.int32)[None] < split[:, None])[:, None, :, None]
@@ -481,7 +483,7 @@ def prefix_groups(state: SharedState) -> tuple:
     first-use order, rows that read no prefix token left out. Host data: the
     static part of a cascade read (it changes on fork, filter and merge, never
     on a decode step)."""
-    groups = {}
+    groups: dict = {}
     for b, (s, r, n) in enumerate(zip(state.source, state.prefix_row, state.shared)):
         if n:
             groups.setdefault((s, r), []).append(b)

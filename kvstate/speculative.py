@@ -31,6 +31,7 @@ distribution. Decisions: ``notes/speculative.md``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import attrs
 import mlx.core as mx
@@ -201,7 +202,7 @@ def compiled(model) -> Forward:
     def run(tokens, states):
         return decoder(tokens, states)
 
-    run.decoder = decoder
+    run.decoder = decoder  # type: ignore[attr-defined]  # a function attribute
     return run
 
 
@@ -230,7 +231,7 @@ def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4
     draft_states = None
     if isinstance(drafter, DraftModel):
         _, draft_states = bridge.prefill(drafter.model, prompts, **drafter.make)
-    first = batch.tokens.tolist()
+    first = cast(list, batch.tokens.tolist())  # [B]
     return Speculation(batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit,
                        draft_states)
 
@@ -288,6 +289,7 @@ def _propose_model(spec: Speculation, drafter: DraftModel, params, keys, sampled
     """
     K = max(spec.num_draft)
     y = spec.batch.tokens
+    assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
     states, drafts, qs = list(spec.draft_states), [], []
     for j in range(K):
         logits, states = bridge.step(drafter.model, y, states)
@@ -351,6 +353,7 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
 
     q = None
     if is_model:
+        assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
         anchors = [ops.anchor(s) for s in spec.draft_states]
         drafts_dev, q, dstates = _propose_model(spec, drafter, params, round_keys, sampled)
         counts = spec.num_draft
@@ -373,7 +376,7 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         target_tokens = mx.argmax(logits, axis=-1)
         mx.eval(target_tokens, drafts_dev)
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
-        accepted, nxt = accept_greedy(drafts, target_tokens.tolist())
+        accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
     else:
         p = probabilities(logits, *params)
         uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
