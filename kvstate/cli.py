@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import mlx.core as mx
 
@@ -73,10 +74,10 @@ def make_requests(n, prompt_len, gen_len, gap, vocab, seed) -> list:
     uniform in the given ranges, arrival gaps uniform in ``[0, 2 * gap]`` steps."""
     key = mx.random.key(seed)
     k1, k2, k3, k4 = mx.random.split(key, 4)
-    plen = mx.random.randint(prompt_len[0], prompt_len[1] + 1, (n,), key=k1).tolist()
-    glen = mx.random.randint(gen_len[0], gen_len[1] + 1, (n,), key=k2).tolist()
-    gaps = mx.random.randint(0, 2 * gap + 1, (n,), key=k3).tolist()
-    toks = mx.random.randint(0, vocab, (n, max(plen)), key=k4).tolist()
+    plen = cast(list, mx.random.randint(prompt_len[0], prompt_len[1] + 1, (n,), key=k1).tolist())
+    glen = cast(list, mx.random.randint(gen_len[0], gen_len[1] + 1, (n,), key=k2).tolist())
+    gaps = cast(list, mx.random.randint(0, 2 * gap + 1, (n,), key=k3).tolist())
+    toks = cast(list, mx.random.randint(0, vocab, (n, max(plen)), key=k4).tolist())
     arrivals = [sum(gaps[:i]) for i in range(n)]
     return [
         Request(i, tuple(toks[i][:p]), g, arrival=a)
@@ -92,7 +93,7 @@ def read_prompts(path: Path) -> list:
     ``"temperature"``, ``"top_p"``, ``"seed"``. Blank lines are skipped.
     Returns ``(prompt text or messages, overrides)`` pairs.
     """
-    out = []
+    out: list = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if not line:
@@ -125,7 +126,7 @@ def read_prompts(path: Path) -> list:
 def text_requests(args, tokenizer) -> list:
     """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set:
     ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed)."""
-    items = [(p, {}) for p in args.prompt] if args.prompt else []
+    items: list = [(p, {}) for p in args.prompt] if args.prompt else []
     if args.prompts:
         items += read_prompts(args.prompts)
     items = items or [(p, {}) for p in PROMPTS] + [(list(c), {}) for c in CHATS]
@@ -167,8 +168,8 @@ def text_requests(args, tokenizer) -> list:
 
 
 def _range(text: str):
-    lo, _, hi = text.partition(":")
-    lo, hi = int(lo), int(hi or lo)
+    low, _, high = text.partition(":")
+    lo, hi = int(low), int(high or low)
     if not 1 <= lo <= hi:
         raise argparse.ArgumentTypeError(f"expected N or LO:HI with 1 <= LO <= HI, got {text!r}")
     return lo, hi
@@ -506,8 +507,8 @@ def generate(args, out=None, err=None) -> int:
     compiled = args.compile
     share = not (args.no_prefix_cache or compiled)  # (the compiled step takes no shared rows yet)
     cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
-    engines = [KVStateEngine(model, compiled=compiled, prefill_step_size=args.prefill_step_size,
-                             prefix_cache=cache)]
+    engines: list = [KVStateEngine(model, compiled=compiled,
+                                   prefill_step_size=args.prefill_step_size, prefix_cache=cache)]
     drafter = _drafter(args, err)
     if drafter is not None:
         engines = [SpeculativeEngine(model, drafter, args.num_draft, args.prefill_step_size,
@@ -524,7 +525,7 @@ def generate(args, out=None, err=None) -> int:
     def printer(c):
         show_completion(c, tokenizer, out, args.json)
 
-    best = [None] * len(engines)
+    best: list = [None] * len(engines)
     for k in range(args.repeat):
         best = [
             run(e, requests, args, err, printer if (k == 0 and i == 0) else None, b)

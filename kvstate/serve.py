@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import attrs
 
@@ -294,7 +294,7 @@ class Api:
                 "model": self.model_id}
         texts = [TextStream(self.tok.decode, p.stop) for _ in range(p.n)]
         finish: list = [None] * p.n
-        response = None
+        response: Any = None  # a web.StreamResponse when streaming
         try:
             if p.stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -386,7 +386,7 @@ class Scheduler:
         self._pending: collections.deque = collections.deque()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.spec = None  # the rows in flight
+        self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
         self.stats = {"rounds": 0, "prefilled": 0, "prompt_tokens": 0, "drafted": 0,
                       "accepted": 0}
 
@@ -436,7 +436,7 @@ class Scheduler:
             raise
 
     def _jobs(self) -> list:
-        rows = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
+        rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
         return list(dict.fromkeys(rows + list(self._pending)))
 
     def _admit(self, block: bool) -> None:
@@ -489,7 +489,7 @@ class Scheduler:
             batch = attrs.evolve(batch, payload=[(job, c) for c in range(job.n)])
             if draft_states is not None:
                 draft_states = kv.fork(draft_states, 0, job.n - 1)
-        first = batch.tokens.tolist()
+        first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(job.prompt) + [t] for t in first]
         k = (self.num_draft if self.drafter is not None else 0,) * job.n
         new = speculative.Speculation(batch, context, k, k, draft_states)
