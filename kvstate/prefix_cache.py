@@ -268,7 +268,7 @@ class PrefixCache:
 
 
 def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None = None, *,
-            memo=None, prefill_step_size: Optional[int] = None, **make) -> tuple:
+            memo=None, prefill_step_size: int | None = None, **make) -> tuple:
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 
     A prompt whose start is cached prefills only the rest (its rows read the
