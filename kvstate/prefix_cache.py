@@ -272,9 +272,14 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 
     A prompt whose start is cached prefills only the rest (its rows read the
-    cached records, no copy); every prompt is then cached for the requests
-    that follow. Rows are ``SharedState`` records, so rows of different
-    prefixes merge into one batch.
+    cached records, no copy); every prompt (and its head, all but the last
+    token, which the rows read) is then cached for the requests that follow.
+    Each prompt's head runs with no logits asked for,
+    and the last tokens of all prompts run as one batched ``step``: the
+    model's output layer (``[V, hidden]``, the costliest matmul of a small
+    model) runs once per row, never once per prompt token. Rows are
+    ``SharedState`` records, so rows of different prefixes merge into one
+    batch.
 
     Args:
         model: an mlx-lm model.
@@ -291,32 +296,38 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         each when its row finishes), and per row the tokens actually run
         through the model.
     """
-    from .mlx_lm import forward, make_states, merge_rows
+    from .mlx_lm import forward, make_states, merge_rows, step
 
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
     if prefill_step_size is not None:
         prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
         check(prefill_step_size >= 1, "prefill_step_size", ">= 1", prefill_step_size)
-    last, rows, leases, prefilled = [], [], [], []
+    rows, leases, prefilled = [], [], []
     for i, p in enumerate(prompts):
         p = list(p)
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
+        head = p[:-1]
         hit = cache.lookup(p) if cache is not None else None
         start = 0 if hit is None else hit.matched
         states = make_states(model, 1, **make) if hit is None else hit.states
-        rest = p[start:]
+        rest = head[start:]  # no logits are asked for: the output layer never runs here
         chunk = len(rest) if prefill_step_size is None else prefill_step_size
         for at in range(0, len(rest), chunk):  # (chunks bound a long prompt's activations)
-            logits, states = forward(model, mx.array([rest[at:at + chunk]]), states, memo=memo)
+            _, states = forward(model, mx.array([rest[at:at + chunk]]), states, memo=memo)
         prefilled.append(len(p) - start)
-        if cache is not None and cache.insert(p, states):
-            held = cache.pin(p)  # the row reads the entry (the same records when dense)
+        if head and cache is not None and cache.insert(head, states):
+            held = cache.pin(head)  # the row reads the entry (the same records when dense)
             assert held is not None  # inserted just above
             states = held.states
             if hit is not None:
                 hit.release()
             hit = held
         leases.append(hit)
-        last.append(logits[:, -1, :])
         rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
-    return mx.concatenate(last, axis=0), merge_rows(rows), leases, prefilled
+    # Every row's last prompt token in one batched step: the only logits computed.
+    logits, states = step(model, mx.array([p[-1] for p in prompts]), merge_rows(rows),
+                          memo=memo)
+    if cache is not None:  # the whole prompts too (a next turn reuses all of them)
+        for b, p in enumerate(prompts):
+            cache.insert(p, [ops.extract_row(s, b) for s in states])
+    return logits, states, leases, prefilled

@@ -440,28 +440,31 @@ class Scheduler:
         return list(dict.fromkeys(rows + list(self._pending)))
 
     def _admit(self, block: bool) -> None:
-        """Take waiting jobs, oldest first, while their rows fit."""
+        """Take waiting jobs, oldest first, while their rows fit; prefill them together."""
         room = self.max_batch - self.active_rows
+        jobs = []
         while room > 0:
             if not self._pending:
                 try:
                     self._pending.append(self._queue.get(timeout=0.05) if block
                                          else self._queue.get_nowait())
                 except queue.Empty:
-                    return
+                    break
                 block = False
             job = self._pending[0]
             if len(job.cancelled) == job.n:
                 self._pending.popleft()
                 continue
             if job.n > room:
-                return  # it waits at the head for rows to leave
-            self._pending.popleft()
-            self._start(job)
+                break  # it waits at the head for rows to leave
+            jobs.append(self._pending.popleft())
             room -= job.n
+        if jobs:
+            self._start(jobs)
 
-    def _start(self, job: Job) -> None:
-        """Prefill one job's prompt (reusing a cached prefix), sample, fork its choices."""
+    def _start(self, jobs: list) -> None:
+        """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
+        step gives every first token), sample, fork each job's choices, join the batch."""
         import mlx.core as mx
 
         import kvstate as kv
@@ -470,32 +473,38 @@ class Scheduler:
         from .batch import sample_batch
         from .drafts import DraftModel
 
+        prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = prefix_cache.prefill(
-            self.model, [job.prompt], self.prefix_cache)
-        job.leases = leases
-        self.stats["prefilled"] += prefilled[0]
-        self.stats["prompt_tokens"] += len(job.prompt)
-        seed = job.seed if job.seed is not None else _random_seed()
-        batch = kv.Batch(states, mx.zeros((1,), mx.uint32), keys=kv.row_keys([seed]),
-                         sampling=[kv.Sampling(temperature=job.temperature, top_p=job.top_p)],
-                         ids=[job.id], payload=[(job, 0)])
+            self.model, prompts, self.prefix_cache)
+        for job, lease in zip(jobs, leases):
+            job.leases = [lease] if lease is not None else []
+        self.stats["prefilled"] += sum(prefilled)
+        self.stats["prompt_tokens"] += sum(map(len, prompts))
+        seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
+        batch = kv.Batch(states, mx.zeros((len(jobs),), mx.uint32), keys=kv.row_keys(seeds),
+                         sampling=[kv.Sampling(temperature=job.temperature, top_p=job.top_p)
+                                   for job in jobs],
+                         ids=[job.id for job in jobs], payload=[(job, 0) for job in jobs])
         tokens, keys = sample_batch(logits, batch)
         batch = attrs.evolve(batch, tokens=tokens, keys=keys)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
-            _, draft_states = bridge.prefill(self.drafter.model, [job.prompt])
-        if job.n > 1:  # the choices share the prompt's rows; each gets its own key
-            batch = kv.fork(batch, 0, job.n - 1)
-            batch = attrs.evolve(batch, payload=[(job, c) for c in range(job.n)])
-            if draft_states is not None:
-                draft_states = kv.fork(draft_states, 0, job.n - 1)
+            _, draft_states = bridge.prefill(self.drafter.model, prompts)
+        origin = [(b, 0) for b in range(len(jobs))]  # per row: (job, choice)
+        for b, job in enumerate(jobs):  # a job's choices share its prompt's rows (kv.fork)
+            if job.n > 1:
+                batch = kv.fork(batch, b, job.n - 1)
+                if draft_states is not None:
+                    draft_states = kv.fork(draft_states, b, job.n - 1)
+                origin += [(b, c) for c in range(1, job.n)]
+        batch = attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin])
         first = cast(list, batch.tokens.tolist())  # [B]
-        context = [list(job.prompt) + [t] for t in first]
-        k = (self.num_draft if self.drafter is not None else 0,) * job.n
+        context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
+        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
         new = speculative.Speculation(batch, context, k, k, draft_states)
         self.spec = new if self.spec is None else speculative.join(self.spec, new)
-        self._emit([(t,) for t in first], range(self.spec.batch_size - job.n,
-                                                 self.spec.batch_size))
+        B = self.spec.batch_size
+        self._emit([(t,) for t in first], range(B - len(origin), B))
 
     def _round(self) -> None:
         from . import speculative
