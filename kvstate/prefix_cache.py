@@ -311,7 +311,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         start = 0 if hit is None else hit.matched
         states = make_states(model, 1, **make) if hit is None else hit.states
         rest = head[start:]  # no logits are asked for: the output layer never runs here
-        chunk = len(rest) if prefill_step_size is None else prefill_step_size
+        chunk = prefill_step_size or max(len(rest), 1)
         for at in range(0, len(rest), chunk):  # (chunks bound a long prompt's activations)
             _, states = forward(model, mx.array([rest[at:at + chunk]]), states, memo=memo)
         prefilled.append(len(p) - start)
