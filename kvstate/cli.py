@@ -258,19 +258,7 @@ def _parser():
         default=1024,
         help="byte budget of the prefix cache, MiB (1024)",
     )
-    g.add_argument(
-        "--draft",
-        choices=["ngram"],
-        help="speculate with prompt lookup: drafts copied from each row's own context",
-    )
-    g.add_argument(
-        "--draft-model",
-        metavar="PATH",
-        help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
-    )
-    g.add_argument(
-        "--num-draft", type=int, default=4, help="most draft tokens per row and round (4)"
-    )
+    _draft_flags(g)
     g.add_argument(
         "--repeat",
         type=int,
@@ -297,6 +285,7 @@ def _parser():
                    help="byte budget of the prefix cache in MiB; 0 turns it off (256)")
     v.add_argument("--context", type=int, default=None,
                    help="longest prompt + max_tokens accepted (default: the model's)")
+    _draft_flags(v)
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
     t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
@@ -346,14 +335,32 @@ def load(args, err):
     return models.load_model(path, dequantize=args.float32, log=err)
 
 
+def _draft_flags(g) -> None:
+    """``--draft``, ``--draft-model``, ``--num-draft`` (``generate`` and ``serve``)."""
+    g.add_argument(
+        "--draft",
+        choices=["ngram"],
+        help="speculate with prompt lookup: drafts copied from each row's own context",
+    )
+    g.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
+    )
+    g.add_argument(
+        "--num-draft", type=int, default=4, help="most draft tokens per row and round (4)"
+    )
+
+
 def _drafter(args, err):
     """``--draft ngram`` / ``--draft-model PATH`` as a ``kvstate.drafts`` drafter (or ``None``)."""
     from .drafts import DraftModel, Lookup
 
+    command = f"kvstate {getattr(args, 'command', 'generate')}"
     if args.num_draft < 1:
-        raise SystemExit("kvstate generate: --num-draft must be >= 1")
+        raise SystemExit(f"{command}: --num-draft must be >= 1")
     if args.draft and args.draft_model:
-        raise SystemExit("kvstate generate: give --draft ngram or --draft-model, not both")
+        raise SystemExit(f"{command}: give --draft ngram or --draft-model, not both")
     if args.draft == "ngram":
         return Lookup()
     if args.draft_model is None:
@@ -561,11 +568,13 @@ def serve_command(args, err=None) -> int:
 
     err = err or sys.stderr
     loaded = load(args, err)
+    drafter = _drafter(args, err)
     cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
     print(f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err,
           flush=True)
     server.run(loaded, host=args.host, port=args.port, log=err, max_batch=args.max_batch,
-               max_queue=args.max_queue, context=args.context, prefix_cache=cache)
+               max_queue=args.max_queue, context=args.context, prefix_cache=cache,
+               drafter=drafter, num_draft=args.num_draft)
     return 0
 
 

@@ -203,13 +203,41 @@ def test_a_full_queue_answers_429(smollm):
         s.close()
 
 
-def test_the_kvstate_serve_command(tmp_path):
+def test_greedy_rows_with_prompt_lookup_drafts_give_the_plain_text(smollm):
+    """--draft ngram: the batch speculates (per-row acceptance) and greedy text is unchanged."""
+    from kvstate.drafts import Lookup
+
+    want = greedy_reference(smollm, QUESTIONS, 16)
+    s = Server(smollm, max_batch=8, prefix_cache=PrefixCache(64 << 20), drafter=Lookup(),
+               num_draft=3)
+    got = [None] * len(QUESTIONS)
+    try:
+        def one(i):
+            r = s.client().chat.completions.create(model="x", messages=messages(QUESTIONS[i]),
+                                                   max_tokens=16, temperature=0)
+            got[i] = r.choices[0].message.content
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        s.close()
+    assert got == want
+    assert s.scheduler.stats["drafted"] > 0  # rows did draft
+
+
+def test_the_kvstate_serve_command(smollm):
+    """The command, with --draft ngram: greedy text equals kvstate generate's (no draft)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    want = greedy_reference(smollm, QUESTIONS[:1], 12)[0]
     proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", str(port),
-                             "--float32"], stderr=subprocess.PIPE, text=True, env=env)
+                             "--float32", "--draft", "ngram", "--num-draft", "3"],
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.time() + 180
         while True:
@@ -223,7 +251,8 @@ def test_the_kvstate_serve_command(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         r = client.chat.completions.create(model="x", max_tokens=12, temperature=0,
                                            messages=messages(QUESTIONS[0]))
-        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].message.content == want
+        assert "Paris" in want
     finally:
         proc.terminate()
         proc.wait(30)
