@@ -33,7 +33,7 @@ import mlx.core as mx
 
 import attrs
 
-from . import _buckets, _shells, chunked, compiled, ops, recurrent
+from . import _buckets, _shells, chunked, compiled, composite, ops, recurrent
 from ._args import per_row
 from .errors import bad, check
 from .records import CacheState, ChunkedState, CompositeState, RecurrentState
@@ -185,7 +185,7 @@ def _parts_of_traced(view):
 
 @singledispatch
 def _with_parts(content, parts: tuple):
-    return CompositeState(parts)
+    return composite.of_parts(parts)
 
 
 @_with_parts.register(compiled.Traced)
@@ -301,7 +301,7 @@ def _pad_right_recurrent(state, lengths):
 
 @pad_right.register(CompositeState)
 def _pad_right_composite(state, lengths):
-    return CompositeState(tuple(pad_right(p, lengths) for p in state.parts))
+    return composite.of_parts(pad_right(p, lengths) for p in state.parts)
 
 
 @singledispatch
@@ -317,7 +317,7 @@ def _settle_recurrent(state, checkpoint, keep):
 
 @_settle.register(CompositeState)
 def _settle_composite(state, checkpoint, keep):
-    return CompositeState(tuple(_settle(p, c, keep) for p, c in zip(state.parts, checkpoint.parts)))
+    return composite.of_parts(_settle(p, c, keep) for p, c in zip(state.parts, checkpoint.parts))
 
 
 def rollback(states: Sequence, checkpoint, keep, tokens, forward: Callable) -> list:
@@ -473,7 +473,7 @@ def register_prefill(paddable, unpad) -> None:
 
     @unpad.register(CompositeState)
     def _unpad_composite(state, cut):
-        return CompositeState(tuple(unpad(p, cut) for p in state.parts))
+        return composite.of_parts(unpad(p, cut) for p in state.parts)
 
 
 @_buckets.blank_rows.register(RecurrentState)

@@ -25,7 +25,7 @@ from . import _dense, _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .masks import MaskKey, lease
-from .invariants import check_counts, check_int, validate
+from .invariants import check_counts, check_int, clear_columns, validate
 from .records import Checkpoint, ChunkedState, derived
 
 __all__ = ["chunk_mask", "chunked_state", "trim_front"]
@@ -214,7 +214,12 @@ def rollback_chunked(state, checkpoint, keep=0):
         _rolled_back(b, c + k, s, o, state.chunk_size)
         for b, (c, k, s, o) in enumerate(zip(checkpoint.lengths, keep, state.start, state.offsets))
     ]
-    return derived(state, start=tuple(r[0] for r in rows), lengths=tuple(r[1] for r in rows))
+    lengths = tuple(r[1] for r in rows)
+    # a row keeps its first columns: those after them are dropped, and cleared
+    # (a rejected draft's NaN or inf never reaches a read: notes/invariants.md)
+    drop = [range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths)]
+    return _rows.with_planes(state, clear_columns(state.planes, drop),
+                             start=tuple(r[0] for r in rows), lengths=lengths)
 
 
 # --- rows: filter, extract, merge ---------------------------------------------------------

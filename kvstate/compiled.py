@@ -266,9 +266,10 @@ def proto_of(kind: type, static: tuple):
     tuples are empty, so nothing per row can be frozen into a trace)."""
     fields = dict(static)
     for f in attrs.fields(kind):
-        if f.name not in fields and f.default is attrs.NOTHING:
-            fields[f.name] = ()
-    return kind(**fields)
+        if f.name not in fields:
+            fields[f.name] = () if f.default is attrs.NOTHING or f.name == "row_ids" else f.default
+    # not validated: a proto holds no rows, and a composite's parts are the parts' keys
+    return built(kind, fields, convert=True)
 
 
 @attrs.frozen

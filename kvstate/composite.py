@@ -16,7 +16,8 @@ import attrs
 
 from . import compiled, ops
 from .errors import bad, check
-from .records import CompositeCheckpoint, CompositeState
+from .invariants import validate
+from .records import CompositeCheckpoint, CompositeState, built
 
 __all__ = ["composite_state"]
 
@@ -45,8 +46,50 @@ for _name in ("append", "attend", "next_mask", "update_and_read"):
         "a CompositeState"))
 
 
+def of_parts(parts) -> CompositeState:
+    """A ``CompositeState`` of ``parts`` derived by kvstate's pure functions from
+    a valid one's: not validated again (``kvstate.invariants``)."""
+    return built(CompositeState, {"parts": tuple(parts)})
+
+
 def _each(state, fn):
-    return CompositeState(tuple(fn(p) for p in state.parts))
+    return of_parts(fn(p) for p in state.parts)
+
+
+def _check_parts(parts, arg: str, part_check) -> int:
+    """``parts``: a non-empty tuple, each passing ``part_check`` (its kind's
+    ``validate``), all of one batch size. Returns the batch size."""
+    if type(parts) is not tuple:
+        raise bad(f"{arg}.parts", "a tuple of records", type(parts).__name__)
+    if not parts:
+        raise bad(f"{arg}.parts", "at least one record", "none")
+    for i, p in enumerate(parts):
+        part_check(p, f"{arg}.parts[{i}]")
+        if p.batch_size != parts[0].batch_size:
+            raise bad(f"{arg}.parts[{i}] batch size", f"{parts[0].batch_size} (as parts[0])",
+                      p.batch_size)
+    return parts[0].batch_size
+
+
+def _valid_record(p, arg: str) -> None:
+    if validate.dispatch(type(p)) is validate.dispatch(object) or not hasattr(p, "batch_size"):
+        raise bad(arg, "a kvstate record", type(p).__name__)
+    validate(p)
+
+
+@validate.register
+def validate_composite(state: CompositeState):
+    """Each part a valid record, all of one batch size (row ids: each part's
+    own; ``notes/invariants.md``)."""
+    _check_parts(state.parts, "state", _valid_record)
+    return state
+
+
+@validate.register
+def validate_composite_checkpoint(cp: CompositeCheckpoint):
+    """Each part a valid checkpoint, all of one batch size."""
+    _check_parts(cp.parts, "checkpoint", _valid_record)
+    return cp
 
 
 @ops.fetch.register(CompositeState)
@@ -72,7 +115,7 @@ def trim_composite(state, n):
 
 @ops.checkpoint.register(CompositeState)
 def checkpoint_composite(state):
-    return CompositeCheckpoint(tuple(ops.checkpoint(p) for p in state.parts))
+    return built(CompositeCheckpoint, {"parts": tuple(ops.checkpoint(p) for p in state.parts)})
 
 
 @ops.rollback.register(CompositeState)
@@ -89,14 +132,12 @@ def rollback_composite(state, checkpoint, keep=0):
         len(state.parts),
         len(checkpoint.parts),
     )
-    return CompositeState(
-        tuple(ops.rollback(p, c, keep) for p, c in zip(state.parts, checkpoint.parts))
-    )
+    return of_parts(ops.rollback(p, c, keep) for p, c in zip(state.parts, checkpoint.parts))
 
 
 @ops.anchor.register(CompositeState)
 def anchor_composite(state):
-    return CompositeCheckpoint(tuple(ops.anchor(p) for p in state.parts))
+    return built(CompositeCheckpoint, {"parts": tuple(ops.anchor(p) for p in state.parts)})
 
 
 @ops.commit.register(CompositeState)
@@ -107,7 +148,7 @@ def commit_composite(state, anchor, keep=0):
         f"kv.anchor of a CompositeState of {len(state.parts)} parts",
         type(anchor).__name__,
     )
-    return CompositeState(tuple(ops.commit(p, a, keep) for p, a in zip(state.parts, anchor.parts)))
+    return of_parts(ops.commit(p, a, keep) for p, a in zip(state.parts, anchor.parts))
 
 
 @ops.filter_rows.register(CompositeState)
@@ -131,9 +172,7 @@ def merge_composite(first, states):
             [k.__name__ for k in kinds],
             [k.__name__ for k in got],
         )
-    return CompositeState(
-        tuple(ops.merge_rows([s.parts[j] for s in states]) for j in range(len(kinds)))
-    )
+    return of_parts(ops.merge_rows([s.parts[j] for s in states]) for j in range(len(kinds)))
 
 
 # --- the compile boundary (kvstate.compiled): the parts' planes and positions, in order -----
@@ -173,7 +212,7 @@ class CompositeSpec(compiled.Spec):
             n = sum(c or 1 for _, c in p.arrays)
             out.append(p.rebuild(tuple(planes[i : i + n]), trusted=trusted))
             i += n
-        return CompositeState(tuple(out))
+        return of_parts(out) if trusted else CompositeState(tuple(out))
 
 
 @compiled.spec_of.register(CompositeState)

@@ -88,6 +88,11 @@ def _checked(self):
         object.__setattr__(self, "values", clean.values)
 
 
+def _validated(self):
+    """After the constructor of a record without hidden columns: its kind's ``validate``."""
+    validate(self)
+
+
 _new = object.__new__
 _set = object.__setattr__
 _FIELDS: dict = {}
@@ -414,6 +419,8 @@ class RecurrentState(_Unpadded):
     until: Optional[tuple] = attrs.field(default=None, converter=_optional_ints)
     arrays: tuple = attrs.field(default=(), kw_only=True, converter=_tuple, repr=_array_repr)
 
+    __attrs_post_init__ = _validated
+
     @property
     def aligned(self) -> bool:
         return len(set(self.lengths)) <= 1 and not any(self.left_padding) and self.until is None
@@ -507,6 +514,8 @@ class CompositeState(_OfParts):
 
     parts: tuple = attrs.field(converter=_tuple)
 
+    __attrs_post_init__ = _validated
+
     @property
     def left_pad(self) -> tuple:
         return (0,) * self.batch_size
@@ -542,6 +551,8 @@ class RecurrentCheckpoint:
     lengths: tuple = attrs.field(converter=_tuple_of_ints)
     arrays: tuple = attrs.field(default=(), converter=_tuple, repr=_array_repr)
 
+    __attrs_post_init__ = _validated
+
     @property
     def batch_size(self) -> int:
         return len(self.lengths)
@@ -552,3 +563,5 @@ class CompositeCheckpoint(_OfParts):
     """One checkpoint per part of a ``CompositeState``."""
 
     parts: tuple = attrs.field(converter=_tuple)
+
+    __attrs_post_init__ = _validated

@@ -28,13 +28,13 @@ from the checkpoint through the model (``kvstate.mlx_lm.rollback``);
 
 from __future__ import annotations
 
-import attrs
 import mlx.core as mx
 
 from . import compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
-from .records import RecurrentCheckpoint, RecurrentState
+from .invariants import MAX_POSITION, check_float, check_int, validate
+from .records import RecurrentCheckpoint, RecurrentState, derived
 
 __all__ = [
     "advance",
@@ -86,7 +86,7 @@ def set_slot(state: RecurrentState, index: int, value) -> RecurrentState:
     if old is not None:
         check(value.shape == old.shape, f"slot {index} shape", list(old.shape), list(value.shape))
         check(value.dtype == old.dtype, f"slot {index} dtype", old.dtype, value.dtype)
-    return attrs.evolve(state, arrays=slots[:index] + (value,) + slots[index + 1 :])
+    return derived(state, arrays=slots[:index] + (value,) + slots[index + 1 :])
 
 
 def _real(n: int, pad: int, until: int | None) -> int:
@@ -104,7 +104,7 @@ def advance(state: RecurrentState, n: int) -> RecurrentState:
     lengths = tuple(m + _real(n, p, u) for m, p, u in zip(state.lengths, state.left_padding, until))
     pad = tuple(max(0, p - n) for p in state.left_padding)
     new_until = None if state.until is None else tuple(u - n for u in state.until)
-    return attrs.evolve(state, lengths=lengths, left_padding=pad, until=new_until)
+    return derived(state, lengths=lengths, left_padding=pad, until=new_until)
 
 
 def mask(state: RecurrentState, n: int):
@@ -140,14 +140,14 @@ def prepare(state: RecurrentState, *, left_padding=None, until=None) -> Recurren
     if left_padding is not None:
         pad = tuple(a + b for a, b in zip(pad, per_row(left_padding, B, "left_padding")))
     new_until = state.until if until is None else per_row(until, B, "until")
-    return attrs.evolve(state, left_padding=pad, until=new_until)
+    return derived(state, left_padding=pad, until=new_until)
 
 
 def finalize(state: RecurrentState) -> RecurrentState:
     """``state`` with no padding pending (mlx-lm's ``finalize``)."""
     if state.until is None and not any(state.left_padding):
         return state
-    return attrs.evolve(state, left_padding=(0,) * state.batch_size, until=None)
+    return derived(state, left_padding=(0,) * state.batch_size, until=None)
 
 
 # --- the generic functions -------------------------------------------------------------
@@ -270,7 +270,7 @@ def rollback_recurrent(state, checkpoint, keep=0):
             pick = rows.reshape((B,) + (1,) * (new.ndim - 1))
             arrays.append(mx.where(pick, old, new))
     lengths = tuple(c if r else n for c, r, n in zip(checkpoint.lengths, back, state.lengths))
-    return attrs.evolve(state, lengths=lengths, arrays=tuple(arrays))
+    return derived(state, lengths=lengths, arrays=tuple(arrays))
 
 
 @ops.filter_rows.register(RecurrentState)
@@ -281,7 +281,7 @@ def filter_rows_recurrent(state, rows):
         idx = mx.array(rows, dtype=mx.int32)
         arrays = tuple(None if a is None else a[idx] for a in arrays)
     until = None if state.until is None else tuple(state.until[r] for r in rows)
-    return attrs.evolve(
+    return derived(
         state,
         lengths=tuple(state.lengths[r] for r in rows),
         left_padding=tuple(state.left_padding[r] for r in rows),
@@ -296,7 +296,7 @@ def extract_row_recurrent(state, row):
     row = row_index(row, state.batch_size)
     arrays = tuple(None if a is None else mx.contiguous(a[row : row + 1]) for a in state.arrays)
     until = None if state.until is None else (state.until[row],)
-    return attrs.evolve(
+    return derived(
         state,
         lengths=(state.lengths[row],),
         left_padding=(state.left_padding[row],),
@@ -339,7 +339,7 @@ def merge_recurrent(first, states):
                 axis=0,
             )
         )
-    return attrs.evolve(
+    return derived(
         first,
         lengths=sum((s.lengths for s in states), ()),
         left_padding=sum((s.left_padding for s in states), ()),
@@ -381,13 +381,51 @@ def advanced_recurrent(state, n: int = 1) -> dict:
     return {"lengths": tuple(m + n for m in state.lengths)}
 
 
-@compiled.validated.register(RecurrentState)
-def validated_recurrent(state):
-    B = state.batch_size
-    check(
-        all(a.shape[0] == B for a in state.planes),
-        "arrays",
-        f"slots of batch size {B}",
-        [list(a.shape) for a in state.planes],
-    )
+# --- invariants (kvstate.invariants) ---------------------------------------------------------
+
+
+def _check_row_ints(values, arg: str, B: int, low: int = 0) -> None:
+    """``values`` is a tuple of ``B`` ints (one per row), each in ``[low, MAX_POSITION]``."""
+    if type(values) is not tuple:
+        raise bad(arg, "a tuple of ints", type(values).__name__)
+    if len(values) != B:
+        raise bad(arg, f"{B} values (one per row, as lengths)", len(values))
+    for b, v in enumerate(values):
+        check_int(v, f"{arg}[{b}]", low)
+
+
+def _check_slots(arrays, arg: str, B: int) -> None:
+    """Each slot ``None`` (unwritten) or a float ``mx.array`` ``[B, ...]``."""
+    if type(arrays) is not tuple:
+        raise bad(arg, "a tuple of slots", type(arrays).__name__)
+    for i, a in enumerate(arrays):
+        if a is None:
+            continue
+        if type(a) is not mx.array:
+            raise bad(f"{arg}[{i}]", "an mx.array [B, ...] or None", type(a).__name__)
+        if a.ndim < 1 or a.shape[0] != B:
+            raise bad(f"{arg}[{i}] batch (shape[0])", f"{B} (one per row)", list(a.shape))
+        check_float(f"{arg}[{i}]", a.dtype)
+
+
+@validate.register
+def validate_recurrent(state: RecurrentState):
+    """One non-negative ``lengths`` and ``left_padding`` int per row, ``until``
+    ``None`` or one int per row (negative once the right padding is passed),
+    each slot unwritten or a float array of ``B`` rows."""
+    B = len(state.lengths)
+    _check_row_ints(state.lengths, "state.lengths", B)
+    _check_row_ints(state.left_padding, "state.left_padding", B)
+    if state.until is not None:
+        _check_row_ints(state.until, "state.until", B, -MAX_POSITION)
+    _check_slots(state.arrays, "state.arrays", B)
     return state
+
+
+@validate.register
+def validate_recurrent_checkpoint(cp: RecurrentCheckpoint):
+    """One non-negative ``lengths`` int per row; the slots as a state's."""
+    B = len(cp.lengths)
+    _check_row_ints(cp.lengths, "checkpoint.lengths", B)
+    _check_slots(cp.arrays, "checkpoint.arrays", B)
+    return cp

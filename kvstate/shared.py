@@ -43,6 +43,7 @@ import mlx.core as mx
 from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
+from .invariants import validate
 from .masks import MaskKey, lease, rows_mask
 from .records import (CacheState, Checkpoint, QuantizedState, _Rows, _tuple, _tuple_of_ints,
                       derived, row_ids_of)
@@ -115,7 +116,7 @@ class SharedState:
         return held_bytes([self])
 
     def __attrs_post_init__(self):
-        _check_shared(self)
+        validate(self)
 
 
 def with_suffix(state: SharedState, suffix) -> SharedState:
@@ -143,8 +144,12 @@ def held_bytes(records) -> int:
     return total
 
 
-def _check_shared(state: SharedState) -> SharedState:
-    """Host invariants of a new ``SharedState`` (its constructor calls it)."""
+@validate.register
+def validate_shared(state: SharedState) -> SharedState:
+    """Host invariants of a ``SharedState`` (its constructor runs them): one
+    ``source``/``prefix_row``/``shared`` entry per suffix row, prefixes of the
+    suffix's kind, each row reading a row of a prefix and at most what it holds.
+    The suffix and the prefixes were validated when they were made."""
     kind = type(state.suffix)
     check(kind in (CacheState, QuantizedState), "suffix", "a CacheState or QuantizedState",
           kind.__name__)

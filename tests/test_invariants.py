@@ -384,6 +384,96 @@ def test_arrays_from_outside_are_cleared(tmp_path):
     np.testing.assert_allclose(np.array(kv.attend(got, q, scale=0.2)), out, atol=1e-6)
 
 
+# --- recurrent, composite and shared records --------------------------------------------
+
+
+def _recurrent(B=2):
+    return kv.RecurrentState(
+        (3, 1), (0, 2), None, arrays=(rand(0, B, 3, 4), rand(1, B, H, 4, 8))
+    )
+
+
+RECURRENT_LIES = [
+    (dict(lengths=(-1, 1)), "state.lengths[0]: expected an int in [0"),
+    (dict(lengths=(2**70, 1)), "state.lengths[0]: expected an int in [0, 2147483647]"),
+    (dict(left_padding=(0, -4)), "state.left_padding[1]: expected an int in [0"),
+    (dict(left_padding=(0,)), "state.left_padding: expected 2 values"),
+    (dict(until=(3,)), "state.until: expected 2 values"),
+    (dict(arrays=(rand(0, 3, 3, 4),)), "state.arrays[0] batch (shape[0]): expected 2"),
+    (dict(arrays=(rand(0, 2, 3, 4), mx.zeros((2, 4), mx.int32))), "state.arrays[1] dtype"),
+    (dict(arrays=(np.zeros((2, 3)),)), "state.arrays[0]: expected an mx.array"),
+]
+
+
+@pytest.mark.parametrize("lie,msg", RECURRENT_LIES, ids=[m.split(":")[0] for _, m in RECURRENT_LIES])
+def test_recurrent_lies_are_refused(lie, msg):
+    base = _recurrent()
+    with pytest.raises(kv.KVStateError, match=re.escape(msg)):
+        attrs.evolve(base, **lie)
+    validate(attrs.evolve(base, until=(-3, 5), arrays=(None, rand(1, 2, 4))))  # honest ones pass
+    cp = kv.RecurrentCheckpoint((3, 1), base.arrays)
+    validate(cp)
+    with pytest.raises(kv.KVStateError, match=re.escape("checkpoint.lengths[1]")):
+        kv.RecurrentCheckpoint((3, -1), base.arrays)
+    with pytest.raises(kv.KVStateError, match=re.escape("checkpoint.arrays[0] batch")):
+        kv.RecurrentCheckpoint((3,), base.arrays)
+
+
+def test_composite_lies_are_refused():
+    rec = kv.RecurrentState((3, 1), (0, 0), None, arrays=_recurrent().arrays)  # settled
+    dense = kv.from_arrays(planes(), planes(), lengths=[3, 1], left_pad=[0, 2])
+    good = kv.CompositeState((rec, dense))
+    assert validate(good) is good
+    one = kv.extract_row(dense, 0)
+    for parts, msg in [
+        ((rec, one), "state.parts[1] batch size: expected 2 (as parts[0])"),
+        ((), "state.parts: expected at least one record"),
+        ((rec, "cache"), "state.parts[1]: expected a kvstate record"),
+        ((rec, derived(dense, lengths=(9, 1))), "state row 0 end"),  # a part that lies
+    ]:
+        with pytest.raises(kv.KVStateError, match=re.escape(msg)):
+            kv.CompositeState(parts)
+    cp = kv.checkpoint(good)
+    assert validate(cp) is cp
+    with pytest.raises(kv.KVStateError, match=re.escape("checkpoint.parts[1] batch size")):
+        kv.CompositeCheckpoint((cp.parts[0], kv.checkpoint(one)))
+    # the compile boundary: a slot of another batch is refused, the honest planes pass
+    flat, spec = compiled.flatten(good, room=1)
+    assert validate(compiled.unflatten(spec, flat)).batch_size == 2
+    with pytest.raises(kv.KVStateError, match=re.escape("state.arrays[0] batch")):
+        compiled.unflatten(spec, (rand(0, 3, 3, 4), *flat.planes[1:]))
+
+
+def test_shared_state_is_validated_by_the_generic():
+    s = filled(MAKERS["dense"], [5, 3])
+    forked = kv.fork([s], 0, 2)[0]
+    assert isinstance(forked, kv.SharedState) and validate(forked) is forked
+    with pytest.raises(kv.KVStateError, match=re.escape("shared[0]: expected in [0,")):
+        attrs.evolve(forked, shared=(99,) + forked.shared[1:])
+    with pytest.raises(kv.KVStateError, match=re.escape("prefix_row[1]: expected a row of")):
+        attrs.evolve(forked, prefix_row=forked.prefix_row[:1] + (7,) + forked.prefix_row[2:])
+    with pytest.raises(kv.KVStateError, match=re.escape("source: expected")):
+        attrs.evolve(forked, source=forked.source[1:])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_a_rejected_chunked_draft_cannot_poison_its_row(poison):
+    s = filled(lambda B: kv.chunked_state(B, chunk_size=64, step=8), [5, 8, 3], seed=3)
+    cp = kv.checkpoint(s)
+    draft = mx.concatenate([mx.full((1, H, 4, D), poison), rand(4, 2, H, 4, D)], axis=0)
+    r = kv.rollback(kv.append(s, draft, draft), cp, [0, 4, 2])  # every poisoned column rejected
+    assert_hidden_zero(r)
+    q = rand(5, 3, 2 * H, 1, D)
+    r = kv.append(r, rand(6, 3, H, 1, D), rand(7, 3, H, 1, D))
+    out = np.array(kv.attend(r, q, scale=0.2))
+    assert np.isfinite(out).all()
+    for b in range(3):
+        np.testing.assert_allclose(out[b : b + 1], np.array(alone(r, b, q)), atol=1e-5)
+    t = kv.trim(kv.append(s, draft, draft), [4, 0, 1])  # trim drops them the same way
+    assert_hidden_zero(t)
+    assert np.isfinite(np.array(kv.attend(t, q, scale=0.2))).all()
+
+
 # --- every public call, lying fields included ------------------------------------------------
 
 
