@@ -33,7 +33,7 @@ import mlx.core as mx
 from . import compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
-from .invariants import MAX_POSITION, check_float, check_int, validate
+from .invariants import MAX_POSITION, check_int, validate
 from .records import RecurrentCheckpoint, RecurrentState, derived
 
 __all__ = [
@@ -395,7 +395,8 @@ def _check_row_ints(values, arg: str, B: int, low: int = 0) -> None:
 
 
 def _check_slots(arrays, arg: str, B: int) -> None:
-    """Each slot ``None`` (unwritten) or a float ``mx.array`` ``[B, ...]``."""
+    """Each slot ``None`` (unwritten) or an ``mx.array`` ``[B, ...]`` (any dtype: a
+    model may keep integer slots)."""
     if type(arrays) is not tuple:
         raise bad(arg, "a tuple of slots", type(arrays).__name__)
     for i, a in enumerate(arrays):
@@ -405,14 +406,13 @@ def _check_slots(arrays, arg: str, B: int) -> None:
             raise bad(f"{arg}[{i}]", "an mx.array [B, ...] or None", type(a).__name__)
         if a.ndim < 1 or a.shape[0] != B:
             raise bad(f"{arg}[{i}] batch (shape[0])", f"{B} (one per row)", list(a.shape))
-        check_float(f"{arg}[{i}]", a.dtype)
 
 
 @validate.register
 def validate_recurrent(state: RecurrentState):
     """One non-negative ``lengths`` and ``left_padding`` int per row, ``until``
     ``None`` or one int per row (negative once the right padding is passed),
-    each slot unwritten or a float array of ``B`` rows."""
+    each slot unwritten or an array of ``B`` rows."""
     B = len(state.lengths)
     _check_row_ints(state.lengths, "state.lengths", B)
     _check_row_ints(state.left_padding, "state.left_padding", B)

@@ -404,7 +404,7 @@ RECURRENT_LIES = [
     (dict(left_padding=(0,)), "state.left_padding: expected 2 values"),
     (dict(until=(3,)), "state.until: expected 2 values"),
     (dict(arrays=(rand(0, 3, 3, 4),)), "state.arrays[0] batch (shape[0]): expected 2"),
-    (dict(arrays=(rand(0, 2, 3, 4), mx.zeros((2, 4), mx.int32))), "state.arrays[1] dtype"),
+    (dict(arrays=(rand(0, 2, 3, 4), mx.zeros((4,), mx.int32))), "state.arrays[1] batch"),
     (dict(arrays=(np.zeros((2, 3)),)), "state.arrays[0]: expected an mx.array"),
 ]
 
