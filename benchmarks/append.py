@@ -87,8 +87,13 @@ def measure(S, args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 65536],
-                   help="stored tokens before the measured appends")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[1024, 65536],
+        help="stored tokens before the measured appends",
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
@@ -96,25 +101,35 @@ def main():
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
 
-    print(f"# append benchmark: B={args.batch} H={args.heads} D={args.head_dim} float32, "
-          f"{args.rounds} rounds x {args.steps} one-token appends per side per size")
-    print(f"# mlx {mx.__version__}, {platform.machine()}, {platform.processor() or '?'}, "
-          f"device {mx.default_device()}")
-    print(f"{'stored':>8} {'kvstate med us':>15} {'mlx-lm med us':>14} {'ratio med':>10} "
-          f"{'kvstate mean us':>16} {'mlx-lm mean us':>15} {'ratio mean':>11}")
+    print(
+        f"# append benchmark: B={args.batch} H={args.heads} D={args.head_dim} float32, "
+        f"{args.rounds} rounds x {args.steps} one-token appends per side per size"
+    )
+    print(
+        f"# mlx {mx.__version__}, {platform.machine()}, {platform.processor() or '?'}, "
+        f"device {mx.default_device()}"
+    )
+    print(
+        f"{'stored':>8} {'kvstate med us':>15} {'mlx-lm med us':>14} {'ratio med':>10} "
+        f"{'kvstate mean us':>16} {'mlx-lm mean us':>15} {'ratio mean':>11}"
+    )
     medians = {}
     for S in args.sizes:
         times, _ = measure(S, args)
         km, lm = (statistics.median(times[n]) * 1e6 for n in ("kvstate", "mlx-lm"))
         ka, la = (statistics.fmean(times[n]) * 1e6 for n in ("kvstate", "mlx-lm"))
         medians[S] = (km, lm)
-        print(f"{S:>8} {km:>15.1f} {lm:>14.1f} {lm / km:>10.2f} {ka:>16.1f} {la:>15.1f} "
-              f"{la / ka:>11.2f}")
+        print(
+            f"{S:>8} {km:>15.1f} {lm:>14.1f} {lm / km:>10.2f} {ka:>16.1f} {la:>15.1f} "
+            f"{la / ka:>11.2f}"
+        )
     if len(args.sizes) >= 2:
         lo, hi = args.sizes[0], args.sizes[-1]
-        print(f"# growth {lo} -> {hi} stored tokens (median per token): "
-              f"kvstate x{medians[hi][0] / medians[lo][0]:.2f}, "
-              f"mlx-lm x{medians[hi][1] / medians[lo][1]:.2f}")
+        print(
+            f"# growth {lo} -> {hi} stored tokens (median per token): "
+            f"kvstate x{medians[hi][0] / medians[lo][0]:.2f}, "
+            f"mlx-lm x{medians[hi][1] / medians[lo][1]:.2f}"
+        )
     print("# ratio = mlx-lm time / kvstate time (above 1.0: kvstate faster)")
 
 

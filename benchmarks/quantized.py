@@ -45,11 +45,24 @@ from kvstate import mlx_lm as br
 from kvstate._rows import read_mask
 
 LLAMA_1B = dict(  # meta-llama/Llama-3.2-1B config.json (geometry fields)
-    model_type="llama", hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-    vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
-    rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    model_type="llama",
+    hidden_size=2048,
+    num_hidden_layers=16,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+    rope_scaling={
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 )
 GROUP = 64
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
@@ -65,8 +78,9 @@ def bytes_per_token(tokens: int, chunk: int = 64):
     rows = []
     for name, bits in (("bfloat16", None), ("8-bit", 8), ("4-bit", 4)):
         states = br.make_states(model, 1, kv_bits=bits, kv_group_size=GROUP)
-        caches = [KVCache() if bits is None else QuantizedKVCache(GROUP, bits)
-                  for _ in model.layers]
+        caches = [
+            KVCache() if bits is None else QuantizedKVCache(GROUP, bits) for _ in model.layers
+        ]
         key = mx.random.key(0)
         for start in range(0, tokens, chunk):
             n = min(chunk, tokens - start)
@@ -83,13 +97,24 @@ def bytes_per_token(tokens: int, chunk: int = 64):
         kv_bytes = sum(s.nbytes for s in states)
         lm_bytes = sum(c.nbytes for c in caches)
         cap = states[0].capacity
-        rows.append((name, kv_bytes / tokens, lm_bytes / tokens, cap,
-                     states[0].planes[0].dtype if bits else states[0].keys.dtype))
-    print(f"(a) cache bytes per token, Llama-3.2-1B geometry ({args.num_hidden_layers} layers, "
-          f"{H} KV heads, head dim {D}), {tokens} tokens appended in chunks of {chunk}, "
-          f"bfloat16 inputs, group {GROUP}")
-    print(f"    {'rows':<9} {'kvstate B/token':>16} {'mlx-lm B/token':>15} {'vs bf16':>8}"
-          f"  (capacity {rows[0][3]} columns per record)")
+        rows.append(
+            (
+                name,
+                kv_bytes / tokens,
+                lm_bytes / tokens,
+                cap,
+                states[0].planes[0].dtype if bits else states[0].keys.dtype,
+            )
+        )
+    print(
+        f"(a) cache bytes per token, Llama-3.2-1B geometry ({args.num_hidden_layers} layers, "
+        f"{H} KV heads, head dim {D}), {tokens} tokens appended in chunks of {chunk}, "
+        f"bfloat16 inputs, group {GROUP}"
+    )
+    print(
+        f"    {'rows':<9} {'kvstate B/token':>16} {'mlx-lm B/token':>15} {'vs bf16':>8}"
+        f"  (capacity {rows[0][3]} columns per record)"
+    )
     for name, kb, lb, _, _ in rows:
         print(f"    {name:<9} {kb:16.1f} {lb:15.1f} {kb / rows[0][1]:8.3f}")
     return rows
@@ -105,10 +130,17 @@ def small_model(args):
         config = LLAMA_1B
     else:
         config = dict(
-            model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
-            intermediate_size=2 * args.hidden, num_attention_heads=args.hidden // 64,
-            num_key_value_heads=args.kv_heads, head_dim=64, rms_norm_eps=1e-5,
-            vocab_size=args.vocab, tie_word_embeddings=False)
+            model_type="llama",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=2 * args.hidden,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.kv_heads,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            vocab_size=args.vocab,
+            tie_word_embeddings=False,
+        )
     model = llama.Model(llama.ModelArgs(**config))
     model.set_dtype(DTYPES[args.dtype])
     mx.eval(model.parameters())
@@ -128,8 +160,12 @@ def random_rows(model, lengths, seed=0):
         layer = []
         for n in lengths:
             key, k1, k2 = mx.random.split(key, 3)
-            layer.append((mx.random.normal((1, H, n, D), key=k1).astype(dtype),
-                          mx.random.normal((1, H, n, D), key=k2).astype(dtype)))
+            layer.append(
+                (
+                    mx.random.normal((1, H, n, D), key=k1).astype(dtype),
+                    mx.random.normal((1, H, n, D), key=k2).astype(dtype),
+                )
+            )
         out.append(layer)
     mx.eval(out)
     return out
@@ -164,8 +200,9 @@ class LmSide:
         self.cache = []
         for layer in rows:
             c = KVCache() if bits is None else QuantizedKVCache(GROUP, bits)
-            c.update_and_fetch(mx.concatenate([k for k, _ in layer]),
-                               mx.concatenate([v for _, v in layer]))
+            c.update_and_fetch(
+                mx.concatenate([k for k, _ in layer]), mx.concatenate([v for _, v in layer])
+            )
             self.cache.append(c)
         mx.eval([c.state for c in self.cache])
 
@@ -189,7 +226,7 @@ def race(sides: dict, steps: int, warmup: int = 2):
     names = list(sides)
     times = {n: [] for n in names}
     for s in range(steps + warmup):
-        order = names[s % len(names):] + names[:s % len(names)]
+        order = names[s % len(names) :] + names[: s % len(names)]
         for n in order:
             t0 = time.perf_counter()
             sides[n].step()
@@ -201,12 +238,13 @@ def race(sides: dict, steps: int, warmup: int = 2):
 def decode_step(args):
     model = small_model(args)
     B = args.batch
-    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1)
-               for i in range(B)]
+    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1) for i in range(B)]
     a = model.args
-    geo = (f"llama {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
-           f"{a.num_attention_heads} q heads, {a.num_key_value_heads} KV heads, head dim "
-           f"{a.head_dim}, vocab {a.vocab_size}, {args.dtype}, {mx.default_device()}")
+    geo = (
+        f"llama {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
+        f"{a.num_attention_heads} q heads, {a.num_key_value_heads} KV heads, head dim "
+        f"{a.head_dim}, vocab {a.vocab_size}, {args.dtype}, {mx.default_device()}"
+    )
 
     first = mx.random.randint(1, args.vocab, (B,), key=mx.random.key(99))
     rows = random_rows(model, lengths)
@@ -218,8 +256,10 @@ def decode_step(args):
     }
     t = race(ragged, args.steps)
     print(f"(b) decode step through kvstate.mlx_lm.step, {geo}")
-    print(f"    ragged B={B}, cached lengths {lengths[0]}..{lengths[-1]} (random K/V), "
-          f"median of {args.steps} steps (variants interleaved)")
+    print(
+        f"    ragged B={B}, cached lengths {lengths[0]}..{lengths[-1]} (random K/V), "
+        f"median of {args.steps} steps (variants interleaved)"
+    )
     base = t["kvstate dense"]
     for n, v in t.items():
         print(f"    {n:<22} {v * 1e3:8.3f} ms/step   {v / base:6.3f}x dense")
@@ -246,16 +286,25 @@ def decode_step(args):
             toks[self.name].append(self.side.tok.tolist())
 
     t = race({n: Rec(n, s) for n, s in aligned.items()}, args.steps)
-    print(f"    aligned B={B}, {args.length} cached tokens per row (random K/V; mlx-lm's "
-          f"caches hold the same), median of {args.steps} steps (variants interleaved)")
-    for kvn, lmn in (("kvstate dense", "mlx-lm KVCache"), ("kvstate 8-bit", "mlx-lm Quantized 8"),
-                     ("kvstate 4-bit", "mlx-lm Quantized 4")):
+    print(
+        f"    aligned B={B}, {args.length} cached tokens per row (random K/V; mlx-lm's "
+        f"caches hold the same), median of {args.steps} steps (variants interleaved)"
+    )
+    for kvn, lmn in (
+        ("kvstate dense", "mlx-lm KVCache"),
+        ("kvstate 8-bit", "mlx-lm Quantized 8"),
+        ("kvstate 4-bit", "mlx-lm Quantized 4"),
+    ):
         same = toks[kvn] == toks[lmn]
-        print(f"    {kvn:<14} {t[kvn] * 1e3:8.3f} ms/step   {lmn:<19} {t[lmn] * 1e3:8.3f} ms/step"
-              f"   mlx-lm/kvstate {t[lmn] / t[kvn]:6.3f}   tokens equal: {same}")
+        print(
+            f"    {kvn:<14} {t[kvn] * 1e3:8.3f} ms/step   {lmn:<19} {t[lmn] * 1e3:8.3f} ms/step"
+            f"   mlx-lm/kvstate {t[lmn] / t[kvn]:6.3f}   tokens equal: {same}"
+        )
     base = t["kvstate dense"]
-    print(f"    quantized vs dense (kvstate): 8-bit {t['kvstate 8-bit'] / base:.3f}x, "
-          f"4-bit {t['kvstate 4-bit'] / base:.3f}x")
+    print(
+        f"    quantized vs dense (kvstate): 8-bit {t['kvstate 8-bit'] / base:.3f}x, "
+        f"4-bit {t['kvstate 4-bit'] / base:.3f}x"
+    )
 
 
 # --- (c) attention level, 1B geometry ------------------------------------------------
@@ -263,11 +312,14 @@ def decode_step(args):
 
 def attention_step(args):
     a = LLAMA_1B
-    L, H, Hq, D = a["num_hidden_layers"], a["num_key_value_heads"], a["num_attention_heads"], \
-        a["head_dim"]
+    L, H, Hq, D = (
+        a["num_hidden_layers"],
+        a["num_key_value_heads"],
+        a["num_attention_heads"],
+        a["head_dim"],
+    )
     B = args.batch
-    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1)
-               for i in range(B)]
+    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1) for i in range(B)]
     key = mx.random.key(1)
     dt = DTYPES[args.dtype]
 
@@ -278,8 +330,13 @@ def attention_step(args):
             for n in lengths:
                 s = kv.empty(1) if bits is None else kv.quantized(1, group_size=GROUP, bits=bits)
                 k1, k2 = mx.random.split(mx.random.key(layer * 1000 + n))
-                per_row.append(kv.append(s, mx.random.normal((1, H, n, D), key=k1).astype(dt),
-                                         mx.random.normal((1, H, n, D), key=k2).astype(dt)))
+                per_row.append(
+                    kv.append(
+                        s,
+                        mx.random.normal((1, H, n, D), key=k1).astype(dt),
+                        mx.random.normal((1, H, n, D), key=k2).astype(dt),
+                    )
+                )
             out.append(kv.merge_rows(per_row))
         mx.eval([s.planes for s in out])
         return out
@@ -300,27 +357,45 @@ def attention_step(args):
                 if self.lm_sdpa:  # mlx-lm's function on the same planes and mask
                     keys, values = kv.fetch(s)
                     mask, held = read_mask(s, 1, memo)
-                    outs.append(lm_qsdpa(self.q * 1, keys, values, scale=D ** -0.5, mask=mask,
-                                         group_size=GROUP, bits=self.bits))
+                    outs.append(
+                        lm_qsdpa(
+                            self.q * 1,
+                            keys,
+                            values,
+                            scale=D**-0.5,
+                            mask=mask,
+                            group_size=GROUP,
+                            bits=self.bits,
+                        )
+                    )
                     if held is not None:
                         held.release()
                 else:
-                    outs.append(kv.attend(s, self.q, scale=D ** -0.5, memo=memo))
+                    outs.append(kv.attend(s, self.q, scale=D**-0.5, memo=memo))
                 new.append(s)
             self.states = new
             mx.eval(outs, [s.planes for s in new])
 
-    sides = {"dense": Side(None), "8-bit": Side(8), "4-bit": Side(4),
-             "8-bit, mlx-lm SDPA": Side(8, True), "4-bit, mlx-lm SDPA": Side(4, True)}
+    sides = {
+        "dense": Side(None),
+        "8-bit": Side(8),
+        "4-bit": Side(4),
+        "8-bit, mlx-lm SDPA": Side(8, True),
+        "4-bit, mlx-lm SDPA": Side(4, True),
+    }
     t = race(sides, args.steps)
-    print(f"(c) attention only, Llama-3.2-1B geometry: {L} layers x (append 1 token + attend), "
-          f"B={B} ragged rows {lengths[0]}..{lengths[-1]}, {Hq} q / {H} KV heads, head dim {D}, "
-          f"{args.dtype}, {mx.default_device()}, median of {args.steps}")
+    print(
+        f"(c) attention only, Llama-3.2-1B geometry: {L} layers x (append 1 token + attend), "
+        f"B={B} ragged rows {lengths[0]}..{lengths[-1]}, {Hq} q / {H} KV heads, head dim {D}, "
+        f"{args.dtype}, {mx.default_device()}, median of {args.steps}"
+    )
     for n, v in t.items():
         print(f"    {n:<19} {v * 1e3:8.3f} ms/step   {v / t['dense']:6.3f}x dense")
     for b in ("8-bit", "4-bit"):
-        print(f"    {b} kv.attend vs mlx-lm's quantized SDPA on the same planes: "
-              f"mlx-lm / kvstate {t[b + ', mlx-lm SDPA'] / t[b]:.3f}")
+        print(
+            f"    {b} kv.attend vs mlx-lm's quantized SDPA on the same planes: "
+            f"mlx-lm / kvstate {t[b + ', mlx-lm SDPA'] / t[b]:.3f}"
+        )
 
 
 def main():
@@ -335,14 +410,20 @@ def main():
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--only", choices=["a", "b", "c"], default=None)
-    p.add_argument("--model", choices=["small", "1b"], default="small",
-                   help="(b) the small llama (--layers/--hidden/...) or the Llama-3.2-1B shape")
+    p.add_argument(
+        "--model",
+        choices=["small", "1b"],
+        default="small",
+        help="(b) the small llama (--layers/--hidden/...) or the Llama-3.2-1B shape",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(b, c)")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     args = p.parse_args()
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    print(f"mlx {mx.__version__}, load average at start {os.getloadavg()[0]:.2f} "
-          f"({os.cpu_count()} cores)")
+    print(
+        f"mlx {mx.__version__}, load average at start {os.getloadavg()[0]:.2f} "
+        f"({os.cpu_count()} cores)"
+    )
     if args.only in (None, "a"):
         bytes_per_token(args.tokens)
     if args.only in (None, "b"):

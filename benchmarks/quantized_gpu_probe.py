@@ -17,8 +17,13 @@ import itertools
 import mlx.core as mx
 
 for dt, bits, tr, M, N, bh in itertools.product(
-        (mx.bfloat16, mx.float32), (4, 8), (True, False), (1, 4, 16), (64, 256, 609, 640, 1024),
-        ((1, 1), (8, 8))):
+    (mx.bfloat16, mx.float32),
+    (4, 8),
+    (True, False),
+    (1, 4, 16),
+    (64, 256, 609, 640, 1024),
+    ((1, 1), (8, 8)),
+):
     B, H = bh
     D = 64
     w = mx.random.normal((B, H, N, D)).astype(dt)

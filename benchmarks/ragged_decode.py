@@ -30,11 +30,20 @@ from kvstate import mlx_lm as br
 
 def build_model(args):
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=args.hidden, num_hidden_layers=args.layers,
-        intermediate_size=2 * args.hidden, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.kv_heads, head_dim=64, rms_norm_eps=1e-5,
-        vocab_size=args.vocab, tie_word_embeddings=False))
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=2 * args.hidden,
+            num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.kv_heads,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            vocab_size=args.vocab,
+            tie_word_embeddings=False,
+        )
+    )
     mx.eval(model.parameters())
     return model
 
@@ -54,10 +63,11 @@ def main():
 
     model = build_model(args)
     B = args.batch
-    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1)
-               for i in range(B)]
-    prompts = [mx.random.randint(1, args.vocab, (n,), key=mx.random.key(i)).tolist()
-               for i, n in enumerate(lengths)]
+    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1) for i in range(B)]
+    prompts = [
+        mx.random.randint(1, args.vocab, (n,), key=mx.random.key(i)).tolist()
+        for i, n in enumerate(lengths)
+    ]
 
     # Prefill each row alone on both sides (untimed).
     solo_caches, solo_last = [], []
@@ -74,8 +84,9 @@ def main():
     times = {"kv": [], "late": [], "lm": []}
     paired, paired_late, mismatched = [], [], 0
     for r in range(args.rounds):
-        lm_cache = [BatchKVCache.merge([c[i] for c in solo_caches])
-                    for i in range(len(model.layers))]
+        lm_cache = [
+            BatchKVCache.merge([c[i] for c in solo_caches]) for i in range(len(model.layers))
+        ]
         mx.eval([c.state for c in lm_cache])
         states = {"kv": kv_prefilled, "late": kv_prefilled}
         tok = {"kv": first_kv, "late": first_kv, "lm": first_lm}
@@ -90,8 +101,9 @@ def main():
                 if side == "lm":
                     logits = model(tok["lm"][:, None], cache=lm_cache)[:, -1]
                 else:
-                    logits, states[side] = br.step(model, tok[side], states[side],
-                                                   start_early=None if side == "kv" else False)
+                    logits, states[side] = br.step(
+                        model, tok[side], states[side], start_early=None if side == "kv" else False
+                    )
                 tok[side] = mx.argmax(logits, axis=-1)
                 mx.eval(tok[side])
                 times[side].append(time.perf_counter() - t0)
@@ -104,17 +116,23 @@ def main():
 
     t_kv, t_late, t_lm = times["kv"], times["late"], times["lm"]
     mk, mt, ml = (statistics.median(t) for t in (t_kv, t_late, t_lm))
-    print(f"model: llama {args.layers} layers, hidden {args.hidden}, kv heads {args.kv_heads}, "
-          f"head_dim 64, vocab {args.vocab}, float32, {mx.default_device()}")
+    print(
+        f"model: llama {args.layers} layers, hidden {args.hidden}, kv heads {args.kv_heads}, "
+        f"head_dim 64, vocab {args.vocab}, float32, {mx.default_device()}"
+    )
     print(f"rows: B={B}, prompt lengths {lengths}")
     print(f"steps timed per side: {len(t_kv)} ({args.rounds} rounds x {args.steps})")
-    print(f"median step  kvstate {mk * 1e3:.3f} ms   kvstate start_early=False {mt * 1e3:.3f} ms"
-          f"   mlx-lm BatchKVCache {ml * 1e3:.3f} ms")
+    print(
+        f"median step  kvstate {mk * 1e3:.3f} ms   kvstate start_early=False {mt * 1e3:.3f} ms"
+        f"   mlx-lm BatchKVCache {ml * 1e3:.3f} ms"
+    )
     print(f"token mismatches with mlx-lm (both kvstate sides): {mismatched}")
     for name, pr, m in (("kvstate", paired, mk), ("kvstate start_early=False", paired_late, mt)):
         q = statistics.quantiles(pr, n=4)
-        print(f"{name}: paired per-step ratio median {statistics.median(pr):.3f} "
-              f"(quartiles {q[0]:.3f} .. {q[2]:.3f}); ratio of medians {ml / m:.3f}")
+        print(
+            f"{name}: paired per-step ratio median {statistics.median(pr):.3f} "
+            f"(quartiles {q[0]:.3f} .. {q[2]:.3f}); ratio of medians {ml / m:.3f}"
+        )
     print(f"ratio (mlx-lm / kvstate, medians): {ml / mk:.3f}")
 
 

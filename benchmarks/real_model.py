@@ -50,7 +50,7 @@ def text_prompts(tok, n, length):
     out, at = [], 0
     for i in range(n):
         size = max(2, length - length // 2 + (length * i) // max(n - 1, 1))  # 0.5x .. 1.5x
-        out.append(ids[at:at + size])
+        out.append(ids[at : at + size])
         at += size
     return out
 
@@ -60,7 +60,7 @@ def topics_tokens(tok, n, start=20000):
     from pydoc_data import topics
 
     text = "\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ids = tok.encode(text[start:start + 8 * n])
+    ids = tok.encode(text[start : start + 8 * n])
     if len(ids) < n:
         raise SystemExit(f"topics.py slice gave {len(ids)} tokens, fewer than {n}")
     return ids[:n]
@@ -85,8 +85,13 @@ def kvstate_alone(model, prompts, step_size):
 def mlx_lm_batch_generator(model, prompts, step_size):
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=1, prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts), prefill_step_size=step_size)
+    gen = BatchGenerator(
+        model,
+        max_tokens=1,
+        prefill_batch_size=len(prompts),
+        completion_batch_size=len(prompts),
+        prefill_step_size=step_size,
+    )
     uids = gen.insert(prompts, max_tokens=[1] * len(prompts))
     first = {}
     while len(first) < len(uids):
@@ -98,14 +103,22 @@ def mlx_lm_batch_generator(model, prompts, step_size):
 
 def prefill_bench(args, loaded):
     model, tok = loaded.model, loaded.tokenizer
-    prompts = (chat_prompts(tok, args.batch) if args.prompts == "chat"
-               else text_prompts(tok, args.batch, args.length))
+    prompts = (
+        chat_prompts(tok, args.batch)
+        if args.prompts == "chat"
+        else text_prompts(tok, args.batch, args.length)
+    )
     n_tok = sum(len(p) for p in prompts)
-    sides = {"kvstate batched": kvstate_batched, "kvstate one at a time": kvstate_alone,
-             "mlx-lm BatchGenerator": mlx_lm_batch_generator}
-    print(f"prefill: {len(prompts)} prompts ({args.prompts}), lengths "
-          f"{[len(p) for p in prompts]}, {n_tok} tokens, prefill_step_size {args.step}, "
-          f"weights {'float32' if args.float32 else '4-bit GGUF'}")
+    sides = {
+        "kvstate batched": kvstate_batched,
+        "kvstate one at a time": kvstate_alone,
+        "mlx-lm BatchGenerator": mlx_lm_batch_generator,
+    }
+    print(
+        f"prefill: {len(prompts)} prompts ({args.prompts}), lengths "
+        f"{[len(p) for p in prompts]}, {n_tok} tokens, prefill_step_size {args.step}, "
+        f"weights {'float32' if args.float32 else '4-bit GGUF'}"
+    )
     names = list(sides)
     ref = None
     for name in names:  # warm-up, and the sides agree on every first token
@@ -114,24 +127,29 @@ def prefill_bench(args, loaded):
         assert got == ref, f"{name}: first tokens {got} differ from {ref}"
     times = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             t = time.perf_counter()
             sides[name](model, prompts, args.step)
             times[name].append(time.perf_counter() - t)
-        print(f"  round {r}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names),
-              flush=True)
+        print(f"  round {r}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names), flush=True)
     base = times["mlx-lm BatchGenerator"]
-    print(f"{'side':<24}{'median s':>10}{'min s':>8}{'max s':>8}{'prefill tok/s':>15}"
-          f"{'ratio':>8}{'ratio range':>16}")
+    print(
+        f"{'side':<24}{'median s':>10}{'min s':>8}{'max s':>8}{'prefill tok/s':>15}"
+        f"{'ratio':>8}{'ratio range':>16}"
+    )
     for n in names:
         ts = times[n]
         ratios = [b / t for b, t in zip(base, ts)]  # per round: mlx-lm time / this side's
-        print(f"{n:<24}{statistics.median(ts):>10.2f}{min(ts):>8.2f}{max(ts):>8.2f}"
-              f"{n_tok / statistics.median(ts):>15.1f}{statistics.median(ratios):>8.2f}"
-              f"{f'{min(ratios):.2f}..{max(ratios):.2f}':>16}")
-    print("ratio: mlx-lm BatchGenerator time / this side's time, per round (median, range);"
-          " above 1 = faster than mlx-lm")
+        print(
+            f"{n:<24}{statistics.median(ts):>10.2f}{min(ts):>8.2f}{max(ts):>8.2f}"
+            f"{n_tok / statistics.median(ts):>15.1f}{statistics.median(ratios):>8.2f}"
+            f"{f'{min(ratios):.2f}..{max(ratios):.2f}':>16}"
+        )
+    print(
+        "ratio: mlx-lm BatchGenerator time / this side's time, per round (median, range);"
+        " above 1 = faster than mlx-lm"
+    )
 
 
 def weights_bench(args):
@@ -158,25 +176,36 @@ def weights_bench(args):
     got = {n: [] for n in sides}
     names = list(sides)
     for r in range(args.rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in names if r % 2 == 0 else names[::-1]:
             got[n].append(run(sides[n]))
-        print(f"  round {r}: " + ", ".join(
-            f"{n} prefill {got[n][-1][0]:.2f} s, decode {1000 * got[n][-1][1]:.0f} ms/step"
-            for n in names), flush=True)
-    print(f"weights: B={len(prompts)} chat prompts, {sum(map(len, prompts))} prompt tokens, "
-          f"{args.steps} decode steps")
+        print(
+            f"  round {r}: "
+            + ", ".join(
+                f"{n} prefill {got[n][-1][0]:.2f} s, decode {1000 * got[n][-1][1]:.0f} ms/step"
+                for n in names
+            ),
+            flush=True,
+        )
+    print(
+        f"weights: B={len(prompts)} chat prompts, {sum(map(len, prompts))} prompt tokens, "
+        f"{args.steps} decode steps"
+    )
     for n in names:
         pre = [g[0] for g in got[n]]
         dec = [g[1] for g in got[n]]
-        print(f"{n:<12} prefill median {statistics.median(pre):.2f} s "
-              f"[{min(pre):.2f}..{max(pre):.2f}], decode median "
-              f"{1000 * statistics.median(dec):.0f} ms/step [{1000 * min(dec):.0f}.."
-              f"{1000 * max(dec):.0f}]")
+        print(
+            f"{n:<12} prefill median {statistics.median(pre):.2f} s "
+            f"[{min(pre):.2f}..{max(pre):.2f}], decode median "
+            f"{1000 * statistics.median(dec):.0f} ms/step [{1000 * min(dec):.0f}.."
+            f"{1000 * max(dec):.0f}]"
+        )
     ratio_p = [a[0] / b[0] for a, b in zip(got[names[0]], got[names[1]])]
     ratio_d = [a[1] / b[1] for a, b in zip(got[names[0]], got[names[1]])]
-    print(f"4-bit time / float32 time per round: prefill median {statistics.median(ratio_p):.2f}"
-          f" [{min(ratio_p):.2f}..{max(ratio_p):.2f}], decode median "
-          f"{statistics.median(ratio_d):.2f} [{min(ratio_d):.2f}..{max(ratio_d):.2f}]")
+    print(
+        f"4-bit time / float32 time per round: prefill median {statistics.median(ratio_p):.2f}"
+        f" [{min(ratio_p):.2f}..{max(ratio_p):.2f}], decode median "
+        f"{statistics.median(ratio_d):.2f} [{min(ratio_d):.2f}..{max(ratio_d):.2f}]"
+    )
 
 
 def nll(model, ids, chunk, **make):
@@ -184,8 +213,8 @@ def nll(model, ids, chunk, **make):
     states = br.make_states(model, 1, **make)
     losses, argmax = [], []
     for start in range(0, len(ids) - 1, chunk):
-        x = ids[start:min(start + chunk, len(ids) - 1)]
-        y = mx.array(ids[start + 1:start + 1 + len(x)])
+        x = ids[start : min(start + chunk, len(ids) - 1)]
+        y = mx.array(ids[start + 1 : start + 1 + len(x)])
         logits, states = br.forward(model, mx.array([x]), states)
         logp = logits[0] - mx.logsumexp(logits[0], axis=-1, keepdims=True)
         loss = -mx.take_along_axis(logp, y[:, None], axis=-1)[:, 0]
@@ -210,11 +239,16 @@ def quality_bench(args):
     loaded = models.load_model(None, dequantize=args.float32)
     model, tok = loaded.model, loaded.tokenizer
     ids = topics_tokens(tok, args.tokens)
-    kinds = {"dense": {}, "8-bit KV": {"kv_bits": 8, "kv_group_size": 64},
-             "4-bit KV": {"kv_bits": 4, "kv_group_size": 64}}
-    print(f"quality: {len(ids)} tokens of pydoc_data/topics.py (sorted topics joined by "
-          f"newlines, characters from 20000), chunks of {args.chunk}, weights "
-          f"{'float32' if args.float32 else '4-bit GGUF'}")
+    kinds = {
+        "dense": {},
+        "8-bit KV": {"kv_bits": 8, "kv_group_size": 64},
+        "4-bit KV": {"kv_bits": 4, "kv_group_size": 64},
+    }
+    print(
+        f"quality: {len(ids)} tokens of pydoc_data/topics.py (sorted topics joined by "
+        f"newlines, characters from 20000), chunks of {args.chunk}, weights "
+        f"{'float32' if args.float32 else '4-bit GGUF'}"
+    )
     prompts = chat_prompts(tok, len(PROMPTS))
     dense = None
     for name, make in kinds.items():
@@ -227,21 +261,30 @@ def quality_bench(args):
             print(f"{name:<10} perplexity {ppl:.3f}  ({time.perf_counter() - t:.0f} s)")
             continue
         flips = sum(a != b for a, b in zip(top, dense[0]))
-        firsts = [next((i for i, (a, b) in enumerate(zip(g, d)) if a != b), None)
-                  for g, d in zip(gens, dense[1])]
+        firsts = [
+            next((i for i, (a, b) in enumerate(zip(g, d)) if a != b), None)
+            for g, d in zip(gens, dense[1])
+        ]
         differ = [f for f in firsts if f is not None]
-        print(f"{name:<10} perplexity {ppl:.3f}  argmax differs from dense at {flips}/"
-              f"{len(top)} positions ({100 * flips / len(top):.2f}%); greedy generations "
-              f"({args.gen} tokens, {len(prompts)} chat prompts): {len(differ)} differ, first "
-              f"difference at tokens {differ}  ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"{name:<10} perplexity {ppl:.3f}  argmax differs from dense at {flips}/"
+            f"{len(top)} positions ({100 * flips / len(top):.2f}%); greedy generations "
+            f"({args.gen} tokens, {len(prompts)} chat prompts): {len(differ)} differ, first "
+            f"difference at tokens {differ}  ({time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("prefill")
-    a.add_argument("--prompts", choices=["chat", "text"], default="chat",
-                   help="the CLI's chat prompts, or ragged topics.py slices")
+    a.add_argument(
+        "--prompts",
+        choices=["chat", "text"],
+        default="chat",
+        help="the CLI's chat prompts, or ragged topics.py slices",
+    )
     a.add_argument("--batch", type=int, default=6)
     a.add_argument("--length", type=int, default=128, help="mean length of text prompts")
     a.add_argument("--step", type=int, default=512, help="prefill_step_size")

@@ -26,7 +26,7 @@ import kvstate as kv
 
 def run(max_size, keep, steps, B, H, Hq, D):
     mx.random.seed(0)
-    scale = D ** -0.5
+    scale = D**-0.5
     fill = mx.random.normal((1, H, max_size + 7, D))
     caches = [RotatingKVCache(max_size, keep) for _ in range(B)]
     for c in caches:
@@ -48,9 +48,10 @@ def run(max_size, keep, steps, B, H, Hq, D):
         outs = []
         for b, c in enumerate(caches):
             mask = c.make_mask(1)
-            ck, cv = c.update_and_fetch(k[b:b + 1], k[b:b + 1])
-            outs.append(mx.fast.scaled_dot_product_attention(q[b:b + 1], ck, cv, scale=scale,
-                                                             mask=mask))
+            ck, cv = c.update_and_fetch(k[b : b + 1], k[b : b + 1])
+            outs.append(
+                mx.fast.scaled_dot_product_attention(q[b : b + 1], ck, cv, scale=scale, mask=mask)
+            )
         mx.eval(*outs)
         theirs.append(time.perf_counter() - t0)
     skip = steps // 5
@@ -78,7 +79,7 @@ def run_append(max_size, keep, steps, B, H, D):
         ours.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for b, c in enumerate(caches):
-            c.update_and_fetch(k[b:b + 1], k[b:b + 1])
+            c.update_and_fetch(k[b : b + 1], k[b : b + 1])
         mx.eval(*[x for c in caches for x in (c.keys, c.values)])
         theirs.append(time.perf_counter() - t0)
     skip = steps // 5
@@ -95,15 +96,21 @@ def main():
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=64)
     a = p.parse_args()
-    print(f"batch={a.batch} keep={a.keep} H={a.heads} Hq={a.q_heads} D={a.head_dim} "
-          f"steps={a.steps} (mlx-lm: one RotatingKVCache per row)")
+    print(
+        f"batch={a.batch} keep={a.keep} H={a.heads} Hq={a.q_heads} D={a.head_dim} "
+        f"steps={a.steps} (mlx-lm: one RotatingKVCache per row)"
+    )
     for m in a.sizes:
         ours, theirs = run(m, a.keep, a.steps, a.batch, a.heads, a.q_heads, a.head_dim)
-        print(f"max_size={m:6d}  step    kvstate {ours * 1e3:7.3f} ms  mlx-lm "
-              f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}")
+        print(
+            f"max_size={m:6d}  step    kvstate {ours * 1e3:7.3f} ms  mlx-lm "
+            f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}"
+        )
         ours, theirs = run_append(m, a.keep, a.steps, a.batch, a.heads, a.head_dim)
-        print(f"max_size={m:6d}  append  kvstate {ours * 1e3:7.3f} ms  mlx-lm "
-              f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}")
+        print(
+            f"max_size={m:6d}  append  kvstate {ours * 1e3:7.3f} ms  mlx-lm "
+            f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}"
+        )
 
 
 if __name__ == "__main__":

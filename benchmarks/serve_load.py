@@ -30,15 +30,27 @@ import sys
 import time
 from pathlib import Path
 
-SYSTEM = ("You are a helpful assistant for a small bookshop. Answer briefly and politely, "
-          "in one or two sentences, and never invent facts you are not sure of.")
+SYSTEM = (
+    "You are a helpful assistant for a small bookshop. Answer briefly and politely, "
+    "in one or two sentences, and never invent facts you are not sure of."
+)
 QUESTIONS = [
-    "What is the capital of France?", "Recommend a classic novel.", "What is 12 times 12?",
-    "Name three primary colors.", "How do I return a book?", "What is a haiku?",
-    "Who wrote Hamlet?", "Suggest a book for a ten-year-old.", "What is the boiling point "
-    "of water?", "Translate 'thank you' into Spanish.", "What day comes after Monday?",
-    "Give me a synonym for happy.", "How many legs does a spider have?",
-    "What is photosynthesis?", "Name a famous painter.", "What is the largest ocean?",
+    "What is the capital of France?",
+    "Recommend a classic novel.",
+    "What is 12 times 12?",
+    "Name three primary colors.",
+    "How do I return a book?",
+    "What is a haiku?",
+    "Who wrote Hamlet?",
+    "Suggest a book for a ten-year-old.",
+    "What is the boiling point of water?",
+    "Translate 'thank you' into Spanish.",
+    "What day comes after Monday?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What is photosynthesis?",
+    "Name a famous painter.",
+    "What is the largest ocean?",
 ]
 
 
@@ -60,11 +72,34 @@ def rss(pid: int) -> tuple:
 def start(kind: str, model_dir: Path, max_batch: int) -> tuple:
     port = free_port()
     if kind == "kvstate":
-        cmd = [sys.executable, "-m", "kvstate", "serve", "--model", str(model_dir),
-               "--port", str(port), "--max-batch", str(max_batch), "--max-queue", "1024"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstate",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--max-batch",
+            str(max_batch),
+            "--max-queue",
+            "1024",
+        ]
     else:
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port",
-               str(port), "--decode-concurrency", str(max_batch), "--log-level", "WARNING"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--decode-concurrency",
+            str(max_batch),
+            "--log-level",
+            "WARNING",
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import urllib.request
 
@@ -80,9 +115,12 @@ def start(kind: str, model_dir: Path, max_batch: int) -> tuple:
 
 
 async def one(session, url, question, max_tokens, out):
-    body = {"messages": [{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": question}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     stamps = []
     try:
@@ -106,8 +144,9 @@ async def one(session, url, question, max_tokens, out):
     out["done"] += 1
 
 
-async def load(url, clients: int, requests: int, max_tokens: int, seconds: float = 0.0,
-               on_tick=None) -> dict:
+async def load(
+    url, clients: int, requests: int, max_tokens: int, seconds: float = 0.0, on_tick=None
+) -> dict:
     import aiohttp
 
     out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "failed": 0}
@@ -154,8 +193,12 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--servers", nargs="+", default=["kvstate", "mlx-lm"])
     ap.add_argument("--soak", type=float, default=0.0, help="seconds of soak at the first N")
-    ap.add_argument("--model-dir", type=Path, default=None,
-                    help="an mlx-lm directory (default: the GGUF exported once, float32)")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="an mlx-lm directory (default: the GGUF exported once, float32)",
+    )
     args = ap.parse_args()
 
     from kvstate import gguf, models
@@ -180,29 +223,39 @@ def main():
                     print(f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB", flush=True)
 
                 r = asyncio.run(load(url, args.clients[0], 0, args.max_tokens, args.soak, tick))
-                print(f"soak {kind}: N={args.clients[0]}, {r['seconds']:.0f} s, {r['done']} "
-                      f"requests done, {r['failed']} failed, {r['tokens']} tokens")
+                print(
+                    f"soak {kind}: N={args.clients[0]}, {r['seconds']:.0f} s, {r['done']} "
+                    f"requests done, {r['failed']} failed, {r['tokens']} tokens"
+                )
                 warm = [s for s in samples if s[0] >= 60] or samples
-                print(f"  rss after warm-up {warm[0][1]:.1f} MiB, at the end {samples[-1][1]:.1f}"
-                      f" MiB, peak {samples[-1][2]:.1f} MiB")
+                print(
+                    f"  rss after warm-up {warm[0][1]:.1f} MiB, at the end {samples[-1][1]:.1f}"
+                    f" MiB, peak {samples[-1][2]:.1f} MiB"
+                )
                 continue
             for n in args.clients:
                 r = asyncio.run(load(url, n, args.requests, args.max_tokens))
                 rows.append((kind, n, r, rss(proc.pid)[1]))
-                print(f"{kind} N={n}: {r['done'] / r['seconds']:.2f} req/s, "
-                      f"{r['tokens'] / r['seconds']:.1f} tok/s, failed {r['failed']}",
-                      flush=True)
+                print(
+                    f"{kind} N={n}: {r['done'] / r['seconds']:.2f} req/s, "
+                    f"{r['tokens'] / r['seconds']:.1f} tok/s, failed {r['failed']}",
+                    flush=True,
+                )
         finally:
             proc.terminate()
             proc.wait(60)
     if rows:
-        print("\n| server | N | req/s | tok/s | TTFT median / p95 s | ITL median / p95 ms "
-              "| failed | peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+        print(
+            "\n| server | N | req/s | tok/s | TTFT median / p95 s | ITL median / p95 ms "
+            "| failed | peak RSS MiB |\n|---|---:|---:|---:|---:|---:|---:|---:|"
+        )
         for kind, n, r, peak in rows:
-            print(f"| {kind} | {n} | {r['done'] / r['seconds']:.2f} | "
-                  f"{r['tokens'] / r['seconds']:.1f} | {median(r['ttft']):.2f} / "
-                  f"{pct(r['ttft'], 0.95):.2f} | {1000 * median(r['itl']):.0f} / "
-                  f"{1000 * pct(r['itl'], 0.95):.0f} | {r['failed']} | {peak:.0f} |")
+            print(
+                f"| {kind} | {n} | {r['done'] / r['seconds']:.2f} | "
+                f"{r['tokens'] / r['seconds']:.1f} | {median(r['ttft']):.2f} / "
+                f"{pct(r['ttft'], 0.95):.2f} | {1000 * median(r['itl']):.0f} / "
+                f"{1000 * pct(r['itl'], 0.95):.0f} | {r['failed']} | {peak:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -66,23 +66,29 @@ def attention_part(args):
     unshared = kv.append(kv.filter_rows(base, [0] * B), sk, sv)
     mx.eval(shared.suffix.planes, unshared.planes)
     q = arr(B, HQ, 1, D)
-    scale = D ** -0.5
+    scale = D**-0.5
     sides = {
         "unshared": lambda: kv.attend(unshared, q, scale=scale),
         "cascade": lambda: kv.attend(shared, q, scale=scale),
         "materialize": lambda: kv.attend(kv.materialize(shared), q, scale=scale),
     }
-    np.testing.assert_allclose(np.array(sides["cascade"]().astype(mx.float32)),
-                               np.array(sides["unshared"]().astype(mx.float32)),
-                               atol=2e-2 if dtype != mx.float32 else 1e-5)
+    np.testing.assert_allclose(
+        np.array(sides["cascade"]().astype(mx.float32)),
+        np.array(sides["unshared"]().astype(mx.float32)),
+        atol=2e-2 if dtype != mx.float32 else 1e-5,
+    )
     times = {k: [] for k in sides}
     for _ in range(args.rounds):
         for k, fn in sides.items():
             times[k].append(timed(fn, args.reps))
-    print(f"# attention read, B={B} prefix={P} suffix={S} H={H} Hq={HQ} D={D} {args.dtype} "
-          f"device={mx.default_device()} rounds={args.rounds} reps={args.reps}")
-    print(f"# KV bytes: unshared {unshared.nbytes}, shared {shared.nbytes} "
-          f"({shared.nbytes / unshared.nbytes:.3f} of unshared)")
+    print(
+        f"# attention read, B={B} prefix={P} suffix={S} H={H} Hq={HQ} D={D} {args.dtype} "
+        f"device={mx.default_device()} rounds={args.rounds} reps={args.reps}"
+    )
+    print(
+        f"# KV bytes: unshared {unshared.nbytes}, shared {shared.nbytes} "
+        f"({shared.nbytes / unshared.nbytes:.3f} of unshared)"
+    )
     for k, xs in times.items():
         print(f"{k:12s} {spread(xs)}  / unshared {ratio_spread(xs, times['unshared'])}")
 
@@ -98,11 +104,18 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--model", default=None, help="a .gguf or mlx-lm directory (default: "
-                    "kvstate's default real model, SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf or mlx-lm directory (default: "
+        "kvstate's default real model, SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny random llama (development)")
-    ap.add_argument("--quantized", action="store_true",
-                    help="keep the GGUF's quantized linears (GPU); default: dequantized")
+    ap.add_argument(
+        "--quantized",
+        action="store_true",
+        help="keep the GGUF's quantized linears (GPU); default: dequantized",
+    )
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--system", type=int, default=512)
@@ -186,8 +199,11 @@ def samples_round(model, prompt, ns, steps, seed):
                 rows = [lru.fetch_nearest_cache("m", prompt)[0] for _ in range(n)]
                 first = mx.argmax(mx.repeat(logits, n, axis=0), axis=-1)
                 mx.eval(first, [c.state for r in rows for c in r])
-                out[(n, side)] = (prefill_s + time.perf_counter() - t, float("nan"),
-                                  lm_bytes(cache) + sum(lm_bytes(r) for r in rows))
+                out[(n, side)] = (
+                    prefill_s + time.perf_counter() - t,
+                    float("nan"),
+                    lm_bytes(cache) + sum(lm_bytes(r) for r in rows),
+                )
                 del rows
             continue
         logits, base = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
@@ -291,8 +307,9 @@ def bytes_part(args):
     geo = model_geometry(model)
 
     def rows(B, n):
-        return [(mx.zeros((B, H, n, dk), dt), mx.zeros((B, H, n, dv), dt))
-                for H, dk, dv, dt, _ in geo]
+        return [
+            (mx.zeros((B, H, n, dk), dt), mx.zeros((B, H, n, dv), dt)) for H, dk, dv, dt, _ in geo
+        ]
 
     def grow(states, B, n):
         return [kv.append(s, k, v) for s, (k, v) in zip(states, rows(B, n))]
@@ -305,8 +322,10 @@ def bytes_part(args):
     def prompt_states(n):
         return grow([kv.empty(1) for _ in geo], 1, n)
 
-    print(f"# KV bytes, {name}: {len(geo)} layers, geometry {geo[0][:4]}; "
-          f"{args.steps} decode tokens per row")
+    print(
+        f"# KV bytes, {name}: {len(geo)} layers, geometry {geo[0][:4]}; "
+        f"{args.steps} decode tokens per row"
+    )
     print("| case | shared | unshared | mlx-lm LRU | shared / unshared | target |")
     print("|---|---|---|---|---|---|")
     for n in args.samples:
@@ -316,15 +335,18 @@ def bytes_part(args):
         entry = lm_grow([KVCache() for _ in geo], args.prompt)
         lru = LRUPromptCache()
         lru.insert_cache("m", list(range(args.prompt)), entry)
-        copies = [lm_grow(lru.fetch_nearest_cache("m", list(range(args.prompt)))[0], 1)
-                  for _ in range(n)]
+        copies = [
+            lm_grow(lru.fetch_nearest_cache("m", list(range(args.prompt)))[0], 1) for _ in range(n)
+        ]
         for _ in range(args.steps - 1):
             shared, unshared = grow(shared, n, 1), grow(unshared, n, 1)
             copies = [lm_grow(c, 1) for c in copies]
         a, b = held_bytes(shared), held_bytes(unshared)
         lm = lm_bytes(entry) + sum(lm_bytes(c) for c in copies)
-        print(f"| n={n} samples of {args.prompt} tokens | {a} | {b} | {lm} | {a / b:.3f} | "
-              f"<= {1 / n + 0.1:.3f} |")
+        print(
+            f"| n={n} samples of {args.prompt} tokens | {a} | {b} | {lm} | {a / b:.3f} | "
+            f"<= {1 / n + 0.1:.3f} |"
+        )
     # R requests sharing a system prompt: the prefix cache flow, without the model.
     R, S, U = args.requests, args.system, args.user
     cache, batch = PrefixCache(1 << 40), []
@@ -354,8 +376,7 @@ def bytes_part(args):
     a = held_bytes(shared + cache.records())
     b = held_bytes(unshared)
     lm = sum(lm_bytes(c) for c in running) + lru.nbytes
-    print(f"| {R} requests, {S}-token system prompt + {U} | {a} | {b} | {lm} | {a / b:.3f} | "
-          "- |")
+    print(f"| {R} requests, {S}-token system prompt + {U} | {a} | {b} | {lm} | {a / b:.3f} | - |")
 
 
 def model_part(args):
@@ -365,8 +386,10 @@ def model_part(args):
     prompt = tokens(rng, args.prompt, vocab)
     system = tokens(rng, args.system, vocab)
     users = [tokens(rng, args.user, vocab) for _ in range(args.requests)]
-    print(f"# model: {name}, device={mx.default_device()}, rounds={args.rounds}, "
-          f"decode steps={args.steps}")
+    print(
+        f"# model: {name}, device={mx.default_device()}, rounds={args.rounds}, "
+        f"decode steps={args.steps}"
+    )
     res = {}
     for r in range(args.rounds):
         for (n, side), v in samples_round(model, prompt, args.samples, args.steps, r).items():
@@ -386,13 +409,19 @@ def model_part(args):
             steps = [x[1] for x in v]
             sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[1] for x in base])
             st = "-" if side == "mlx-lm LRU" else spread(steps)
-            print(f"| {n} | {side} | {peak} | {peak / base[0][2]:.3f} | "
-                  f"{spread([x[0] for x in v])} | {st} | {sr} |")
+            print(
+                f"| {n} | {side} | {peak} | {peak / base[0][2]:.3f} | "
+                f"{spread([x[0] for x in v])} | {st} | {sr} |"
+            )
     if args.requests:
-        print(f"\n## {args.requests} requests sharing a {args.system}-token system prompt "
-              f"(+{args.user} tokens each)")
-        print("| side | tokens prefilled | peak KV bytes | / unshared | mean TTFT ms | "
-              "decode step ms | step / unshared |")
+        print(
+            f"\n## {args.requests} requests sharing a {args.system}-token system prompt "
+            f"(+{args.user} tokens each)"
+        )
+        print(
+            "| side | tokens prefilled | peak KV bytes | / unshared | mean TTFT ms | "
+            "decode step ms | step / unshared |"
+        )
         print("|---|---|---|---|---|---|---|")
         base = res[("system", args.requests, "unshared")]
         for side in ("shared", "unshared", "mlx-lm LRU"):
@@ -400,8 +429,10 @@ def model_part(args):
             steps = [x[2] for x in v]
             sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[2] for x in base])
             st = "-" if side == "mlx-lm LRU" else spread(steps)
-            print(f"| {side} | {v[0][1]} | {v[0][3]} | {v[0][3] / base[0][3]:.3f} | "
-                  f"{spread([x[0] for x in v])} | {st} | {sr} |")
+            print(
+                f"| {side} | {v[0][1]} | {v[0][3]} | {v[0][3] / base[0][3]:.3f} | "
+                f"{spread([x[0] for x in v])} | {st} | {sr} |"
+            )
 
 
 if __name__ == "__main__":

@@ -63,14 +63,22 @@ CODE = [
 ]
 
 KINDS = {
-    "rewrite": [f"Rewrite this paragraph exactly, but in the past tense:\n\n{p}"
-                for p in PARAGRAPHS],
-    "code edit": [f"Add a docstring to every function in this code and return the whole "
-                  f"code:\n\n{c}" for c in CODE],
-    "summarize": [f"Summarize this text in two sentences, reusing its words:\n\n{p}"
-                  for p in PARAGRAPHS],
-    "open": ["Write a short poem about the sea.", "Tell me a story about a brave cat.",
-             "What are three fun facts about space?", "Describe your ideal weekend."],
+    "rewrite": [
+        f"Rewrite this paragraph exactly, but in the past tense:\n\n{p}" for p in PARAGRAPHS
+    ],
+    "code edit": [
+        f"Add a docstring to every function in this code and return the whole code:\n\n{c}"
+        for c in CODE
+    ],
+    "summarize": [
+        f"Summarize this text in two sentences, reusing its words:\n\n{p}" for p in PARAGRAPHS
+    ],
+    "open": [
+        "Write a short poem about the sea.",
+        "Tell me a story about a brave cat.",
+        "What are three fun facts about space?",
+        "Describe your ideal weekend.",
+    ],
 }
 
 
@@ -102,10 +110,9 @@ def spec_run(model, prompts, T, drafter, k):
     t0 = time.perf_counter()
     while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T:
         batch, r = sp.step(model, batch, drafter=drafter)
-        drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), \
-            rounds + 1
+        drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
     dt = time.perf_counter() - t0
-    out = [list(c[len(p):len(p) + T]) for c, p in zip(batch.context, prompts)]
+    out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
     return dt, out, (drafted, accepted, rounds)
 
 
@@ -113,8 +120,11 @@ def mlx_lm_run(model, prompt, T, draft=None, k=3):
     from mlx_lm.generate import generate_step, speculative_generate_step
 
     p = mx.array(prompt)
-    gen = (generate_step(p, model, max_tokens=T) if draft is None else
-           speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=T))
+    gen = (
+        generate_step(p, model, max_tokens=T)
+        if draft is None
+        else speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=T)
+    )
     out, t0 = [], None
     for item in gen:
         out.append(int(item[0]))
@@ -125,8 +135,10 @@ def mlx_lm_run(model, prompt, T, draft=None, k=3):
 
 def methods_for(model, draft, prompts, n, k, with_draft):
     """The timed runs, by name: each returns ``(seconds, tokens per row, stats)``."""
-    ms = {"plain": lambda: plain_run(model, prompts, n),
-          "lookup": lambda: spec_run(model, prompts, n, Lookup(), k)}
+    ms = {
+        "plain": lambda: plain_run(model, prompts, n),
+        "lookup": lambda: spec_run(model, prompts, n, Lookup(), k),
+    }
     if with_draft:
         ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
         ms["mlx-lm plain"] = lambda: mlx_lm_run(model, prompts[0], n)
@@ -153,19 +165,23 @@ def main(argv=None):
     model, tok = load(args.model, not args.quantized)
     draft = truncated(model, args.draft_layers)
     T, k = args.tokens, args.num_draft
-    print(f"model {args.model} ({'quantized' if args.quantized else 'float32'}), "
-          f"{T} new tokens per row, {args.rounds} paired rounds, num_draft {k}, draft = first "
-          f"{args.draft_layers} layers; device {mx.default_device()}")
+    print(
+        f"model {args.model} ({'quantized' if args.quantized else 'float32'}), "
+        f"{T} new tokens per row, {args.rounds} paired rounds, num_draft {k}, draft = first "
+        f"{args.draft_layers} layers; device {mx.default_device()}"
+    )
     head = ("kind", "B", "method", "tok/s", "x plain (median [min-max])", "acceptance", "tok/round")
     print(" | ".join(head))
     bad = 0
     for kind in args.kinds:
         texts = KINDS[kind]
         for B in args.batch:
-            prompts = [tok.chat([{"role": "user", "content": texts[i % len(texts)]}])
-                       for i in range(B)]
-            for f in methods_for(model, draft, prompts, 6, k, B == 1 and not args.no_draft
-                                 ).values():  # warm-up: a short run of each
+            prompts = [
+                tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(B)
+            ]
+            for f in methods_for(
+                model, draft, prompts, 6, k, B == 1 and not args.no_draft
+            ).values():  # warm-up: a short run of each
                 f()
             methods = methods_for(model, draft, prompts, T, k, B == 1 and not args.no_draft)
             times = {m: [] for m in methods}
@@ -174,8 +190,7 @@ def main(argv=None):
                 names = list(methods) if r % 2 == 0 else list(methods)[::-1]
                 for m in names:
                     dt, out, st = methods[m]()
-                    print(f"  {kind} B={B} round {r} {m}: {dt:.2f} s", file=sys.stderr,
-                          flush=True)
+                    print(f"  {kind} B={B} round {r} {m}: {dt:.2f} s", file=sys.stderr, flush=True)
                     times[m].append(dt)
                     if st is not None:
                         stats[m] = st
@@ -190,8 +205,11 @@ def main(argv=None):
                 d, a, n = stats.get(m, (0, 0, 0))
                 acc = f"{a / d:.0%} ({a}/{d})" if d else "-"
                 per_round = f"{B * T / n:.2f}" if n else "-"
-                print(f"{kind} | {B} | {m} | {B * T / statistics.median(ts):.1f} | "
-                      f"{spread(ratios)} | {acc} | {per_round}", flush=True)
+                print(
+                    f"{kind} | {B} | {m} | {B * T / statistics.median(ts):.1f} | "
+                    f"{spread(ratios)} | {acc} | {per_round}",
+                    flush=True,
+                )
     return 1 if bad else 0
 
 

@@ -54,30 +54,70 @@ from kvstate.masks import rows_mask  # noqa: E402
 
 MODELS = {
     # Llama-3.2-1B's shape (random weights; no download)
-    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
-                         max_position_embeddings=131072,
-                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
-                                       "low_freq_factor": 1.0,
-                                       "original_max_position_embeddings": 8192,
-                                       "rope_type": "llama3"}),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_scaling={
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    ),
     # a tiny model: per-step overhead, not matmuls, dominates a CPU step
-    "tiny": dict(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-                 num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=1024,
-                 rope_theta=10000.0, tie_word_embeddings=True),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=1024,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
     # a small model for CPU runs
-    "small": dict(hidden_size=512, num_hidden_layers=8, intermediate_size=1536,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=8192,
-                  rope_theta=10000.0, tie_word_embeddings=True),
+    "small": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        intermediate_size=1536,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 PRESETS = {
-    "cpu": dict(model="small", dtype="float32", batch="1,8,32", context="512,2048",
-                impl="mlx-lm,eager,compiled", copy_mb=512, mem_gb=4),
-    "h200": dict(model="llama-3.2-1b", dtype="bfloat16", batch="1,8,32",
-                 context="2048,8192,32768", impl="mlx-lm,eager,compiled,kernel", copy_mb=4096,
-                 mem_gb=110),
+    "cpu": dict(
+        model="small",
+        dtype="float32",
+        batch="1,8,32",
+        context="512,2048",
+        impl="mlx-lm,eager,compiled",
+        copy_mb=512,
+        mem_gb=4,
+    ),
+    "h200": dict(
+        model="llama-3.2-1b",
+        dtype="bfloat16",
+        batch="1,8,32",
+        context="2048,8192,32768",
+        impl="mlx-lm,eager,compiled,kernel",
+        copy_mb=4096,
+        mem_gb=110,
+    ),
 }
 
 IMPLS = ("mlx-lm", "eager", "compiled", "kernel")
@@ -130,8 +170,12 @@ def random_kv(model, B, cap, dtype, seed):
     out = []
     for i in range(a.num_hidden_layers):
         k1, k2 = mx.random.split(mx.random.key(seed * 1000 + i))
-        out.append(((0.5 * mx.random.normal(shape, key=k1)).astype(dtype),
-                    (0.5 * mx.random.normal(shape, key=k2)).astype(dtype)))
+        out.append(
+            (
+                (0.5 * mx.random.normal(shape, key=k1)).astype(dtype),
+                (0.5 * mx.random.normal(shape, key=k2)).astype(dtype),
+            )
+        )
     mx.eval(out)
     return out
 
@@ -192,8 +236,10 @@ def time_interleaved(runs, warmup, steps, rounds, spread=None):
 
 def impl_step(name, model, decoders):
     if name == "mlx-lm":
+
         def step(tokens, caches):
             return model(tokens[:, None], cache=caches)[:, -1, :], caches
+
         return step
     if name == "eager":
         return lambda tokens, states: br.step(model, tokens, states)
@@ -222,15 +268,20 @@ def kernel_check(model, dtype, B=8, ctx=2048):
         lens = row_lengths(B, ctx, "ragged")
         lp = mx.array([ctx - n for n in lens], mx.int32)
         en = mx.array([ctx] * B, mx.int32)
-        got = kernels.ragged_attention(q, k, v, lp, en, scale=D ** -0.5)
+        got = kernels.ragged_attention(q, k, v, lp, en, scale=D**-0.5)
         mask = rows_mask(1, lp, en, C)
-        want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32),
-                                                    v.astype(mx.float32), scale=D ** -0.5,
-                                                    mask=mask)
+        want = mx.fast.scaled_dot_product_attention(
+            q.astype(mx.float32),
+            k.astype(mx.float32),
+            v.astype(mx.float32),
+            scale=D**-0.5,
+            mask=mask,
+        )
         err = mx.abs(got.astype(mx.float32) - want)
-        out[str(dt).replace("mlx.core.", "")] = (err.max().item(),
-                                                 (mx.sqrt((err ** 2).sum() / (want ** 2).sum())
-                                                  ).item())
+        out[str(dt).replace("mlx.core.", "")] = (
+            err.max().item(),
+            (mx.sqrt((err**2).sum() / (want**2).sum())).item(),
+        )
     return out
 
 
@@ -247,30 +298,36 @@ def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(16, 64, 256))
     lp = mx.array([ctx - n for n in lens], mx.int32)
     en = mx.array([ctx] * B, mx.int32)
     kw, vw = k[:, :, :ctx], v[:, :, :ctx]
-    s = D ** -0.5
+    s = D**-0.5
     cases = {}
     if layout == "aligned":  # mlx-lm's read of aligned rows: exact width, no mask
         cases["sdpa, no mask, width ctx"] = lambda: mx.fast.scaled_dot_product_attention(
-            q, kw, vw, scale=s)
+            q, kw, vw, scale=s
+        )
     else:  # mlx-lm's read of ragged rows (BatchKVCache): a bool mask
         cases["sdpa, bool mask, width ctx"] = lambda: mx.fast.scaled_dot_product_attention(
-            q, kw, vw, scale=s, mask=rows_mask(1, lp, en, ctx))
+            q, kw, vw, scale=s, mask=rows_mask(1, lp, en, ctx)
+        )
     cases["compiled: mask from arrays, capacity C"] = mx.compile(
         lambda q, k, v, lp, en: mx.fast.scaled_dot_product_attention(
-            q, k, v, scale=s, mask=rows_mask(1, lp, en, C)))
+            q, k, v, scale=s, mask=rows_mask(1, lp, en, C)
+        )
+    )
     if kernels.kernel_available():
         auto = kernels.splits_for(B, H, C)
         cases[f"kernel, capacity C, splits auto ({auto})"] = mx.compile(
-            lambda q, k, v, lp, en: kernels.ragged_attention(q, k, v, lp, en, scale=s))
+            lambda q, k, v, lp, en: kernels.ragged_attention(q, k, v, lp, en, scale=s)
+        )
         for S in splits:
             if S != auto and S <= max(1, C // 16):
                 cases[f"kernel, capacity C, splits {S}"] = mx.compile(
                     lambda q, k, v, lp, en, S=S: kernels.ragged_attention(
-                        q, k, v, lp, en, scale=s, splits=S))
+                        q, k, v, lp, en, scale=s, splits=S
+                    )
+                )
     out = {}
     for name, f in cases.items():
-        call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "kernel")) \
-            else f
+        call = (lambda f=f: f(q, k, v, lp, en)) if name.startswith(("compiled", "kernel")) else f
         for _ in range(5):
             mx.eval(call())
         rounds = []
@@ -292,6 +349,7 @@ def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(16, 64, 256))
 def patched(step, names):
     """``step`` with module globals ``{(module, name): value}`` replaced while it
     runs (so while it traces)."""
+
     def run(tokens, state):
         old = {k: getattr(*k) for k in names}
         for (mod, k), v in names.items():
@@ -301,6 +359,7 @@ def patched(step, names):
         finally:
             for (mod, k), v in old.items():
                 setattr(mod, k, v)
+
     return run
 
 
@@ -314,29 +373,34 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
-    variants = {"mlx-lm": None, "mlx-lm, sync each step": None,
-                "compiled": ("mask", {}, "scatter"),
-                "compiled, no cache write": ("mask", no_write, "scatter")}
+    variants = {
+        "mlx-lm": None,
+        "mlx-lm, sync each step": None,
+        "compiled": ("mask", {}, "scatter"),
+        "compiled, no cache write": ("mask", no_write, "scatter"),
+    }
     if decoders_ok:
-        variants.update({
-            "kernel, scatter writes": ("kernel", {}, "scatter"),
-            "kernel, slice_update writes": ("kernel", {}, "slice"),
-            "kernel, scatter writes, wait": ("kernel", {}, "scatter"),
-            "kernel, slice_update writes, wait": ("kernel", {}, "slice"),
-            "kernel, scatter writes, sync each step": ("kernel", {}, "scatter"),
-            "kernel, no cache write": ("kernel", no_write, "scatter"),
-            "kernel -> fused SDPA, no mask (wrong, timing)": ("kernel",
-                                                             {(kernels, "ragged_attention"):
-                                                              fused_nomask},
-                                                             "scatter"),
-        })
+        variants.update(
+            {
+                "kernel, scatter writes": ("kernel", {}, "scatter"),
+                "kernel, slice_update writes": ("kernel", {}, "slice"),
+                "kernel, scatter writes, wait": ("kernel", {}, "scatter"),
+                "kernel, slice_update writes, wait": ("kernel", {}, "slice"),
+                "kernel, scatter writes, sync each step": ("kernel", {}, "scatter"),
+                "kernel, no cache write": ("kernel", no_write, "scatter"),
+                "kernel -> fused SDPA, no mask (wrong, timing)": (
+                    "kernel",
+                    {(kernels, "ragged_attention"): fused_nomask},
+                    "scatter",
+                ),
+            }
+        )
     runs = {}
     for name, v in variants.items():
         kvs = random_kv(model, B, cap, dtype, seed=3)
         tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
         if v is None:
-            runs[name] = [impl_step("mlx-lm", model, {}), tokens,
-                          mlx_lm_caches(kvs, lengths, ctx)]
+            runs[name] = [impl_step("mlx-lm", model, {}), tokens, mlx_lm_caches(kvs, lengths, ctx)]
         else:
             mode, names, write = v
             dec = br.Decoder(model, attention=mode, write=write, wait=name.endswith(", wait"))
@@ -366,16 +430,31 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (5)")
     p.add_argument("--warmup", type=int, default=4, help="untimed steps first (4)")
     p.add_argument("--copy-mb", type=int)
-    p.add_argument("--mem-gb", type=float, help="skip step cases whose caches (all "
-                   "implementations together) need more than this (h200: 110)")
+    p.add_argument(
+        "--mem-gb",
+        type=float,
+        help="skip step cases whose caches (all "
+        "implementations together) need more than this (h200: 110)",
+    )
     p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
-    p.add_argument("--write", choices=["scatter", "slice", "auto"], default="scatter",
-                   help="compiled decoders' cache writes; auto: the fastest kernel variant "
-                   "of the first --ablate case (scatter)")
-    p.add_argument("--wait", choices=["no", "yes", "auto"], default="no",
-                   help="Decoder(wait=...); auto: as --write auto (no)")
-    p.add_argument("--ablate", default="", help="cases B:ctx:layout,... to take apart "
-                   "(e.g. 1:2048:aligned,32:2048:ragged)")
+    p.add_argument(
+        "--write",
+        choices=["scatter", "slice", "auto"],
+        default="scatter",
+        help="compiled decoders' cache writes; auto: the fastest kernel variant "
+        "of the first --ablate case (scatter)",
+    )
+    p.add_argument(
+        "--wait",
+        choices=["no", "yes", "auto"],
+        default="no",
+        help="Decoder(wait=...); auto: as --write auto (no)",
+    )
+    p.add_argument(
+        "--ablate",
+        default="",
+        help="cases B:ctx:layout,... to take apart (e.g. 1:2048:aligned,32:2048:ragged)",
+    )
     p.add_argument("--out", default=None, help="folder for results.csv/json and the PNG")
     args = p.parse_args(argv)
     pre = PRESETS[args.preset]
@@ -400,13 +479,24 @@ def main(argv=None):
     model = build_model(model_name, dtype)
     wbytes = weight_bytes(model)
     bw = copy_bandwidth(args.copy_mb or pre["copy_mb"], dtype)
-    print(f"weights {wbytes / 1e9:.3f} GB; copy bandwidth {bw / 1e12:.3f} TB/s "
-          f"(setup {time.perf_counter() - t0:.1f} s)")
+    print(
+        f"weights {wbytes / 1e9:.3f} GB; copy bandwidth {bw / 1e12:.3f} TB/s "
+        f"(setup {time.perf_counter() - t0:.1f} s)"
+    )
     a = model.args
-    meta = dict(model=model_name, dtype=str(dtype), device=device, machine=machine,
-                mlx=mx.__version__, weight_bytes=wbytes, copy_bandwidth=bw,
-                steps=args.steps, rounds=args.rounds, warmup=args.warmup,
-                command=" ".join(sys.argv))
+    meta = dict(
+        model=model_name,
+        dtype=str(dtype),
+        device=device,
+        machine=machine,
+        mlx=mx.__version__,
+        weight_bytes=wbytes,
+        copy_bandwidth=bw,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        command=" ".join(sys.argv),
+    )
 
     checks = {}
     if "kernel" in impls:
@@ -429,6 +519,7 @@ def main(argv=None):
         B, ctx, layout = case.split(":")
         abl[case] = ablation(model, dtype, int(B), int(ctx), layout, args, "kernel" in impls)
     meta["ablation"] = abl
+
     def choose(B):
         """(write, wait) for batch size B: fixed by flags, or the fastest kernel variant
         of the ablation case whose batch size is nearest B."""
@@ -439,17 +530,26 @@ def main(argv=None):
         if not abl:
             return write, wait, {}
         case = min(abl, key=lambda c: abs(int(c.split(":")[0]) - B))
-        names = {("scatter", False): "kernel, scatter writes",
-                 ("slice", False): "kernel, slice_update writes",
-                 ("scatter", True): "kernel, scatter writes, wait",
-                 ("slice", True): "kernel, slice_update writes, wait"}
-        options = {k: abl[case][n] for k, n in names.items() if n in abl[case]
-                   and (args.write == "auto" or k[0] == args.write)
-                   and (args.wait == "auto" or k[1] == (args.wait == "yes"))}
+        names = {
+            ("scatter", False): "kernel, scatter writes",
+            ("slice", False): "kernel, slice_update writes",
+            ("scatter", True): "kernel, scatter writes, wait",
+            ("slice", True): "kernel, slice_update writes, wait",
+        }
+        options = {
+            k: abl[case][n]
+            for k, n in names.items()
+            if n in abl[case]
+            and (args.write == "auto" or k[0] == args.write)
+            and (args.wait == "auto" or k[1] == (args.wait == "yes"))
+        }
         if options:
             write, wait = min(options, key=options.get)
-        return write, wait, {case: {f"{k[0]}, wait={k[1]}": round(v, 3)
-                                    for k, v in options.items()}}
+        return (
+            write,
+            wait,
+            {case: {f"{k[0]}, wait={k[1]}": round(v, 3) for k, v in options.items()}},
+        )
 
     chosen, all_decoders = {}, {}
     for B in batches:
@@ -472,31 +572,52 @@ def main(argv=None):
                     continue
                 lengths = row_lengths(B, ctx, layout)
                 cap = round_up(ctx + room, 256)
-                need = len(impls) * 2 * a.num_hidden_layers * B * a.num_key_value_heads \
-                    * cap * a.head_dim * dtype.size
+                need = (
+                    len(impls)
+                    * 2
+                    * a.num_hidden_layers
+                    * B
+                    * a.num_key_value_heads
+                    * cap
+                    * a.head_dim
+                    * dtype.size
+                )
                 if need > mem_gb * 1e9:
-                    print(f"  B={B} ctx={ctx} {layout}: skipped: its caches need "
-                          f"{need / 1e9:.0f} GB for {len(impls)} implementations "
-                          f"(--mem-gb {mem_gb:g})")
+                    print(
+                        f"  B={B} ctx={ctx} {layout}: skipped: its caches need "
+                        f"{need / 1e9:.0f} GB for {len(impls)} implementations "
+                        f"(--mem-gb {mem_gb:g})"
+                    )
                     continue
-                kv_valid = (sum(lengths) + B * (args.warmup + args.steps * args.rounds / 2)) \
-                    * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * 2 * dtype.size
+                kv_valid = (
+                    (sum(lengths) + B * (args.warmup + args.steps * args.rounds / 2))
+                    * a.num_hidden_layers
+                    * a.num_key_value_heads
+                    * a.head_dim
+                    * 2
+                    * dtype.size
+                )
                 runs = {}
                 for name in impls:
                     kvs = random_kv(model, B, cap, dtype, seed=B * 7 + ctx)
-                    state = (mlx_lm_caches(kvs, lengths, ctx) if name == "mlx-lm"
-                             else kv_states(kvs, lengths, ctx))
+                    state = (
+                        mlx_lm_caches(kvs, lengths, ctx)
+                        if name == "mlx-lm"
+                        else kv_states(kvs, lengths, ctx)
+                    )
                     del kvs
                     tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
                     c = chosen[B]
-                    runs[name] = [impl_step(name, model, all_decoders[(c["write"], c["wait"])]),
-                                  tokens, state]
+                    runs[name] = [
+                        impl_step(name, model, all_decoders[(c["write"], c["wait"])]),
+                        tokens,
+                        state,
+                    ]
                 for name in list(runs):  # a failing implementation is dropped, not the case
                     try:
                         runs[name][1], runs[name][2] = run_steps(runs[name][0], 1, *runs[name][1:])
                     except Exception as e:
-                        print(f"  {name} B={B} ctx={ctx} {layout}: FAILED "
-                              f"{type(e).__name__}: {e}")
+                        print(f"  {name} B={B} ctx={ctx} {layout}: FAILED {type(e).__name__}: {e}")
                         del runs[name]
                 runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
                 try:
@@ -509,32 +630,52 @@ def main(argv=None):
                 fl = floors.setdefault(B, {})[(ctx, layout)] = times.pop("floor")
                 base = times.get("mlx-lm")
                 for name, t in times.items():
-                    row = dict(B=B, context=ctx, layout=layout, impl=name, ms=t * 1e3,
-                               tok_s=B / t, roofline=(wbytes + kv_valid) / bw / t,
-                               floor_ms=fl * 1e3, vs_mlx_lm=(base / t) if base else float("nan"),
-                               min_ms=min(per[name]) * 1e3, max_ms=max(per[name]) * 1e3,
-                               rounds=len(per[name]))
+                    row = dict(
+                        B=B,
+                        context=ctx,
+                        layout=layout,
+                        impl=name,
+                        ms=t * 1e3,
+                        tok_s=B / t,
+                        roofline=(wbytes + kv_valid) / bw / t,
+                        floor_ms=fl * 1e3,
+                        vs_mlx_lm=(base / t) if base else float("nan"),
+                        min_ms=min(per[name]) * 1e3,
+                        max_ms=max(per[name]) * 1e3,
+                        rounds=len(per[name]),
+                    )
                     if base and name != "mlx-lm":  # the ratio in each round, paired
                         r = [x / y for x, y in zip(per["mlx-lm"], per[name])]
                         row.update(ratio_min=min(r), ratio_max=max(r))
                     rows.append(row)
-                    print(f"  B={B:<3} ctx={ctx:<5} {layout:<8} {name:<9} {t * 1e3:8.2f} ms"
-                          f" [{row['min_ms']:.2f}-{row['max_ms']:.2f}]"
-                          f" {B / t:9.0f} tok/s  roofline {row['roofline']:6.1%}"
-                          f"  x{row['vs_mlx_lm']:.2f} vs mlx-lm  (floor {fl * 1e3:.2f} ms)")
+                    print(
+                        f"  B={B:<3} ctx={ctx:<5} {layout:<8} {name:<9} {t * 1e3:8.2f} ms"
+                        f" [{row['min_ms']:.2f}-{row['max_ms']:.2f}]"
+                        f" {B / t:9.0f} tok/s  roofline {row['roofline']:6.1%}"
+                        f"  x{row['vs_mlx_lm']:.2f} vs mlx-lm  (floor {fl * 1e3:.2f} ms)"
+                    )
                 mx.clear_cache()
     micro = {}
     if args.micro:
-        for B, ctx, layout in [(B, c, lay) for B in batches for c in contexts for lay in layouts
-                               if not (lay == "ragged" and B == 1)]:
+        for B, ctx, layout in [
+            (B, c, lay)
+            for B in batches
+            for c in contexts
+            for lay in layouts
+            if not (lay == "ragged" and B == 1)
+        ]:
             res, kvb = attention_micro(model, dtype, B, ctx, layout)
             micro[f"B={B} ctx={ctx} {layout}"] = dict(us=res, kv_bytes=kvb)
-            print(f"attention per layer, B={B}, {layout} ctx {ctx} ({kvb / 1e6:.1f} MB valid KV;"
-                  f" median [min-max] of 5 rounds of 50 calls):")
+            print(
+                f"attention per layer, B={B}, {layout} ctx {ctx} ({kvb / 1e6:.1f} MB valid KV;"
+                f" median [min-max] of 5 rounds of 50 calls):"
+            )
             for n, (us, lo, hi) in res.items():
                 rate = kvb / (us * 1e-6)
-                print(f"  {n:<44} {us:8.1f} us [{lo:.1f}-{hi:.1f}]  {rate / 1e12:5.2f} TB/s"
-                      f" = {rate / bw:6.1%} of copy bandwidth")
+                print(
+                    f"  {n:<44} {us:8.1f} us [{lo:.1f}-{hi:.1f}]  {rate / 1e12:5.2f} TB/s"
+                    f" = {rate / bw:6.1%} of copy bandwidth"
+                )
             mx.clear_cache()
     meta["micro"] = micro
     print_table(rows, floors, meta)
@@ -553,15 +694,21 @@ def main(argv=None):
 
 def print_table(rows, floors, meta):
     print()
-    print(f"model {meta['model']} {meta['dtype']} on {meta['device']}; copy bandwidth "
-          f"{meta['copy_bandwidth'] / 1e12:.3f} TB/s; weights {meta['weight_bytes'] / 1e9:.3f} GB")
-    print(f"{'B':>3} {'ctx':>5} {'layout':<8} {'impl':<9} {'ms/step':>8} {'tok/s':>8} "
-          f"{'roofline':>8} {'floor ms':>8} {'vs mlx-lm':>9}  per-round ms [min-max], ratio")
+    print(
+        f"model {meta['model']} {meta['dtype']} on {meta['device']}; copy bandwidth "
+        f"{meta['copy_bandwidth'] / 1e12:.3f} TB/s; weights {meta['weight_bytes'] / 1e9:.3f} GB"
+    )
+    print(
+        f"{'B':>3} {'ctx':>5} {'layout':<8} {'impl':<9} {'ms/step':>8} {'tok/s':>8} "
+        f"{'roofline':>8} {'floor ms':>8} {'vs mlx-lm':>9}  per-round ms [min-max], ratio"
+    )
     for r in rows:
-        ratio = (f", x{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if "ratio_min" in r else "")
-        print(f"{r['B']:>3} {r['context']:>5} {r['layout']:<8} {r['impl']:<9} {r['ms']:8.2f} "
-              f"{r['tok_s']:8.0f} {r['roofline']:8.1%} {r['floor_ms']:8.2f} "
-              f"{r['vs_mlx_lm']:9.2f}  [{r['min_ms']:.2f}-{r['max_ms']:.2f}]{ratio}")
+        ratio = f", x{r['ratio_min']:.2f}-{r['ratio_max']:.2f}" if "ratio_min" in r else ""
+        print(
+            f"{r['B']:>3} {r['context']:>5} {r['layout']:<8} {r['impl']:<9} {r['ms']:8.2f} "
+            f"{r['tok_s']:8.0f} {r['roofline']:8.1%} {r['floor_ms']:8.2f} "
+            f"{r['vs_mlx_lm']:9.2f}  [{r['min_ms']:.2f}-{r['max_ms']:.2f}]{ratio}"
+        )
 
 
 def plot(rows, meta, path):
@@ -582,24 +729,35 @@ def plot(rows, meta, path):
         for j, impl in enumerate(impls):
             ys = []
             for c in cases:
-                m = [r for r in rows if r["layout"] == lay and (r["B"], r["context"]) == c
-                     and r["impl"] == impl]
+                m = [
+                    r
+                    for r in rows
+                    if r["layout"] == lay and (r["B"], r["context"]) == c and r["impl"] == impl
+                ]
                 ys.append(m[0]["tok_s"] if m else 0)
             ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
         fl = []
         for c in cases:
             m = [r for r in rows if r["layout"] == lay and (r["B"], r["context"]) == c]
             fl.append(c[0] / (m[0]["floor_ms"] / 1e3))
-        ax.bar([i + len(impls) * width for i in range(len(cases))], fl, width,
-               label="floor (no cache)", color="lightgrey")
+        ax.bar(
+            [i + len(impls) * width for i in range(len(cases))],
+            fl,
+            width,
+            label="floor (no cache)",
+            color="lightgrey",
+        )
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels([f"B={b}\n{c}" for b, c in cases], fontsize=8)
         ax.set_yscale("log")
         ax.set_ylabel("tokens / s")
         ax.set_title(f"{lay} rows")
         ax.legend(fontsize=7)
-    fig.suptitle(f"decode, {meta['model']} {meta['dtype'].replace('mlx.core.', '')} on "
-                 f"{meta['device']} (mlx {meta['mlx']})", fontsize=10)
+    fig.suptitle(
+        f"decode, {meta['model']} {meta['dtype'].replace('mlx.core.', '')} on "
+        f"{meta['device']} (mlx {meta['mlx']})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     return path

@@ -46,8 +46,10 @@ def main(argv=None):
     hq, h = map(int, args.heads.split(":"))
     dt = getattr(mx, args.dtype)
     D = args.head_dim
-    print(f"device {mx.default_device()}, {args.dtype}, heads {hq}:{h}, head dim {D}, "
-          f"{args.rounds} paired rounds x {args.reps} reps")
+    print(
+        f"device {mx.default_device()}, {args.dtype}, heads {hq}:{h}, head dim {D}, "
+        f"{args.rounds} paired rounds x {args.reps} reps"
+    )
     print("B | context | N | stock us | folded us | stock/folded median [min-max]")
     for B in args.batch:
         for C in args.context:
@@ -59,19 +61,22 @@ def main(argv=None):
                 col = mx.arange(C)[None, None, None, :]
                 qi = mx.arange(N)[None, None, :, None]
                 mask = col <= ends - N + qi  # per-row ends: a ragged verify window
-                a = (q, k, v, D ** -0.5, mask)
+                a = (q, k, v, D**-0.5, mask)
                 ref, got = stock(*a), folded_attention(*a)
                 err = mx.abs(ref - got).max().item()
                 assert err < 1e-3, err
                 ts, tf = [], []
                 for r in range(args.rounds):
                     pair = [(stock, ts), (folded_attention, tf)]
-                    for f, out in (pair if r % 2 == 0 else pair[::-1]):
+                    for f, out in pair if r % 2 == 0 else pair[::-1]:
                         out.append(timed(f, a, args.reps))
                 ratios = [s / f for s, f in zip(ts, tf)]
-                print(f"{B} | {C} | {N} | {statistics.median(ts) * 1e6:.0f} | "
-                      f"{statistics.median(tf) * 1e6:.0f} | {statistics.median(ratios):.2f} "
-                      f"[{min(ratios):.2f}-{max(ratios):.2f}]", flush=True)
+                print(
+                    f"{B} | {C} | {N} | {statistics.median(ts) * 1e6:.0f} | "
+                    f"{statistics.median(tf) * 1e6:.0f} | {statistics.median(ratios):.2f} "
+                    f"[{min(ratios):.2f}-{max(ratios):.2f}]",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

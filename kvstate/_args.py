@@ -24,8 +24,9 @@ def as_int(value, arg: str) -> int:
     return value
 
 
-def _int_vector(value, arg: str,
-                expected: str = "an int or one int per row (a list, or a 1-D integer array)"):
+def _int_vector(
+    value, arg: str, expected: str = "an int or one int per row (a list, or a 1-D integer array)"
+):
     """A 1-D integer ``np.ndarray`` / ``mx.array`` as a list of ints, else ``value``.
 
     Per-row counts often come from the device (accepted draft tokens, a
@@ -94,5 +95,6 @@ def check_scale(scale) -> None:
     import numbers
 
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise bad("scale", "a real number (e.g. head_dim ** -0.5)",
-                  f"{type(scale).__name__} {scale!r}")
+        raise bad(
+            "scale", "a real number (e.g. head_dim ** -0.5)", f"{type(scale).__name__} {scale!r}"
+        )

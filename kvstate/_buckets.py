@@ -87,8 +87,9 @@ def _blank_quantized(state: QuantizedState, n: int):
 
 @blank_rows.register
 def _blank_ring(state: RotatingState, n: int):
-    return attrs.evolve(state, lengths=(0,) * n, held=(0,) * n, keys=None, values=None,
-                        row_ids=None)  # (new rows: fresh ids)
+    return attrs.evolve(
+        state, lengths=(0,) * n, held=(0,) * n, keys=None, values=None, row_ids=None
+    )  # (new rows: fresh ids)
 
 
 def head_rows(state, B: int):

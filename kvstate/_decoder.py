@@ -27,8 +27,11 @@ def _attention_modules(model):
     mods = set()
     for _, m in model.named_modules():
         mod = sys.modules.get(type(m).__module__)
-        if mod is not None and getattr(mod, "scaled_dot_product_attention", None) is \
-                base.scaled_dot_product_attention:
+        if (
+            mod is not None
+            and getattr(mod, "scaled_dot_product_attention", None)
+            is base.scaled_dot_product_attention
+        ):
             mods.add(mod)
     return mods
 
@@ -61,8 +64,9 @@ class routed_attention:
         def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
             out = read(queries, keys, values, cache, scale, sinks)
             if out is None:
-                out = original(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                               sinks=sinks)
+                out = original(
+                    queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+                )
             return out
 
         _ROUTE_LOCK.acquire()
@@ -104,8 +108,9 @@ def _kernel_read(queries, keys, values, cache, scale, sinks):
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
     if kind is RotatingState and N == 1 and keys.shape[2] <= content.proto.max_size:
         _, held = content.positions  # after the write
-        return kernels.ragged_attention(queries, keys, values, mx.zeros_like(held), held,
-                                        scale=scale)
+        return kernels.ragged_attention(
+            queries, keys, values, mx.zeros_like(held), held, scale=scale
+        )
     return None
 
 
@@ -152,8 +157,15 @@ class Decoder:
     per row, a new static layout).
     """
 
-    def __init__(self, model, *, attention: str = "auto", write: str = "scatter",
-                 wait: bool = False, batch_buckets=_buckets.BUCKETS):
+    def __init__(
+        self,
+        model,
+        *,
+        attention: str = "auto",
+        write: str = "scatter",
+        wait: bool = False,
+        batch_buckets=_buckets.BUCKETS,
+    ):
         if attention not in ATTENTION:
             raise bad("attention", f"one of {ATTENTION}", repr(attention))
         if write not in ("scatter", "slice"):
@@ -180,14 +192,14 @@ class Decoder:
             keys, squeeze = key
             if self.attention == "kernel" and self._mods is None:
                 self._mods = _attention_modules(self.model)
-            routed = (routed_attention(self._mods, _kernel_read)
-                      if self.attention == "kernel" else None)
+            routed = (
+                routed_attention(self._mods, _kernel_read) if self.attention == "kernel" else None
+            )
 
             def step(tokens, flats):
                 self.traces += 1  # Python runs only while tracing
                 ctx = _shells.Tracing(self.attention, self.write == "slice")
-                shells = [_shells.shell(compiled.Traced.of(f, k), ctx)
-                          for f, k in zip(flats, keys)]
+                shells = [_shells.shell(compiled.Traced.of(f, k), ctx) for f, k in zip(flats, keys)]
                 if routed is None:
                     logits = self.model(tokens, cache=shells)
                 else:
@@ -218,14 +230,12 @@ class Decoder:
 
             self._layers = layer_count(self.model)
         if len(states) != self._layers:
-            raise bad("states", f"{self._layers} records (one per layer of the model)",
-                      len(states))
+            raise bad("states", f"{self._layers} records (one per layer of the model)", len(states))
         B = tokens.shape[0]
         for i, s in enumerate(states):
             if not _shells.is_record(s):
                 raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
-            check(s.batch_size == B, f"states[{i}] batch size", f"{B} (tokens rows)",
-                  s.batch_size)
+            check(s.batch_size == B, f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
         if B == 0:  # nothing to run (mlx-lm models cannot run an empty batch)
             from .mlx_lm import forward
 
@@ -261,8 +271,10 @@ class Decoder:
         del flats, states, padded
         if self.wait:
             self._pending = logits
-        new = [compiled.rebuild(sp.replace(**compiled.advanced(s, N)), f)
-               for f, sp, s in zip(out, specs, prepared)]
+        new = [
+            compiled.rebuild(sp.replace(**compiled.advanced(s, N)), f)
+            for f, sp, s in zip(out, specs, prepared)
+        ]
         if Bb != B:
             return self._padding.unpad(logits, new, B)
         return logits, new

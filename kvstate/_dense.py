@@ -73,8 +73,9 @@ def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
     return CacheState((0,) * batch_size, (0,) * batch_size, step)
 
 
-def from_arrays(keys: mx.array, values: mx.array, *, lengths=None, left_pad=None,
-                step: int = 256) -> CacheState:
+def from_arrays(
+    keys: mx.array, values: mx.array, *, lengths=None, left_pad=None, step: int = 256
+) -> CacheState:
     """Wrap existing ``[B, H, S, D]`` arrays; row ``b`` holds
     ``[left_pad[b], left_pad[b] + lengths[b])`` (defaults: no padding, full rows)."""
     _rows.check_kv("keys", keys, "values", values)
@@ -85,8 +86,12 @@ def from_arrays(keys: mx.array, values: mx.array, *, lengths=None, left_pad=None
     lp = per_row(0 if left_pad is None else left_pad, B, "left_pad")
     n = per_row([S - p for p in lp] if lengths is None else lengths, B, "lengths")
     for b in range(B):
-        check(lp[b] + n[b] <= S, f"left_pad[{b}] + lengths[{b}]", f"<= {S} (stored columns)",
-              lp[b] + n[b])
+        check(
+            lp[b] + n[b] <= S,
+            f"left_pad[{b}] + lengths[{b}]",
+            f"<= {S} (stored columns)",
+            lp[b] + n[b],
+        )
     return CacheState(n, lp, step, keys=keys, values=values)
 
 
@@ -123,8 +128,9 @@ def _append(state: CacheState, k, v, plans):
     """
     keys: Any = state.keys
     values: Any = state.values
-    if keys is not None and _rows.fits(k, v, keys.shape[0], keys.shape[1], keys.shape[3],
-                                       values.shape[3], keys.dtype):
+    if keys is not None and _rows.fits(
+        k, v, keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype
+    ):
         plan = _rows.plan_for(state, k.shape[2], plans)
         return plan.apply(state, (keys, values), (k, v), with_planes_dense), plan.width
     state = _rows.append_rows(state, k, v)
@@ -141,4 +147,3 @@ def fetch_dense(state: CacheState):
     if width == keys.shape[2]:
         return keys, values
     return keys[:, :, :width], values[:, :, :width]  # (the short index parses faster)
-

@@ -22,15 +22,15 @@ GROUP_SIZES = (32, 64, 128)
 BITS = (2, 3, 4, 5, 6, 8)
 
 
-def quantized(batch_size: int = 1, *, group_size: int = 64, bits: int = 8,
-              step: int = 256) -> QuantizedState:
+def quantized(
+    batch_size: int = 1, *, group_size: int = 64, bits: int = 8, step: int = 256
+) -> QuantizedState:
     """An empty ``QuantizedState`` of ``batch_size`` rows."""
     group_size, bits = as_int(group_size, "group_size"), as_int(bits, "bits")
     check(group_size in GROUP_SIZES, "group_size", f"one of {GROUP_SIZES}", group_size)
     check(bits in BITS, "bits", f"one of {BITS}", bits)
     base = _dense.empty(batch_size, step=step)
-    return QuantizedState(base.lengths, base.left_pad, base.step, group_size=group_size,
-                          bits=bits)
+    return QuantizedState(base.lengths, base.left_pad, base.step, group_size=group_size, bits=bits)
 
 
 def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> QuantizedState:
@@ -51,11 +51,16 @@ def to_quantized(state: CacheState, *, group_size: int = 64, bits: int = 8) -> Q
         return empty
     planes: Any = (state.keys, state.values)
     for arg, x in zip(("state keys", "state values"), planes):
-        check(x.shape[3] % group_size == 0, f"{arg} head dim (shape[3])",
-              f"a multiple of group_size={group_size}", x.shape[3])
+        check(
+            x.shape[3] % group_size == 0,
+            f"{arg} head dim (shape[3])",
+            f"a multiple of group_size={group_size}",
+            x.shape[3],
+        )
     planes = _rows.to_planes(empty, *_rows.columns(state.planes, state.width))
-    out = _rows.with_planes(empty, planes, lengths=state.lengths, left_pad=state.left_pad,
-                            row_ids=state.row_ids)
+    out = _rows.with_planes(
+        empty, planes, lengths=state.lengths, left_pad=state.left_pad, row_ids=state.row_ids
+    )
     return clear_hidden(out)  # (mx.quantize of a zero column gives a nonzero scale)
 
 
@@ -68,15 +73,18 @@ def geometry_quantized(state: QuantizedState):
     kp, ks, _ = keys
     vp, vs, _ = values
     # The head dim is recoverable from the scales: one scale per group.
-    return (kp.shape[1], ks.shape[3] * state.group_size, vs.shape[3] * state.group_size,
-            ks.dtype)
+    return (kp.shape[1], ks.shape[3] * state.group_size, vs.shape[3] * state.group_size, ks.dtype)
 
 
 @_rows.to_planes.register
 def to_planes_quantized(state: QuantizedState, k, v):
     for arg, x in (("k", k), ("v", v)):
-        check(x.shape[3] % state.group_size == 0, f"{arg} head dim (shape[3])",
-              f"a multiple of group_size={state.group_size}", x.shape[3])
+        check(
+            x.shape[3] % state.group_size == 0,
+            f"{arg} head dim (shape[3])",
+            f"a multiple of group_size={state.group_size}",
+            x.shape[3],
+        )
     qk = mx.quantize(k, group_size=state.group_size, bits=state.bits)
     qv = mx.quantize(v, group_size=state.group_size, bits=state.bits)
     return (*qk, *qv)
@@ -107,15 +115,21 @@ def validate_quantized(state: QuantizedState):
     for name in ("keys", "values"):
         planes = getattr(state, name)
         if type(planes) is not tuple or len(planes) != 3:
-            raise bad(f"state.{name}", "a (packed, scales, biases) tuple of 3 arrays",
-                      f"{type(planes).__name__} of {len(planes) if type(planes) is tuple else '?'}")
+            raise bad(
+                f"state.{name}",
+                "a (packed, scales, biases) tuple of 3 arrays",
+                f"{type(planes).__name__} of {len(planes) if type(planes) is tuple else '?'}",
+            )
         packed, scales, biases = planes
         _, H, C, width = check_plane(f"state.{name}[0] (packed)", packed, B, C, H)
         groups = check_plane(f"state.{name}[1] (scales)", scales, B, C, H)[3]
         check_plane(f"state.{name}[2] (biases)", biases, B, C, H)
         if biases.shape != scales.shape:
-            raise bad(f"state.{name}[2] (biases) shape", f"{list(scales.shape)} as scales",
-                      list(biases.shape))
+            raise bad(
+                f"state.{name}[2] (biases) shape",
+                f"{list(scales.shape)} as scales",
+                list(biases.shape),
+            )
         if packed.dtype != mx.uint32:
             raise bad(f"state.{name}[0] (packed) dtype", "uint32", packed.dtype)
         dtype = scales.dtype if dtype is None else dtype
@@ -125,12 +139,14 @@ def validate_quantized(state: QuantizedState):
         check_float(f"state.{name}[1] (scales)", dtype)
         D = groups * state.group_size
         if width * 32 != D * state.bits:
-            raise bad(f"state.{name}[0] (packed) width (shape[3])",
-                      f"{D * state.bits // 32} ({groups} groups of {state.group_size} at "
-                      f"{state.bits} bits)", width)
+            raise bad(
+                f"state.{name}[0] (packed) width (shape[3])",
+                f"{D * state.bits // 32} ({groups} groups of {state.group_size} at "
+                f"{state.bits} bits)",
+                width,
+            )
     _rows.check_ends(state, C)  # type: ignore[arg-type]  # C: set by the keys loop above
     return state
-
 
 
 @ops.fetch.register
@@ -176,5 +192,6 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
 
 @_rows.sdpa.register
 def sdpa_quantized(state: QuantizedState, q, keys, values, *, scale, mask):
-    return quantized_sdpa(q, keys, values, scale=scale, mask=mask,
-                          group_size=state.group_size, bits=state.bits)
+    return quantized_sdpa(
+        q, keys, values, scale=scale, mask=mask, group_size=state.group_size, bits=state.bits
+    )

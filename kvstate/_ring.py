@@ -35,8 +35,17 @@ import numpy as np
 from . import _rows, compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
-from .invariants import (check_counts, check_float, check_int, check_plane, clear_columns,
-                         clear_hidden, cleared, distinct_row_ids, validate)
+from .invariants import (
+    check_counts,
+    check_float,
+    check_int,
+    check_plane,
+    clear_columns,
+    clear_hidden,
+    cleared,
+    distinct_row_ids,
+    validate,
+)
 from .masks import MaskKey, lease
 from .records import Checkpoint, RotatingState, derived, row_ids_of
 
@@ -54,8 +63,9 @@ def _check_ring(max_size, keep, step):
     return max_size, keep, step
 
 
-def rotating(batch_size: int = 1, *, max_size: int, keep: int = 0,
-             step: int = 256) -> RotatingState:
+def rotating(
+    batch_size: int = 1, *, max_size: int, keep: int = 0, step: int = 256
+) -> RotatingState:
     """An empty ``RotatingState``: ``batch_size`` rings of ``max_size`` positions.
 
     Args:
@@ -66,8 +76,9 @@ def rotating(batch_size: int = 1, *, max_size: int, keep: int = 0,
     batch_size = as_int(batch_size, "batch_size")
     check(batch_size >= 0, "batch_size", ">= 0", batch_size)
     max_size, keep, step = _check_ring(max_size, keep, step)
-    return RotatingState((0,) * batch_size, (0,) * batch_size, max_size=max_size, keep=keep,
-                         step=step)
+    return RotatingState(
+        (0,) * batch_size, (0,) * batch_size, max_size=max_size, keep=keep, step=step
+    )
 
 
 # --- the layout math (numpy on the host, or mx inside compiled code) -------------
@@ -158,8 +169,7 @@ def _plan(state: RotatingState, N: int):
     counts, what each row still holds of the old tokens after eviction, and
     the capacity the new buffer gets.
     """
-    kept = kept_after_eviction(state.lengths, state.held, max_size=state.max_size,
-                               keep=state.keep)
+    kept = kept_after_eviction(state.lengths, state.held, max_size=state.max_size, keep=state.keep)
     lengths = tuple(n + N for n in state.lengths)
     held = tuple(k + N for k in kept)
     need = max(held, default=0)
@@ -229,8 +239,7 @@ def _relayout(planes, lengths, held, keep: int, old_c: int, new_c: int):
     if not planes or old_c == new_c:
         return tuple(planes)
     if old_c == 0:
-        return tuple(mx.zeros((p.shape[0], p.shape[1], new_c, p.shape[3]), p.dtype)
-                     for p in planes)
+        return tuple(mx.zeros((p.shape[0], p.shape[1], new_c, p.shape[3]), p.dtype) for p in planes)
     if max(lengths, default=0) <= min(old_c, new_c):
         # No row has wrapped: col(p) = p under both capacities.
         return _rows.resize(planes, new_c)
@@ -245,9 +254,11 @@ def _gather(planes, src):
     """Each plane's columns ``src`` (``[B, W]`` host ints), per row."""
     idx = mx.array(src, dtype=mx.int32)[:, None, :, None]
     return tuple(
-        mx.take_along_axis(p, mx.broadcast_to(idx, (p.shape[0], p.shape[1], idx.shape[2],
-                                                    p.shape[3])), axis=2)
-        for p in planes)
+        mx.take_along_axis(
+            p, mx.broadcast_to(idx, (p.shape[0], p.shape[1], idx.shape[2], p.shape[3])), axis=2
+        )
+        for p in planes
+    )
 
 
 # --- append / read / fetch ---------------------------------------------------------
@@ -312,8 +323,9 @@ def fetch_ring(state: RotatingState):
     ln, hd = np.array(state.lengths, np.int64), np.array(state.held, np.int64)
     rank = np.arange(W)[None, :] - (W - hd)[:, None]
     pad = rank < 0
-    src = column_of(_position_of_rank(np.maximum(rank, 0), ln, hd, state.keep), state.keep,
-                    state.capacity)
+    src = column_of(
+        _position_of_rank(np.maximum(rank, 0), ln, hd, state.keep), state.keep, state.capacity
+    )
     out = _gather(state.planes, np.where(pad, 0, src))
     if pad.any():
         keepm = mx.array(~pad)[:, None, :, None]
@@ -321,8 +333,9 @@ def fetch_ring(state: RotatingState):
     return out
 
 
-def from_temporal(keys, values, *, lengths, max_size: int, keep: int = 0, held=None,
-                  step: int = 256) -> RotatingState:
+def from_temporal(
+    keys, values, *, lengths, max_size: int, keep: int = 0, held=None, step: int = 256
+) -> RotatingState:
     """A ``RotatingState`` holding ``keys``/``values`` ``[B, H, S, D]`` given in temporal order.
 
     Row ``b`` holds its last ``held[b]`` columns (default: all ``S``) and has
@@ -348,8 +361,9 @@ def from_temporal(keys, values, *, lengths, max_size: int, keep: int = 0, held=N
     holds, rank = _ranks(ln, hd, keep, C, C)
     src = np.where(holds, S - hd[:, None] + rank, 0)
     planes = _gather((keys, values), src)
-    return RotatingState(lengths, held, max_size=max_size, keep=keep, step=step,
-                         keys=planes[0], values=planes[1])
+    return RotatingState(
+        lengths, held, max_size=max_size, keep=keep, step=step, keys=planes[0], values=planes[1]
+    )
 
 
 @ops.positions.register
@@ -373,8 +387,9 @@ def _window(state, window):
     return w
 
 
-def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo, w: int,
-               array: bool = False):
+def _read_mask(
+    lengths, held, capacity: int, state: RotatingState, n: int, memo, w: int, array: bool = False
+):
     """The mask for the last ``n`` entries of rows ``lengths``/``held`` over the
     read of a ring of ``capacity`` (``state`` gives ``keep`` and ``max_size``).
 
@@ -390,8 +405,13 @@ def _read_mask(lengths, held, capacity: int, state: RotatingState, n: int, memo,
         return "causal", None
     family = "ring" if w == state.max_size else "ring-window"
     key = MaskKey(family, (n, lengths, held, state.keep, capacity, width, w))
-    lease_ = lease(memo, key, lambda: ring_mask(n, lengths, held, keep=state.keep,
-                                                capacity=capacity, width=width, window=w))
+    lease_ = lease(
+        memo,
+        key,
+        lambda: ring_mask(
+            n, lengths, held, keep=state.keep, capacity=capacity, width=width, window=w
+        ),
+    )
     return lease_.mask, lease_
 
 
@@ -404,14 +424,13 @@ def next_mask_ring(state: RotatingState, n, *, memo=None, window=None, array=Fal
 
 @ops.attend.register
 def attend_ring(state: RotatingState, q, *, scale: float, memo=None, window=None):
-    n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo,
-                               holds=state.held)
+    n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo, holds=state.held)
     w = _window(state, window)
     keys, values = read(state)
     return _rows.under_mask(
         _read_mask(state.lengths, state.held, state.capacity, state, n, memo, w),
-        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                          mask=mask))
+        lambda mask: mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
+    )
 
 
 # --- trim, checkpoint, rollback ---------------------------------------------------------
@@ -436,9 +455,12 @@ def _trim_to(state: RotatingState, target, arg: str) -> RotatingState:
             continue
         lowest = s + max(0, ms - 1 - keep)
         if t < lowest:
-            raise bad(f"{arg} for row {b}",
-                      f">= {lowest} or <= {keep} (the ring holds positions {s}..{n - 1}, and "
-                      f"the next append needs the {ms - 1 - keep} before it)", t)
+            raise bad(
+                f"{arg} for row {b}",
+                f">= {lowest} or <= {keep} (the ring holds positions {s}..{n - 1}, and "
+                f"the next append needs the {ms - 1 - keep} before it)",
+                t,
+            )
         held.append(keep + t - s)
     keys, values = clear_columns(state.planes, _dropped_columns(state, target)) or (None, None)
     return derived(state, lengths=tuple(target), held=tuple(held), keys=keys, values=values)
@@ -456,8 +478,9 @@ def _dropped_columns(state: RotatingState, target) -> list:
 
 @ops.trim.register
 def trim_ring(state: RotatingState, n):
-    return _trim_to(state, _rows.trimmed_lengths(state, n, "tokens the row has seen"),
-                    "lengths - n")
+    return _trim_to(
+        state, _rows.trimmed_lengths(state, n, "tokens the row has seen"), "lengths - n"
+    )
 
 
 @ops.checkpoint.register
@@ -495,23 +518,35 @@ def commit_ring(state: RotatingState, anchor, keep=0):
     if isinstance(anchor, Checkpoint):
         return ops.rollback(state, anchor, keep)
     if not isinstance(anchor, RotatingState):
-        raise bad("anchor", "a Checkpoint or a RotatingState (kv.anchor of an earlier record)",
-                  type(anchor).__name__)
+        raise bad(
+            "anchor",
+            "a Checkpoint or a RotatingState (kv.anchor of an earlier record)",
+            type(anchor).__name__,
+        )
     B, ms, kp = state.batch_size, state.max_size, state.keep
     check(anchor.batch_size == B, "anchor batch size", B, anchor.batch_size)
     _rows.check_checkpoint_rows(state, anchor, "anchor")
-    check((anchor.max_size, anchor.keep) == (ms, kp), "anchor (max_size, keep)", (ms, kp),
-          (anchor.max_size, anchor.keep))
+    check(
+        (anchor.max_size, anchor.keep) == (ms, kp),
+        "anchor (max_size, keep)",
+        (ms, kp),
+        (anchor.max_size, anchor.keep),
+    )
     keep = per_row(keep, B, "keep")
     La = max(state.capacity - kp, 1)
     for b, (k, n0, n) in enumerate(zip(keep, anchor.lengths, state.lengths)):
-        check(n0 + k <= n, f"anchor + keep for row {b}",
-              f"<= {n} (tokens the row has seen)", n0 + k)
+        check(
+            n0 + k <= n, f"anchor + keep for row {b}", f"<= {n} (tokens the row has seen)", n0 + k
+        )
         if k:
             oldest = max(n0, kp)
-            check(n - La <= oldest or n0 + k <= kp, f"keep for row {b}",
-                  f"positions still in the ring (from {n - La}; the state holds "
-                  f"{state.capacity} columns)", f"positions {n0}..{n0 + k - 1}")
+            check(
+                n - La <= oldest or n0 + k <= kp,
+                f"keep for row {b}",
+                f"positions still in the ring (from {n - La}; the state holds "
+                f"{state.capacity} columns)",
+                f"positions {n0}..{n0 + k - 1}",
+            )
     lengths, held = list(anchor.lengths), list(anchor.held)
     for b, k in enumerate(keep):
         for _ in range(k):
@@ -520,8 +555,12 @@ def commit_ring(state: RotatingState, anchor, keep=0):
     K = max(keep)
     if K == 0:
         return anchor
-    check(anchor.keys is not None and state.keys is not None, "anchor",
-          "a ring holding keys (append first)", "an empty ring")
+    check(
+        anchor.keys is not None and state.keys is not None,
+        "anchor",
+        "a ring holding keys (append first)",
+        "an empty ring",
+    )
     need, C = max(held), anchor.capacity
     planes = anchor.planes
     if need > C:
@@ -554,22 +593,39 @@ def filter_rows_ring(state: RotatingState, rows):
     if keys is not None and rows != list(range(state.batch_size)):
         idx = mx.array(rows, dtype=mx.int32)
         keys, values = keys[idx], values[idx]
-    return derived(state, lengths=tuple(state.lengths[r] for r in rows),
-                   held=tuple(state.held[r] for r in rows), keys=keys, values=values,
-                   row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)))
+    return derived(
+        state,
+        lengths=tuple(state.lengths[r] for r in rows),
+        held=tuple(state.held[r] for r in rows),
+        keys=keys,
+        values=values,
+        row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)),
+    )
 
 
 @ops.extract_row.register
 def extract_row_ring(state: RotatingState, row):
     """One row with a compact copy of what it holds (capacity = held; pins nothing)."""
     row = row_index(row, state.batch_size)
-    one = derived(state, lengths=(state.lengths[row],), held=(state.held[row],),
-                  keys=None, values=None, row_ids=(row_ids_of(state)[row],))
+    one = derived(
+        state,
+        lengths=(state.lengths[row],),
+        held=(state.held[row],),
+        keys=None,
+        values=None,
+        row_ids=(row_ids_of(state)[row],),
+    )
     if state.keys is None:
         return one
     h = state.held[row]
-    planes = _relayout(tuple(p[row:row + 1] for p in state.planes), one.lengths, one.held,
-                       state.keep, state.capacity, h)
+    planes = _relayout(
+        tuple(p[row : row + 1] for p in state.planes),
+        one.lengths,
+        one.held,
+        state.keep,
+        state.capacity,
+        h,
+    )
     keys, values = (mx.contiguous(p) for p in planes)
     return derived(one, keys=keys, values=values)
 
@@ -585,15 +641,24 @@ def merge_rows_ring(first: RotatingState, states):
         parts = []
         for s in states:
             if s.keys is None:
-                parts.append(tuple(mx.zeros((s.batch_size, p.shape[1], C, p.shape[3]), p.dtype)
-                                   for p in ref.planes))
+                parts.append(
+                    tuple(
+                        mx.zeros((s.batch_size, p.shape[1], C, p.shape[3]), p.dtype)
+                        for p in ref.planes
+                    )
+                )
             else:
                 parts.append(_relayout(s.planes, s.lengths, s.held, s.keep, s.capacity, C))
         keys = mx.concatenate([p[0] for p in parts], axis=0)
         values = mx.concatenate([p[1] for p in parts], axis=0)
-    return derived(first, lengths=sum((s.lengths for s in states), ()),
-                   held=sum((s.held for s in states), ()), keys=keys, values=values,
-                   row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())))
+    return derived(
+        first,
+        lengths=sum((s.lengths for s in states), ()),
+        held=sum((s.held for s in states), ()),
+        keys=keys,
+        values=values,
+        row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())),
+    )
 
 
 # --- the compile boundary (kvstate.compiled) for rings -----------------------------------
@@ -609,10 +674,10 @@ def with_capacity_ring(state: RotatingState, capacity: int):
     capacity = compiled.check_capacity(state, capacity)
     if state.capacity == capacity:
         return state
-    check(capacity >= state.width, "capacity", f">= {state.width} (entries a row holds)",
-          capacity)
-    keys, values = _relayout(state.planes, state.lengths, state.held, state.keep,
-                             state.capacity, capacity)
+    check(capacity >= state.width, "capacity", f">= {state.width} (entries a row holds)", capacity)
+    keys, values = _relayout(
+        state.planes, state.lengths, state.held, state.keep, state.capacity, capacity
+    )
     return derived(state, keys=keys, values=values)
 
 
@@ -633,36 +698,43 @@ def advanced_ring(state: RotatingState, n: int = 1) -> dict:
 
 
 @compiled.traced_offset.register
-def traced_offset_ring(proto: RotatingState, view: compiled.Traced,
-                       ctx: compiled.TraceContext):
+def traced_offset_ring(proto: RotatingState, view: compiled.Traced, ctx: compiled.TraceContext):
     return view.positions[0]
 
 
 def _ring_after(proto, view, n, ctx):
     lengths, held = view.positions
-    return ctx.shared(("ring-after", n, proto.keep, proto.max_size), (lengths, held),
-                      lambda: advance(lengths, held, n, max_size=proto.max_size,
-                                      keep=proto.keep))
+    return ctx.shared(
+        ("ring-after", n, proto.keep, proto.max_size),
+        (lengths, held),
+        lambda: advance(lengths, held, n, max_size=proto.max_size, keep=proto.keep),
+    )
 
 
 @compiled.traced_update.register
-def traced_update_ring(proto: RotatingState, view: compiled.Traced, k, v,
-                       ctx: compiled.TraceContext):
-    _rows.check_geometry(_rows.geometry(derived(proto, keys=view.planes[0],
-                                                values=view.planes[1])), k, v)
+def traced_update_ring(
+    proto: RotatingState, view: compiled.Traced, k, v, ctx: compiled.TraceContext
+):
+    _rows.check_geometry(
+        _rows.geometry(derived(proto, keys=view.planes[0], values=view.planes[1])), k, v
+    )
     N = k.shape[2]  # a block (a verify window) holds up to max_size + N - 1, as append does
     lengths, _ = view.positions
     C = view.capacity
-    write = ctx.shared(("ring-write", N, proto.keep, C), (lengths,),
-                       lambda: ring_writer(lengths, N, keep=proto.keep, capacity=C))
+    write = ctx.shared(
+        ("ring-write", N, proto.keep, C),
+        (lengths,),
+        lambda: ring_writer(lengths, N, keep=proto.keep, capacity=C),
+    )
     planes = (write(view.planes[0], k), write(view.planes[1], v))
     after = _ring_after(proto, view, N, ctx)
     return compiled.Traced(proto, planes, after, view.same_end), planes[0], planes[1]
 
 
 @compiled.traced_mask.register
-def traced_mask_ring(proto: RotatingState, view: compiled.Traced, n: int, window,
-                     ctx: compiled.TraceContext):
+def traced_mask_ring(
+    proto: RotatingState, view: compiled.Traced, n: int, window, ctx: compiled.TraceContext
+):
     lengths, held = view.positions
     C, w = view.capacity, window or proto.max_size
 
@@ -691,16 +763,17 @@ def validate_ring(state: RotatingState):
         if n <= keep and h != n:
             raise bad(f"state.held[{b}]", f"{n} (a row inside its kept prefix holds it all)", h)
         if n > keep and h < keep:
-            raise bad(f"state.held[{b}]", f">= keep = {keep} (the kept prefix is never evicted)",
-                      h)
+            raise bad(f"state.held[{b}]", f">= keep = {keep} (the kept prefix is never evicted)", h)
     keys, values = state.keys, state.values
     if keys is None or values is None:
         if keys is not None or values is not None:
-            raise bad("state.keys and state.values", "both set or both None",
-                      f"{type(keys).__name__} and {type(values).__name__}")
+            raise bad(
+                "state.keys and state.values",
+                "both set or both None",
+                f"{type(keys).__name__} and {type(values).__name__}",
+            )
         if any(state.lengths):
-            raise bad("state.lengths", "zeros before the first append (no planes)",
-                      state.lengths)
+            raise bad("state.lengths", "zeros before the first append (no planes)", state.lengths)
         return state
     _, H, C, _ = check_plane("state.keys", keys, B)
     check_plane("state.values", values, B, C, H)
@@ -718,8 +791,9 @@ def _clear_ring(state: RotatingState):
     if state.keys is None or min(state.held, default=0) == state.capacity:
         return state
     C = state.capacity
-    holds, _ = _ranks(np.array(state.lengths, np.int64), np.array(state.held, np.int64),
-                      state.keep, C, C)
+    holds, _ = _ranks(
+        np.array(state.lengths, np.int64), np.array(state.held, np.int64), state.keep, C, C
+    )
     planes = state.planes
     new = cleared(planes, holds)
     return state if new is planes else derived(state, keys=new[0], values=new[1])

@@ -25,8 +25,15 @@ import numpy as np
 from . import compiled, ops
 from ._args import as_int, check_scale, per_row, row_index, row_list
 from .errors import bad, check
-from .invariants import (check_counts, check_float, check_int, clear_columns, clear_hidden,
-                         cleared, distinct_row_ids)
+from .invariants import (
+    check_counts,
+    check_float,
+    check_int,
+    clear_columns,
+    clear_hidden,
+    cleared,
+    distinct_row_ids,
+)
 from .masks import check_memo, lease, rows_key, rows_mask
 from .records import Checkpoint, _Rows, row_ids_of
 
@@ -93,8 +100,16 @@ def fits(k, v, B: int, H: int, Dk: int, Dv: int, dtype) -> bool:
     if type(k) is not mx.array or type(v) is not mx.array:
         return False
     ks = k.shape
-    return (len(ks) == 4 and ks[0] == B and ks[1] == H and ks[3] == Dk and ks[2] >= 1
-            and v.shape == (B, H, ks[2], Dv) and k.dtype == dtype and v.dtype == dtype)
+    return (
+        len(ks) == 4
+        and ks[0] == B
+        and ks[1] == H
+        and ks[3] == Dk
+        and ks[2] >= 1
+        and v.shape == (B, H, ks[2], Dv)
+        and k.dtype == dtype
+        and v.dtype == dtype
+    )
 
 
 def validate_tokens(state, k, v):
@@ -139,9 +154,11 @@ def resize(planes, capacity: int) -> tuple:
     if capacity < C:
         return tuple(p[:, :, :capacity, :] for p in planes)
     return tuple(
-        mx.concatenate([p, mx.zeros((p.shape[0], p.shape[1], capacity - C, p.shape[3]),
-                                    p.dtype)], axis=2)
-        for p in planes)
+        mx.concatenate(
+            [p, mx.zeros((p.shape[0], p.shape[1], capacity - C, p.shape[3]), p.dtype)], axis=2
+        )
+        for p in planes
+    )
 
 
 _GPU = mx.DeviceType.gpu
@@ -184,8 +201,9 @@ def column_writer(ends, N: int, *, slice_write: Optional[bool] = None):
 def scatter_writer(index):
     """``write(plane, new)`` putting ``new`` ``[B, H, N, D]`` at the columns
     ``index`` ``[B, 1, N, 1]`` (broadcast over heads and head dim)."""
-    return lambda plane, new: mx.put_along_axis(plane, mx.broadcast_to(index, new.shape), new,
-                                                axis=2)
+    return lambda plane, new: mx.put_along_axis(
+        plane, mx.broadcast_to(index, new.shape), new, axis=2
+    )
 
 
 class AppendPlan:
@@ -197,12 +215,26 @@ class AppendPlan:
     of a model, in one forward) shares one plan through ``Plans``.
     """
 
-    __slots__ = ("lengths", "left_pad", "step", "capacity", "n", "width", "grow", "write",
-                 "new_lengths")
+    __slots__ = (
+        "lengths",
+        "left_pad",
+        "step",
+        "capacity",
+        "n",
+        "width",
+        "grow",
+        "write",
+        "new_lengths",
+    )
 
     def __init__(self, lengths: tuple, left_pad: tuple, step: int, capacity: int, n: int):
         self.lengths, self.left_pad, self.step, self.capacity, self.n = (
-            lengths, left_pad, step, capacity, n)
+            lengths,
+            left_pad,
+            step,
+            capacity,
+            n,
+        )
         ends = tuple(map(operator.add, left_pad, lengths))
         self.width = need = max(ends, default=0) + n
         self.new_lengths = tuple([m + n for m in lengths])
@@ -218,8 +250,9 @@ class AppendPlan:
         if self.grow:
             planes = resize(planes, self.grow)
         write = self.write
-        return (rebuild or with_planes)(state, tuple([write(p, x) for p, x in zip(planes, new)]),
-                                        lengths=self.new_lengths)
+        return (rebuild or with_planes)(
+            state, tuple([write(p, x) for p, x in zip(planes, new)]), lengths=self.new_lengths
+        )
 
 
 class Plans:
@@ -238,9 +271,14 @@ class Plans:
 
     def get(self, state, capacity: int, n: int) -> AppendPlan:
         plan = self._last
-        if (plan is not None and plan.lengths is state.lengths
-                and plan.left_pad is state.left_pad and plan.capacity == capacity
-                and plan.n == n and plan.step == state.step):
+        if (
+            plan is not None
+            and plan.lengths is state.lengths
+            and plan.left_pad is state.left_pad
+            and plan.capacity == capacity
+            and plan.n == n
+            and plan.step == state.step
+        ):
             return plan
         key = (state.lengths, state.left_pad, state.step, capacity, n)
         plan = self._by_key.get(key)
@@ -297,8 +335,12 @@ def rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=Fal
     for one query, ``"causal"`` (the fused kernel's bottom-right mode) for
     several. Release the lease once the read is built.
     """
-    if (not array and window is None and (not ends or ends.count(ends[0]) == len(ends))
-            and not any(left_pad)):
+    if (
+        not array
+        and window is None
+        and (not ends or ends.count(ends[0]) == len(ends))
+        and not any(left_pad)
+    ):
         return (None if n == 1 else "causal"), None  # aligned
     key = rows_key(n, left_pad, ends, window)
     held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends, default=0), window))
@@ -350,8 +392,10 @@ def sdpa(state, q, keys, values, *, scale: float, mask):
 def attend_rows(state: _Rows, q, *, scale: float, memo=None, window=None):
     n = validate_queries(state, q, scale=scale, window=window, memo=memo)
     keys, values = ops.fetch(state)
-    return under_mask(read_mask(state, n, memo, window),
-                      lambda mask: sdpa(state, q, keys, values, scale=scale, mask=mask))
+    return under_mask(
+        read_mask(state, n, memo, window),
+        lambda mask: sdpa(state, q, keys, values, scale=scale, mask=mask),
+    )
 
 
 def validate_queries(state, q, *, scale, window, memo=None, holds=None) -> int:
@@ -372,14 +416,19 @@ def validate_queries(state, q, *, scale, window, memo=None, holds=None) -> int:
     check(q.ndim == 4, "q rank", "4 ([B, Hq, N, D])", f"{q.ndim} {list(q.shape)}")
     check(q.shape[0] == state.batch_size, "q batch size", state.batch_size, q.shape[0])
     check(q.shape[3] == dk, "q head dim (shape[3])", dk, q.shape[3])
-    check(q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)",
-          q.shape[1])
+    check(
+        q.shape[1] % H == 0, "q heads (shape[1])", f"a multiple of {H} (the KV heads)", q.shape[1]
+    )
     check(q.dtype == dtype, "q dtype", dtype, q.dtype)
     n = q.shape[2]
     check(n >= 1, "q tokens (shape[2])", ">= 1", n)
     short = min(state.lengths if holds is None else holds, default=n)
-    check(n <= short, "q tokens (shape[2])",
-          f"<= {short}, the fewest tokens a row holds (queries are each row's last N)", n)
+    check(
+        n <= short,
+        "q tokens (shape[2])",
+        f"<= {short}, the fewest tokens a row holds (queries are each row's last N)",
+        n,
+    )
     if window is not None:
         w = as_int(window, "window")
         check(w >= 1, "window", ">= 1", w)
@@ -419,23 +468,33 @@ def check_checkpoint_rows(state, cp, arg: str = "checkpoint") -> None:
     """``cp`` (a checkpoint, or a ring's anchor record) was taken of ``state``'s
     rows, in this order (``row_ids``; ``kvstate.invariants``)."""
     if cp.row_ids is None:
-        raise bad(arg, "one kv.checkpoint took of this record's rows (with row_ids)",
-                  "a checkpoint without row ids")
+        raise bad(
+            arg,
+            "one kv.checkpoint took of this record's rows (with row_ids)",
+            "a checkpoint without row ids",
+        )
     if cp.row_ids != state.row_ids:
-        raise bad(f"{arg} rows (row_ids)", f"{state.row_ids} (this record's rows, in order)",
-                  f"{cp.row_ids} (taken before a merge, filter or reorder, or of another "
-                  "record)")
+        raise bad(
+            f"{arg} rows (row_ids)",
+            f"{state.row_ids} (this record's rows, in order)",
+            f"{cp.row_ids} (taken before a merge, filter or reorder, or of another record)",
+        )
 
 
 def checkpoint_target(state, cp, keep):
     """The rows' target lengths for ``rollback`` (every record kind checks this way)."""
     if not isinstance(cp, Checkpoint):
         raise bad("checkpoint", "a Checkpoint", type(cp).__name__)
-    check(cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size,
-          cp.batch_size)
+    check(
+        cp.batch_size == state.batch_size, "checkpoint batch size", state.batch_size, cp.batch_size
+    )
     check_checkpoint_rows(state, cp)
-    check(cp.left_pad == state.left_pad, "checkpoint left_pad",
-          f"{state.left_pad} (the state's row layout)", cp.left_pad)
+    check(
+        cp.left_pad == state.left_pad,
+        "checkpoint left_pad",
+        f"{state.left_pad} (the state's row layout)",
+        cp.left_pad,
+    )
     keep = per_row(keep, state.batch_size, "keep")
     return tuple(c + k for c, k in zip(cp.lengths, keep))
 
@@ -480,17 +539,23 @@ def filter_rows_rows(state: _Rows, rows):
         if shared:
             # Padding that every survivor shares is dead weight: slice it off.
             planes = tuple(p[:, :, shared:, :] for p in planes)
-    return with_planes(state, planes, lengths=lengths, left_pad=tuple(p - shared for p in lp),
-                       row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)))
+    return with_planes(
+        state,
+        planes,
+        lengths=lengths,
+        left_pad=tuple(p - shared for p in lp),
+        row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)),
+    )
 
 
 @ops.extract_row.register
 def extract_row_rows(state: _Rows, row):
     row = row_index(row, state.batch_size)
     start, n = state.left_pad[row], state.lengths[row]
-    planes = tuple(mx.contiguous(p[row:row + 1, :, start:start + n, :]) for p in state.planes)
-    return with_planes(state, planes, lengths=(n,), left_pad=(0,),
-                       row_ids=(row_ids_of(state)[row],))
+    planes = tuple(mx.contiguous(p[row : row + 1, :, start : start + n, :]) for p in state.planes)
+    return with_planes(
+        state, planes, lengths=(n,), left_pad=(0,), row_ids=(row_ids_of(state)[row],)
+    )
 
 
 def check_same_geometry(states, fields=()):
@@ -498,16 +563,21 @@ def check_same_geometry(states, fields=()):
     ref = None
     for i, s in enumerate(states):
         for f in fields:
-            check(getattr(s, f) == getattr(states[0], f), f"states[{i}].{f}",
-                  getattr(states[0], f), getattr(s, f))
+            check(
+                getattr(s, f) == getattr(states[0], f),
+                f"states[{i}].{f}",
+                getattr(states[0], f),
+                getattr(s, f),
+            )
         geo = geometry(s)
         if geo is None:
             continue
         if ref is None:
             ref = (i, geo)
         elif geo != ref[1]:
-            raise bad(f"states[{i}] geometry (H, Dk, Dv, dtype)",
-                      f"{ref[1]} as states[{ref[0]}]", geo)
+            raise bad(
+                f"states[{i}] geometry (H, Dk, Dv, dtype)", f"{ref[1]} as states[{ref[0]}]", geo
+            )
     return ref
 
 
@@ -541,8 +611,13 @@ def merge_rows_rows(first: _Rows, states):
         lengths += s.lengths
         left_pad += [p + shift for p in s.left_pad]
     planes = merge_planes(states, width, first.step)
-    return with_planes(first, planes, lengths=tuple(lengths), left_pad=tuple(left_pad),
-                       row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())))
+    return with_planes(
+        first,
+        planes,
+        lengths=tuple(lengths),
+        left_pad=tuple(left_pad),
+        row_ids=distinct_row_ids(sum((s.row_ids for s in states), ())),
+    )
 
 
 # --- invariants (kvstate.invariants) for the padded row layout ----------------------------
@@ -556,12 +631,17 @@ def validate_rows(state: Any) -> tuple:  # a padded-rows record with keys/values
     ends = state.ends
     if state.keys is None or state.values is None:
         if state.keys is not None or state.values is not None:
-            raise bad("state.keys and state.values", "both set or both None",
-                      f"{type(state.keys).__name__} and {type(state.values).__name__}")
+            raise bad(
+                "state.keys and state.values",
+                "both set or both None",
+                f"{type(state.keys).__name__} and {type(state.values).__name__}",
+            )
         if any(ends):
-            raise bad("state.lengths and state.left_pad",
-                      "zeros before the first append (no planes hold columns)",
-                      f"lengths {state.lengths}, left_pad {state.left_pad}")
+            raise bad(
+                "state.lengths and state.left_pad",
+                "zeros before the first append (no planes hold columns)",
+                f"lengths {state.lengths}, left_pad {state.left_pad}",
+            )
         return B, None
     return B, ends
 
@@ -576,8 +656,7 @@ def check_ends(state, C: int) -> None:
 @clear_hidden.register
 def clear_hidden_rows(state: _Rows):
     planes = state.planes
-    if not planes or (not any(state.left_pad)
-                      and min(state.ends, default=0) == planes[0].shape[2]):
+    if not planes or (not any(state.left_pad) and min(state.ends, default=0) == planes[0].shape[2]):
         return state
     c = np.arange(planes[0].shape[2])[None, :]
     lp, ends = np.array(state.left_pad)[:, None], np.array(state.ends)[:, None]
@@ -627,14 +706,16 @@ def traced_offset_rows(proto: _Rows, view: compiled.Traced, ctx: compiled.TraceC
 
 
 @compiled.traced_update.register
-def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v,
-                       ctx: compiled.TraceContext):
+def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v, ctx: compiled.TraceContext):
     check_geometry(geometry(with_planes(proto, view.planes)), k, v)
     ends, lp = view.positions
     N = k.shape[2]
     slice_write = view.same_end and ctx.same_end_slice
-    write = ctx.shared(("rows-write", N, slice_write), (ends,),
-                       lambda: column_writer(ends, N, slice_write=slice_write))
+    write = ctx.shared(
+        ("rows-write", N, slice_write),
+        (ends,),
+        lambda: column_writer(ends, N, slice_write=slice_write),
+    )
     new = to_planes(proto, k, v)
     planes = tuple([write(p, x) for p, x in zip(view.planes, new)])
     after = ctx.shared(("rows-after", N), (ends,), lambda: ends + N)
@@ -643,9 +724,11 @@ def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v,
 
 
 @compiled.traced_mask.register
-def traced_mask_rows(proto: _Rows, view: compiled.Traced, n: int, window,
-                     ctx: compiled.TraceContext):
+def traced_mask_rows(
+    proto: _Rows, view: compiled.Traced, n: int, window, ctx: compiled.TraceContext
+):
     ends, lp = view.positions
     C = view.capacity
-    return ctx.shared(("rows-mask", n, window, C), (ends, lp),
-                      lambda: rows_mask(n, lp, ends + n, C, window))
+    return ctx.shared(
+        ("rows-mask", n, window, C), (ends, lp), lambda: rows_mask(n, lp, ends + n, C, window)
+    )

@@ -82,8 +82,7 @@ class Eager:
         """
         lengths, left_pad, kind = state.lengths, state.left_pad, type(state)
         last = self._last
-        if (last is not None and last[0] is lengths and last[1] is left_pad
-                and last[2] is kind):
+        if last is not None and last[0] is lengths and last[1] is left_pad and last[2] is kind:
             return last[3]
         key = (kind, lengths, left_pad)
         off = self._positions.get(key)
@@ -101,8 +100,7 @@ class Eager:
     def mask(self, record, N: int, window, return_array: bool):
         # Models that ask return_array=True (gemma2, phi3small, ...) read the
         # mask's dtype: the same mask as an array, same builder and memo.
-        mask, held = ops.next_mask(record, N, memo=self.memo, window=window,
-                                   array=return_array)
+        mask, held = ops.next_mask(record, N, memo=self.memo, window=window, array=return_array)
         if held is not None:
             self.leases.append(held)
         return mask
@@ -179,8 +177,9 @@ class Shell:
     def record(self):
         """The record this shell holds now (eager runs only)."""
         if isinstance(self.content, compiled.Traced):
-            raise bad("shell", "an eager shell (kvstate.mlx_lm.forward)",
-                      "a shell inside a compiled step")
+            raise bad(
+                "shell", "an eager shell (kvstate.mlx_lm.forward)", "a shell inside a compiled step"
+            )
         return self.content
 
     @property

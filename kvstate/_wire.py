@@ -310,8 +310,9 @@ def unpack(desc: dict, arrays: Sequence) -> list:
         layers, rows = desc["layers"], desc["rows"]
     except (KeyError, TypeError):
         raise bad("offer", "a dict with layers, rows and arrays", type(desc).__name__) from None
-    check(isinstance(rows, list) and bool(rows), "offer rows", "a non-empty list",
-          type(rows).__name__)
+    check(
+        isinstance(rows, list) and bool(rows), "offer rows", "a non-empty list", type(rows).__name__
+    )
     out = []
     for j, entries in enumerate(rows):
         check(

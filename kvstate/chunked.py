@@ -218,8 +218,9 @@ def rollback_chunked(state, checkpoint, keep=0):
     # a row keeps its first columns: those after them are dropped, and cleared
     # (a rejected draft's NaN or inf never reaches a read: notes/invariants.md)
     drop = [range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths)]
-    return _rows.with_planes(state, clear_columns(state.planes, drop),
-                             start=tuple(r[0] for r in rows), lengths=lengths)
+    return _rows.with_planes(
+        state, clear_columns(state.planes, drop), start=tuple(r[0] for r in rows), lengths=lengths
+    )
 
 
 # --- rows: filter, extract, merge ---------------------------------------------------------

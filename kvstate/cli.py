@@ -49,20 +49,28 @@ PROMPTS = (
     "Name three primary colors.",
 )
 
-SYSTEM = ("You are a helpful assistant for a travel agency. Answer in one or two short "
-          "sentences, plainly, without lists or headings.")
+SYSTEM = (
+    "You are a helpful assistant for a travel agency. Answer in one or two short "
+    "sentences, plainly, without lists or headings."
+)
 
 # Chats of the built-in set: two requests sharing a system prompt, and a second
 # turn whose history is the first chat (a prefix cache serves both from one prefill).
 CHATS = (
-    ({"role": "system", "content": SYSTEM},
-     {"role": "user", "content": "What is the capital of France?"}),
-    ({"role": "system", "content": SYSTEM},
-     {"role": "user", "content": "Name a famous painting in the Louvre."}),
-    ({"role": "system", "content": SYSTEM},
-     {"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "The capital of France is Paris."},
-     {"role": "user", "content": "How many people live there?"}),
+    (
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the capital of France?"},
+    ),
+    (
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Name a famous painting in the Louvre."},
+    ),
+    (
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is Paris."},
+        {"role": "user", "content": "How many people live there?"},
+    ),
 )
 
 
@@ -275,24 +283,47 @@ def _parser():
     )
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     v.add_argument("--port", type=int, default=8080, help="port (8080)")
-    v.add_argument("--model", default=None, help="a .gguf file or an mlx-lm model directory "
-                   "(default: SmolLM2-135M-Instruct, fetched on first use)")
+    v.add_argument(
+        "--model",
+        default=None,
+        help="a .gguf file or an mlx-lm model directory "
+        "(default: SmolLM2-135M-Instruct, fetched on first use)",
+    )
     v.add_argument("--float32", action="store_true", help="dequantize a quantized model")
     v.add_argument("--max-batch", type=int, default=32, help="most rows decoding at once (32)")
-    v.add_argument("--max-queue", type=int, default=64,
-                   help="most requests waiting; more are answered 429 (64)")
-    v.add_argument("--prefix-cache-mb", type=int, default=256,
-                   help="byte budget of the prefix cache in MiB; 0 turns it off (256)")
-    v.add_argument("--context", type=int, default=None,
-                   help="longest prompt + max_tokens accepted (default: the model's)")
+    v.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="most requests waiting; more are answered 429 (64)",
+    )
+    v.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=256,
+        help="byte budget of the prefix cache in MiB; 0 turns it off (256)",
+    )
+    v.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="longest prompt + max_tokens accepted (default: the model's)",
+    )
     _draft_flags(v)
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
     t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
-    for flag, (lo, hi), what in (("--prompt-len", (16, 64), "prompt lengths"),
-                                  ("--gen-len", (8, 48), "tokens generated per request")):
-        t.add_argument(flag, type=_range, default=(lo, hi), metavar="LO:HI",
-                       help=f"{what}, uniform ({lo}:{hi})")
+    for flag, (lo, hi), what in (
+        ("--prompt-len", (16, 64), "prompt lengths"),
+        ("--gen-len", (8, 48), "tokens generated per request"),
+    ):
+        t.add_argument(
+            flag,
+            type=_range,
+            default=(lo, hi),
+            metavar="LO:HI",
+            help=f"{what}, uniform ({lo}:{hi})",
+        )
     t.add_argument(
         "--arrival-gap", type=int, default=2, help="mean decode steps between arrivals (2)"
     )
@@ -367,8 +398,7 @@ def _drafter(args, err):
         return None
     from . import models
 
-    draft = models.load_model(Path(args.draft_model).expanduser(), dequantize=args.float32,
-                              log=err)
+    draft = models.load_model(Path(args.draft_model).expanduser(), dequantize=args.float32, log=err)
     return DraftModel(draft.model)
 
 
@@ -379,8 +409,9 @@ def _vocab(model):
     size = getattr(args, "vocab_size", None)
     if size is None:
         text = getattr(args, "text_config", None)
-        size = text.get("vocab_size") if isinstance(text, dict) else getattr(text, "vocab_size",
-                                                                                 None)
+        size = (
+            text.get("vocab_size") if isinstance(text, dict) else getattr(text, "vocab_size", None)
+        )
     if size is None:
         raise SystemExit("kvstate generate: cannot tell this model's vocab_size from model.args")
     return size
@@ -487,8 +518,15 @@ def _table(results, requests, out):
 
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    for name in ("requests", "batch_size", "repeat", "max_tokens", "prefill_step_size",
-                 "samples", "prefix_cache_mb"):
+    for name in (
+        "requests",
+        "batch_size",
+        "repeat",
+        "max_tokens",
+        "prefill_step_size",
+        "samples",
+        "prefix_cache_mb",
+    ):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
@@ -514,12 +552,18 @@ def generate(args, out=None, err=None) -> int:
     compiled = args.compile
     share = not (args.no_prefix_cache or compiled)  # (the compiled step takes no shared rows yet)
     cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
-    engines: list = [KVStateEngine(model, compiled=compiled,
-                                   prefill_step_size=args.prefill_step_size, prefix_cache=cache)]
+    engines: list = [
+        KVStateEngine(
+            model, compiled=compiled, prefill_step_size=args.prefill_step_size, prefix_cache=cache
+        )
+    ]
     drafter = _drafter(args, err)
     if drafter is not None:
-        engines = [SpeculativeEngine(model, drafter, args.num_draft, args.prefill_step_size,
-                                     compiled=compiled)]
+        engines = [
+            SpeculativeEngine(
+                model, drafter, args.num_draft, args.prefill_step_size, compiled=compiled
+            )
+        ]
     if args.compare:
         engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
     table_out = err if args.json else out
@@ -543,8 +587,11 @@ def generate(args, out=None, err=None) -> int:
     if drafter is not None:
         e = engines[0]
         rate = f"{e.accepted / e.drafted:.0%}" if e.drafted else "-"
-        print(f"speculation: {e.accepted}/{e.drafted} draft tokens accepted ({rate}), "
-              "in the last run", file=table_out)
+        print(
+            f"speculation: {e.accepted}/{e.drafted} draft tokens accepted ({rate}), "
+            "in the last run",
+            file=table_out,
+        )
     if not args.compare:
         return 0
     (_, ours), (_, theirs) = results
@@ -570,11 +617,21 @@ def serve_command(args, err=None) -> int:
     loaded = load(args, err)
     drafter = _drafter(args, err)
     cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
-    print(f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err,
-          flush=True)
-    server.run(loaded, host=args.host, port=args.port, log=err, max_batch=args.max_batch,
-               max_queue=args.max_queue, context=args.context, prefix_cache=cache,
-               drafter=drafter, num_draft=args.num_draft)
+    print(
+        f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err, flush=True
+    )
+    server.run(
+        loaded,
+        host=args.host,
+        port=args.port,
+        log=err,
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        context=args.context,
+        prefix_cache=cache,
+        drafter=drafter,
+        num_draft=args.num_draft,
+    )
     return 0
 
 

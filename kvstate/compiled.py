@@ -57,8 +57,9 @@ from .records import built
 
 
 def _is_arrays(value) -> bool:
-    return isinstance(value, tuple) and len(value) > 0 and all(
-        isinstance(x, mx.array) for x in value)
+    return (
+        isinstance(value, tuple) and len(value) > 0 and all(isinstance(x, mx.array) for x in value)
+    )
 
 
 @attrs.frozen
@@ -105,7 +106,7 @@ class Spec:
         derived), built as it is (``kvstate.invariants``)."""
         fields, i = dict(self.host), 0
         for name, count in self.arrays:
-            fields[name] = planes[i] if count == 0 else tuple(planes[i:i + count])
+            fields[name] = planes[i] if count == 0 else tuple(planes[i : i + count])
             i += count or 1
         if trusted:
             return built(self.kind, fields)
@@ -140,8 +141,9 @@ def spec_of(state) -> Spec:
             host.append((f.name, v))
     check(arrays != [], "state", "a state holding keys (append first)", "an empty state")
     first = host_positions(state)[0]
-    return Spec(type(state), tuple(host), tuple(arrays),
-                same_end=first.count(first[0]) == len(first))
+    return Spec(
+        type(state), tuple(host), tuple(arrays), same_end=first.count(first[0]) == len(first)
+    )
 
 
 def unflatten(spec: Spec, leaves):
@@ -339,7 +341,21 @@ def traced_mask(proto, view: Traced, n: int, window, ctx: TraceContext):
 
 
 __all__ = [
-    "Spec", "Flat", "Traced", "TraceContext", "spec_of", "flatten", "unflatten", "validated",
-    "prepare", "advanced", "with_capacity", "host_positions", "position_arrays", "proto_of",
-    "traced_offset", "traced_update", "traced_mask",
+    "Spec",
+    "Flat",
+    "Traced",
+    "TraceContext",
+    "spec_of",
+    "flatten",
+    "unflatten",
+    "validated",
+    "prepare",
+    "advanced",
+    "with_capacity",
+    "host_positions",
+    "position_arrays",
+    "proto_of",
+    "traced_offset",
+    "traced_update",
+    "traced_mask",
 ]

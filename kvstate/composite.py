@@ -41,9 +41,13 @@ def composite_state(parts: Sequence) -> CompositeState:
 
 
 for _name in ("append", "attend", "next_mask", "update_and_read"):
-    getattr(ops, _name).register(CompositeState)(ops.refusing(
-        f"{_name}_composite", f"one record ({_name} applies to one part: state.parts[i])",
-        "a CompositeState"))
+    getattr(ops, _name).register(CompositeState)(
+        ops.refusing(
+            f"{_name}_composite",
+            f"one record ({_name} applies to one part: state.parts[i])",
+            "a CompositeState",
+        )
+    )
 
 
 def of_parts(parts) -> CompositeState:
@@ -66,8 +70,9 @@ def _check_parts(parts, arg: str, part_check) -> int:
     for i, p in enumerate(parts):
         part_check(p, f"{arg}.parts[{i}]")
         if p.batch_size != parts[0].batch_size:
-            raise bad(f"{arg}.parts[{i}] batch size", f"{parts[0].batch_size} (as parts[0])",
-                      p.batch_size)
+            raise bad(
+                f"{arg}.parts[{i}] batch size", f"{parts[0].batch_size} (as parts[0])", p.batch_size
+            )
     return parts[0].batch_size
 
 

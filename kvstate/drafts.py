@@ -82,7 +82,7 @@ def lookup(context: Sequence[int], k: int, *, max_ngram: int = 3, min_ngram: int
         hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return ctx[start:start + k].tolist()
+            return ctx[start : start + k].tolist()
     return []
 
 
@@ -90,8 +90,11 @@ def validate_drafter(drafter) -> object | None:
     """``drafter`` if it is ``None``, a ``Lookup`` or a ``DraftModel``, else KVStateError."""
     if drafter is None or isinstance(drafter, (Lookup, DraftModel)):
         return drafter
-    raise bad("drafter", "None, kvstate.drafts.Lookup or kvstate.drafts.DraftModel",
-              type(drafter).__name__)
+    raise bad(
+        "drafter",
+        "None, kvstate.drafts.Lookup or kvstate.drafts.DraftModel",
+        type(drafter).__name__,
+    )
 
 
 def truncated(model, layers: int):
@@ -105,8 +108,12 @@ def truncated(model, layers: int):
 
     layers = as_int(layers, "layers")
     inner: Any = getattr(model, "model", None)
-    check(inner is not None and hasattr(inner, "layers"), "model",
-          "an mlx-lm model with model.layers", type(model).__name__)
+    check(
+        inner is not None and hasattr(inner, "layers"),
+        "model",
+        "an mlx-lm model with model.layers",
+        type(model).__name__,
+    )
     n = len(inner.layers)
     check(1 <= layers <= n, "layers", f"in [1, {n}]", layers)
     draft = copy.copy(model)

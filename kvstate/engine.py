@@ -251,8 +251,9 @@ class KVStateEngine:
 
     name = "kvstate"
 
-    def __init__(self, model, compiled: bool = False, prefill_step_size: int = 512,
-                 prefix_cache=None):
+    def __init__(
+        self, model, compiled: bool = False, prefill_step_size: int = 512, prefix_cache=None
+    ):
         from . import mlx_lm as bridge
 
         self.model, self.bridge, self.prefill_step_size = model, bridge, prefill_step_size
@@ -262,7 +263,8 @@ class KVStateEngine:
             self.name = "kvstate (compiled)"
         self.budget = None if prefix_cache is None else prefix_cache.max_bytes
         if self.budget is not None and not all(
-                type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1)):
+            type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1)
+        ):
             self.budget = None  # sliding-window rings do not share prefixes (notes/prefix.md)
         self.reset()
 
@@ -277,12 +279,14 @@ class KVStateEngine:
         self.prompt_tokens += sum(map(len, prompts))
         if self.cache is None:
             self.prefilled += sum(map(len, prompts))
-            return self.bridge.prefill(self.model, prompts,
-                                       prefill_step_size=self.prefill_step_size)
+            return self.bridge.prefill(
+                self.model, prompts, prefill_step_size=self.prefill_step_size
+            )
         from .prefix_cache import prefill
 
-        logits, states, leases, ran = prefill(self.model, prompts, self.cache,
-                                              prefill_step_size=self.prefill_step_size)
+        logits, states, leases, ran = prefill(
+            self.model, prompts, self.cache, prefill_step_size=self.prefill_step_size
+        )
         self.prefilled += sum(ran)
         return logits, _Leased(states, leases)
 
@@ -397,8 +401,9 @@ class SpeculativeEngine:
 
     name = "kvstate (speculative)"
 
-    def __init__(self, model, drafter, num_draft: int, prefill_step_size: int = 512,
-                 compiled: bool = False):
+    def __init__(
+        self, model, drafter, num_draft: int, prefill_step_size: int = 512, compiled: bool = False
+    ):
         from . import mlx_lm as bridge
         from . import speculative
 
@@ -411,16 +416,19 @@ class SpeculativeEngine:
 
     def prefill(self, prompts):
         bridge, sp = self.bridge, self.sp
-        logits, states = bridge.prefill(self.model, prompts,
-                                        prefill_step_size=self.prefill_step_size)
+        logits, states = bridge.prefill(
+            self.model, prompts, prefill_step_size=self.prefill_step_size
+        )
         draft = None
         if isinstance(self.drafter, sp.DraftModel):
-            _, draft = bridge.prefill(self.drafter.model, prompts,
-                                      prefill_step_size=self.prefill_step_size)
+            _, draft = bridge.prefill(
+                self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+            )
         B = len(prompts)
         batch = sp.Batch(states, mx.zeros((B,), mx.uint32))
-        return logits, sp.Speculation(batch, prompts, (self.num_draft,) * B,
-                                      (self.num_draft,) * B, draft)
+        return logits, sp.Speculation(
+            batch, prompts, (self.num_draft,) * B, (self.num_draft,) * B, draft
+        )
 
     def join(self, batch, rows):
         return self.sp.join(batch, rows)
@@ -431,13 +439,16 @@ class SpeculativeEngine:
     def decode(self, spec, tokens, keys, requests):
         sp = self.sp
         pending = tokens.tolist()
-        context = [c if len(c) > len(r.prompt) else c + (t,)
-                   for c, t, r in zip(spec.context, pending, requests)]
+        context = [
+            c if len(c) > len(r.prompt) else c + (t,)
+            for c, t, r in zip(spec.context, pending, requests)
+        ]
         params = [sampling.Sampling(temperature=r.temperature, top_p=r.top_p) for r in requests]
         if keys is None:
             keys = sampling.row_keys([r.seed for r in requests])
-        batch = attrs.evolve(spec.batch, tokens=tokens.astype(mx.uint32), keys=keys,
-                             sampling=params)
+        batch = attrs.evolve(
+            spec.batch, tokens=tokens.astype(mx.uint32), keys=keys, sampling=params
+        )
         spec = attrs.evolve(spec, batch=batch, context=context)
         spec, r = sp.step(self.model, spec, drafter=self.drafter, forward=self.forward)
         self.drafted += sum(r.drafted)
@@ -445,8 +456,7 @@ class SpeculativeEngine:
         return [list(e) for e in r.emitted], spec, spec.batch.keys
 
     def nbytes(self, spec):
-        held = sum(s.nbytes for s in spec.states) + sum(
-            s.nbytes for s in (spec.draft_states or ()))
+        held = sum(s.nbytes for s in spec.states) + sum(s.nbytes for s in (spec.draft_states or ()))
         self.peak_bytes = max(self.peak_bytes, held)
         return held
 

@@ -276,14 +276,19 @@ def export_mlx_lm(path, out, *, dtype=mx.float32) -> Path:
     backend.save(str(out / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
     eos = tokens[int(_scalar(meta, "tokenizer.ggml.eos_token_id"))]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": meta.get("tokenizer.chat_template"),
-        "eos_token": eos,
-        "bos_token": None,
-        "add_bos_token": False,
-        "model_max_length": config.get("max_position_embeddings", 8192),
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": meta.get("tokenizer.chat_template"),
+                "eos_token": eos,
+                "bos_token": None,
+                "add_bos_token": False,
+                "model_max_length": config.get("max_position_embeddings", 8192),
+            },
+            indent=2,
+        )
+    )
     return out
 
 

@@ -147,11 +147,17 @@ _kernels: dict = {}
 def _get_kernels():
     if not _kernels:
         _kernels["split"] = mx.fast.cuda_kernel(
-            name="kvstate_ragged_decode", input_names=["q", "k", "v", "lp", "en", "scale"],
-            output_names=["po", "pm", "pl"], source=_KERNEL_SRC)
+            name="kvstate_ragged_decode",
+            input_names=["q", "k", "v", "lp", "en", "scale"],
+            output_names=["po", "pm", "pl"],
+            source=_KERNEL_SRC,
+        )
         _kernels["merge"] = mx.fast.cuda_kernel(
-            name="kvstate_ragged_merge", input_names=["po", "pm", "pl"],
-            output_names=["out"], source=_MERGE_SRC)
+            name="kvstate_ragged_merge",
+            input_names=["po", "pm", "pl"],
+            output_names=["out"],
+            source=_MERGE_SRC,
+        )
     return _kernels
 
 
@@ -197,9 +203,14 @@ def kernel_fits(q, k) -> bool:
     row a power-of-two number (<= 32) of 16-byte loads, a float dtype."""
     N, D = q.shape[2], k.shape[-1]
     lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
-    return (1 <= N <= MAX_QUERIES and (D * k.dtype.size) % 16 == 0 and 0 < lanes <= 32
-            and lanes & (lanes - 1) == 0 and q.shape[1] % k.shape[1] == 0
-            and k.dtype in (mx.float32, mx.float16, mx.bfloat16))
+    return (
+        1 <= N <= MAX_QUERIES
+        and (D * k.dtype.size) % 16 == 0
+        and 0 < lanes <= 32
+        and lanes & (lanes - 1) == 0
+        and q.shape[1] % k.shape[1] == 0
+        and k.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
 
 
 def decode_read(N: int, q=None, k=None) -> str:
@@ -225,8 +236,7 @@ def decode_read(N: int, q=None, k=None) -> str:
     return "kernel" if kernel_available() and fits else "masked"
 
 
-def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0,
-                     splits: int = 0):
+def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0, splits: int = 0):
     """Attention of each row's last ``N`` positions over its own columns.
 
     ``q`` ``[B, Hq, N, D]`` (``N`` <= ``MAX_QUERIES``), ``k``/``v`` ``[B, H, C, D]``
@@ -253,15 +263,29 @@ def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0,
         q = q.astype(k.dtype)
     po, pm, pl = kern["split"](
         inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32)],
-        template=[("T", k.dtype), ("D", D), ("REP", rep), ("HKV", H), ("S", S), ("CAP", C),
-                  ("NQ", N), ("W", int(window))],
-        grid=(128 * S, B * H, N), threadgroup=(128, 1, 1),
+        template=[
+            ("T", k.dtype),
+            ("D", D),
+            ("REP", rep),
+            ("HKV", H),
+            ("S", S),
+            ("CAP", C),
+            ("NQ", N),
+            ("W", int(window)),
+        ],
+        grid=(128 * S, B * H, N),
+        threadgroup=(128, 1, 1),
         output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
     (out,) = kern["merge"](
-        inputs=[po, pm, pl], template=[("T", k.dtype), ("D", D), ("S", S)],
-        grid=(D, B * Hq * N, 1), threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, N, D)], output_dtypes=[k.dtype])
+        inputs=[po, pm, pl],
+        template=[("T", k.dtype), ("D", D), ("S", S)],
+        grid=(D, B * Hq * N, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, N, D)],
+        output_dtypes=[k.dtype],
+    )
     return out
 
 
@@ -288,6 +312,7 @@ def folded_attention(q, k, v, scale: float, mask=None):
         m = mask if mask.ndim == 4 else mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         m = mx.broadcast_to(m[:, :, None], (m.shape[0], 1, G, N, m.shape[-1]))
         mask = m.reshape(m.shape[0], 1, G * N, m.shape[-1])
-    out = mx.fast.scaled_dot_product_attention(q.reshape(B, H, G * N, D), k, v, scale=scale,
-                                               mask=mask)
+    out = mx.fast.scaled_dot_product_attention(
+        q.reshape(B, H, G * N, D), k, v, scale=scale, mask=mask
+    )
     return out.reshape(B, Hq, N, out.shape[-1])

@@ -42,8 +42,11 @@ class MaskKey:
     def __eq__(self, other):
         if not isinstance(other, MaskKey):
             return NotImplemented
-        return (self.family == other.family and self.params == other.params
-                and self.source is other.source)
+        return (
+            self.family == other.family
+            and self.params == other.params
+            and self.source is other.source
+        )
 
     def __hash__(self):
         return hash(self._ident())
@@ -195,8 +198,9 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
     ``ends`` may be host sequences or int32 arrays ``[B]`` (inside compiled
     code); ``window`` likewise an int or a scalar array.
     """
-    if not (isinstance(left_pad, mx.array) or isinstance(ends, mx.array)
-            or isinstance(window, mx.array)):
+    if not (
+        isinstance(left_pad, mx.array) or isinstance(ends, mx.array) or isinstance(window, mx.array)
+    ):
         # Host ints: each query row's first and last visible column computed
         # here (flat, row-major), so the graph is one arange and three
         # comparisons (built once per decode step; fewer kernels and less
@@ -212,8 +216,14 @@ def rows_mask(n: int, left_pad, ends, width: int, window=None) -> mx.array:
         if window is None:
             lo = mx.array(left_pad, dtype=mx.int32).reshape(B, 1, 1, 1)
         else:
-            lo = mx.array([max(lp, e - n + i - window + 1) for lp, e in zip(left_pad, ends)
-                           for i in range(n)], dtype=mx.int32).reshape(B, 1, n, 1)
+            lo = mx.array(
+                [
+                    max(lp, e - n + i - window + 1)
+                    for lp, e in zip(left_pad, ends)
+                    for i in range(n)
+                ],
+                dtype=mx.int32,
+            ).reshape(B, 1, n, 1)
         return (cols >= lo) & (cols <= hi.reshape(B, 1, n, 1))
     lp = mx.array(left_pad, dtype=mx.int32) if not isinstance(left_pad, mx.array) else left_pad
     en = mx.array(ends, dtype=mx.int32) if not isinstance(ends, mx.array) else ends
@@ -241,8 +251,9 @@ def encoder_window_mask(memo: MaskMemo, L: int, bidirectional: mx.array) -> Mask
     if not isinstance(bidirectional, mx.array):
         raise bad("bidirectional", "a bool mx.array [L]", type(bidirectional).__name__)
     if bidirectional.shape != (L,) or bidirectional.dtype != mx.bool_:
-        raise bad("bidirectional", f"bool [{L}]",
-                  f"{bidirectional.dtype} {list(bidirectional.shape)}")
+        raise bad(
+            "bidirectional", f"bool [{L}]", f"{bidirectional.dtype} {list(bidirectional.shape)}"
+        )
 
     def build():
         i = mx.arange(L)
@@ -253,8 +264,9 @@ def encoder_window_mask(memo: MaskMemo, L: int, bidirectional: mx.array) -> Mask
     return memo.mask_for(MaskKey("encoder-window", (L,), bidirectional), build)
 
 
-def rotating_block_mask(memo: MaskMemo, max_size: int, offset: int, n: int,
-                        stored: int) -> MaskLease:
+def rotating_block_mask(
+    memo: MaskMemo, max_size: int, offset: int, n: int, stored: int
+) -> MaskLease:
     """Lease of a ``[1, 1, 1, stored + n]`` bool mask for a block read of a ring.
 
     Of ``stored`` positions in temporal order, the first ``min(offset,

@@ -31,22 +31,42 @@ from mlx_lm.models import cache as lm_cache
 import kvstate as kv
 from . import _decoder, _hybrid, _rows, _shells, ops
 from ._args import as_int
-from ._decoder import (Decoder as Decoder, compiled_decoder as compiled_decoder,
-                       make_step as make_step)
+from ._decoder import (
+    Decoder as Decoder,
+    compiled_decoder as compiled_decoder,
+    make_step as make_step,
+)
 from .batch import Batch, sample_batch
 from .errors import bad, check
 from .masks import MaskMemo, check_memo
-from .prompt_cache import (from_prompt_cache as from_prompt_cache,
-                           to_prompt_cache as to_prompt_cache)
+from .prompt_cache import from_prompt_cache as from_prompt_cache, to_prompt_cache as to_prompt_cache
 from .invariants import share_row_ids
 from .records import CacheState, QuantizedState
-from .shared import (SharedState, prefix_groups as shared_prefix_groups, read as shared_read,
-                     update_suffix as shared_update_suffix)
+from .shared import (
+    SharedState,
+    prefix_groups as shared_prefix_groups,
+    read as shared_read,
+    update_suffix as shared_update_suffix,
+)
 
 __all__ = [
-    "make_states", "forward", "from_prompt_cache", "to_prompt_cache", "prefill", "step",
-    "merge_rows", "filter_rows", "extend", "extract_row", "admit", "advance", "feed",
-    "layer_count", "Decoder", "compiled_decoder", "make_step",
+    "make_states",
+    "forward",
+    "from_prompt_cache",
+    "to_prompt_cache",
+    "prefill",
+    "step",
+    "merge_rows",
+    "filter_rows",
+    "extend",
+    "extract_row",
+    "admit",
+    "advance",
+    "feed",
+    "layer_count",
+    "Decoder",
+    "compiled_decoder",
+    "make_step",
     "rollback",
 ]
 
@@ -154,8 +174,14 @@ class _cascade:
             return None
         suffix_kv = self.pending.pop(id(cache))
         record = cache.record
-        return shared_read(record, queries, scale=scale, memo=self.ctx.memo,
-                           groups=self._groups(record), suffix_kv=suffix_kv)
+        return shared_read(
+            record,
+            queries,
+            scale=scale,
+            memo=self.ctx.memo,
+            groups=self._groups(record),
+            suffix_kv=suffix_kv,
+        )
 
     def __enter__(self):
         self.routing = _decoder.routed_attention(self.mods, self._read).__enter__()
@@ -168,9 +194,12 @@ class _cascade:
         finally:
             self.ctx.route = None
         if exc[0] is None and self.pending:
-            raise bad("model", "attention that reads shared rows through mlx-lm's "
-                      "scaled_dot_product_attention (the cascade read)",
-                      f"{len(self.pending)} layer reads that bypassed it")
+            raise bad(
+                "model",
+                "attention that reads shared rows through mlx-lm's "
+                "scaled_dot_product_attention (the cascade read)",
+                f"{len(self.pending)} layer reads that bypassed it",
+            )
         return False
 
 
@@ -211,9 +240,11 @@ def vocab_size(model) -> Optional[int]:
     if type(n) is not int or n < 1:
         n = None
         named = getattr(model, "named_modules", None)
-        for name, m in (named() if callable(named) else ()):
-            if (isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
-                    and name.rsplit(".", 1)[-1] in _EMBEDDINGS):
+        for name, m in named() if callable(named) else ():
+            if (
+                isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+                and name.rsplit(".", 1)[-1] in _EMBEDDINGS
+            ):
                 n = m.weight.shape[0]
                 break
     _VOCAB[id(model)] = n
@@ -262,8 +293,14 @@ def _host_ids(model, ids, arg: str, ndim: int) -> np.ndarray:
     return host.astype(np.int32)
 
 
-def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None,
-                kv_bits: Optional[int] = None, kv_group_size: int = 64) -> list:
+def make_states(
+    model,
+    batch_size: int = 1,
+    *,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+) -> list:
     """One empty record per layer, as ``make_prompt_cache(model, max_kv_size)`` lays out.
 
     A model's own ``make_cache()`` wins (mlx-lm ignores ``max_kv_size`` then):
@@ -287,8 +324,9 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     if not hasattr(model, "make_cache"):
         n = len(model.layers)
         if max_kv_size is not None:
-            return share_row_ids([kv.rotating(batch_size, max_size=max_kv_size, keep=4)
-                               for _ in range(n)])
+            return share_row_ids(
+                [kv.rotating(batch_size, max_size=max_kv_size, keep=4) for _ in range(n)]
+            )
         return share_row_ids([dense() for _ in range(n)])
     states = []
     for i, c in enumerate(model.make_cache()):
@@ -303,8 +341,14 @@ def make_states(model, batch_size: int = 1, *, max_kv_size: Optional[int] = None
     return share_row_ids(states)
 
 
-def forward(model, tokens: mx.array, states: Sequence, *, memo: Optional[MaskMemo] = None,
-            start_early: Optional[bool] = None):
+def forward(
+    model,
+    tokens: mx.array,
+    states: Sequence,
+    *,
+    memo: Optional[MaskMemo] = None,
+    start_early: Optional[bool] = None,
+):
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
 
     ``tokens``: an integer ``mx.array``, or host ids (a list of lists, a
@@ -386,8 +430,14 @@ extend = ops.extend
 extract_row = ops.extract_row
 
 
-def prefill(model, prompts: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None,
-            prefill_step_size: int = 512, **make) -> tuple:
+def prefill(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    memo: Optional[MaskMemo] = None,
+    prefill_step_size: int = 512,
+    **make,
+) -> tuple:
     """Prefill every prompt in one batch; ``(last logits [B, V], states)``.
 
     All but each prompt's last token run together, right-padded to the
@@ -490,14 +540,20 @@ def _prefill_rows(model, prompts, states, step_size, memo):
             n = min(step_size, width - start)
             real = tuple(min(max(len(h) - start, 0), n) for h in heads)
             states = [pad_right(s, real) for s in states]
-            _, states = forward(model, tokens[:, start:start + step_size], states, memo=memo)
+            _, states = forward(model, tokens[:, start : start + step_size], states, memo=memo)
         cut = tuple(width - len(h) for h in heads)
         states = [unpad(s, cut) for s in states]
     return step(model, np.array([p[-1] for p in prompts], dtype=np.int32), states, memo=memo)
 
 
-def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
-         start_early: Optional[bool] = None) -> tuple:
+def step(
+    model,
+    tokens,
+    states: Sequence,
+    *,
+    memo: Optional[MaskMemo] = None,
+    start_early: Optional[bool] = None,
+) -> tuple:
     """One decode step: ``tokens`` ``[B]`` (one per row) -> ``(logits [B, V], states)``."""
     if not isinstance(tokens, mx.array):  # host ids: checked by forward, on the host
         try:
@@ -505,8 +561,11 @@ def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
         except ValueError as e:
             raise bad("tokens", "token ids [B], one per row", str(e)) from None
         if tokens.dtype == object:
-            raise bad("tokens", "token ids [B] (an mx.array, a list or a numpy array)",
-                      type(tokens).__name__)
+            raise bad(
+                "tokens",
+                "token ids [B] (an mx.array, a list or a numpy array)",
+                type(tokens).__name__,
+            )
     check(tokens.ndim == 1, "tokens rank", "1 ([B], one token per row)", tokens.ndim)
     logits, states = forward(model, tokens[:, None], states, memo=memo, start_early=start_early)
     return logits[:, -1, :], states
@@ -515,8 +574,18 @@ def step(model, tokens, states: Sequence, *, memo: Optional[MaskMemo] = None,
 # --- a batch in flight (kv.Batch) -------------------------------------------------------
 
 
-def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, ids=None,
-          payload=None, seeds=None, memo: Optional[MaskMemo] = None, **make) -> Batch:
+def admit(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    sampling=None,
+    keys=None,
+    ids=None,
+    payload=None,
+    seeds=None,
+    memo: Optional[MaskMemo] = None,
+    **make,
+) -> Batch:
     """Prefill ``prompts`` and sample each row's first token: a ``kv.Batch`` ready to decode.
 
     Args:
@@ -536,8 +605,11 @@ def admit(model, prompts: Sequence[Sequence[int]], *, sampling=None, keys=None, 
     if keys is None and seeds is not None:
         keys = kv.row_keys(seeds)
     given = {"sampling": sampling, "keys": keys, "ids": ids, "payload": payload}
-    pending = Batch(states, mx.zeros((len(prompts),), mx.uint32),
-                    **{k: v for k, v in given.items() if v is not None})
+    pending = Batch(
+        states,
+        mx.zeros((len(prompts),), mx.uint32),
+        **{k: v for k, v in given.items() if v is not None},
+    )
     tokens, keys = sample_batch(logits, pending)
     return attrs.evolve(pending, tokens=tokens, keys=keys)
 
@@ -565,8 +637,9 @@ def advance(model, batch: Batch, *, step=None, memo: Optional[MaskMemo] = None) 
     return attrs.evolve(batch, states=states, tokens=tokens, keys=keys)
 
 
-def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
-         memo: Optional[MaskMemo] = None) -> Batch:
+def feed(
+    model, batch: Batch, tokens: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None
+) -> Batch:
     """Append each row's pending token and then ``tokens[b]`` (e.g. a new chat turn),
     and sample each row's next token: a resumed session continues with this.
 
@@ -580,8 +653,11 @@ def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
     if not isinstance(batch, Batch):
         raise bad("batch", "a kv.Batch (kvstate.mlx_lm.admit makes one)", type(batch).__name__)
     if isinstance(tokens, (str, bytes)) or len(tokens) != batch.batch_size:
-        raise bad("tokens", f"{batch.batch_size} lists of token ids (one per row)",
-                  type(tokens).__name__ if isinstance(tokens, (str, bytes)) else len(tokens))
+        raise bad(
+            "tokens",
+            f"{batch.batch_size} lists of token ids (one per row)",
+            type(tokens).__name__ if isinstance(tokens, (str, bytes)) else len(tokens),
+        )
     if batch.batch_size == 0:
         return batch
     seqs = [[p, *t] for p, t in zip(cast(list, batch.tokens.tolist()), tokens)]
@@ -589,16 +665,19 @@ def feed(model, batch: Batch, tokens: Sequence[Sequence[int]], *,
         logits, states = forward(model, mx.array(seqs), list(batch.states), memo=memo)
         last = logits[:, -1]
     else:
-        rows = [forward(model, mx.array([s]), ops.extract_row(list(batch.states), b), memo=memo)
-                for b, s in enumerate(seqs)]
+        rows = [
+            forward(model, mx.array([s]), ops.extract_row(list(batch.states), b), memo=memo)
+            for b, s in enumerate(seqs)
+        ]
         last = mx.concatenate([lg[:, -1] for lg, _ in rows], axis=0)
         states = ops.merge_rows([st for _, st in rows])
     new, keys = sample_batch(last, batch)
     return attrs.evolve(batch, states=states, tokens=new, keys=keys)
 
 
-def rollback(model, states: Sequence, checkpoint, keep, tokens, *,
-             memo: Optional[MaskMemo] = None) -> list:
+def rollback(
+    model, states: Sequence, checkpoint, keep, tokens, *, memo: Optional[MaskMemo] = None
+) -> list:
     """Every layer back at ``checkpoint`` plus ``keep`` accepted tokens per row, exactly,
     for every model family (recurrent rows that keep part of a block replay it).
 
@@ -612,5 +691,6 @@ def rollback(model, states: Sequence, checkpoint, keep, tokens, *,
     (``kv.rollback``); the others replay their accepted tokens from the
     checkpoint in one eager forward (``notes/hybrid.md``: why, and its cost).
     """
-    return _hybrid.rollback(states, checkpoint, keep, tokens,
-                            lambda t, s: forward(model, t, s, memo=memo))
+    return _hybrid.rollback(
+        states, checkpoint, keep, tokens, lambda t, s: forward(model, t, s, memo=memo)
+    )

@@ -18,8 +18,12 @@ from .errors import bad
 
 def _unsupported(name):
     def impl(state, *args, **kwargs):
-        raise bad("state", "a kvstate record (CacheState, RotatingState, QuantizedState), "
-                  "or a list or tuple of them (one per layer of a model)", type(state).__name__)
+        raise bad(
+            "state",
+            "a kvstate record (CacheState, RotatingState, QuantizedState), "
+            "or a list or tuple of them (one per layer of a model)",
+            type(state).__name__,
+        )
 
     impl.__name__ = name
     return impl
@@ -168,8 +172,7 @@ def merge_rows(states):
     All inputs must be records of one kind and one geometry.
     """
     if isinstance(states, (str, bytes)) or not isinstance(states, (list, tuple)):
-        raise bad("states", "a list of records (or of models' layer lists)",
-                  type(states).__name__)
+        raise bad("states", "a list of records (or of models' layer lists)", type(states).__name__)
     states = list(states)
     if not states:
         raise bad("states", "at least one record", "an empty list")
@@ -188,7 +191,20 @@ def extend(state, other):
 
 
 __all__ = [
-    "append", "fetch", "attend", "next_mask", "positions", "trim", "checkpoint",
-    "rollback", "anchor", "commit", "filter_rows", "extract_row", "merge_rows", "extend",
-    "update_and_read", "merge_same_kind",
+    "append",
+    "fetch",
+    "attend",
+    "next_mask",
+    "positions",
+    "trim",
+    "checkpoint",
+    "rollback",
+    "anchor",
+    "commit",
+    "filter_rows",
+    "extract_row",
+    "merge_rows",
+    "extend",
+    "update_and_read",
+    "merge_same_kind",
 ]

@@ -55,14 +55,17 @@ PREFIX = "kvstate."
 DIGEST_KEY = "kvstate.model.digest"
 
 # Record kinds a file may hold, by name. Adding a kind is one entry here.
-RECORDS = {cls.__name__: cls for cls in (
-    records.CacheState,
-    records.QuantizedState,
-    records.RotatingState,
-    records.RecurrentState,
-    records.ChunkedState,
-    records.CompositeState,
-)}
+RECORDS = {
+    cls.__name__: cls
+    for cls in (
+        records.CacheState,
+        records.QuantizedState,
+        records.RotatingState,
+        records.RecurrentState,
+        records.ChunkedState,
+        records.CompositeState,
+    )
+}
 
 
 # --- encoding a record ---------------------------------------------------------
@@ -70,8 +73,11 @@ RECORDS = {cls.__name__: cls for cls in (
 
 def _is_arrays(value) -> bool:
     """A tuple of arrays (``None`` items allowed: a recurrent slot not yet written)."""
-    return isinstance(value, tuple) and any(isinstance(x, mx.array) for x in value) and all(
-        x is None or isinstance(x, mx.array) for x in value)
+    return (
+        isinstance(value, tuple)
+        and any(isinstance(x, mx.array) for x in value)
+        and all(x is None or isinstance(x, mx.array) for x in value)
+    )
 
 
 def _host(value, arg):
@@ -80,8 +86,9 @@ def _host(value, arg):
         return value
     if isinstance(value, tuple):
         return [_host(v, arg) for v in value]
-    raise bad(arg, "arrays, tuples of arrays, or host values (ints, tuples, None)",
-              type(value).__name__)
+    raise bad(
+        arg, "arrays, tuples of arrays, or host values (ints, tuples, None)", type(value).__name__
+    )
 
 
 def _untuple(value):
@@ -90,8 +97,11 @@ def _untuple(value):
 
 
 def _is_records(value) -> bool:
-    return isinstance(value, tuple) and len(value) > 0 and all(
-        type(x).__name__ in RECORDS for x in value)
+    return (
+        isinstance(value, tuple)
+        and len(value) > 0
+        and all(type(x).__name__ in RECORDS for x in value)
+    )
 
 
 def _encode(i, state, tensors: dict) -> dict:
@@ -115,8 +125,9 @@ def _encode(i, state, tensors: dict) -> dict:
                     tensors[f"{i}.{field.name}.{j}"] = x
             arrays[field.name] = len(value)
         elif _is_records(value):
-            nested[field.name] = [_encode(f"{i}.{field.name}.{j}", x, tensors)
-                                  for j, x in enumerate(value)]
+            nested[field.name] = [
+                _encode(f"{i}.{field.name}.{j}", x, tensors) for j, x in enumerate(value)
+            ]
         else:
             host[field.name] = _host(value, f"states[{i}].{field.name}")
     entry = {"kind": name, "host": host, "arrays": arrays}
@@ -131,8 +142,9 @@ MAX_TUPLE = 8
 MAX_DEPTH = 4
 
 
-def _decode(i, entry, tensors: dict, used: Optional[set] = None, ids: Optional[dict] = None,
-            depth: int = 0):
+def _decode(
+    i, entry, tensors: dict, used: Optional[set] = None, ids: Optional[dict] = None, depth: int = 0
+):
     """Record ``i`` of the table, built through its constructor (so validated).
 
     ``used`` collects the tensor names it reads; ``ids`` maps the file's row
@@ -144,8 +156,11 @@ def _decode(i, entry, tensors: dict, used: Optional[set] = None, ids: Optional[d
     used = set() if used is None else used
     ids = {} if ids is None else ids
     arg = f"record {i}"
-    if (type(entry) is not dict or not {"kind", "host", "arrays"} <= set(entry)
-            or not set(entry) <= {"kind", "host", "arrays", "records"}):
+    if (
+        type(entry) is not dict
+        or not {"kind", "host", "arrays"} <= set(entry)
+        or not set(entry) <= {"kind", "host", "arrays", "records"}
+    ):
         raise bad(arg, "an object with kind, host and arrays (and records)", _short(entry))
     kind, host, arrays = entry["kind"], entry["host"], entry["arrays"]
     nested = entry.get("records", {})
@@ -176,10 +191,15 @@ def _decode(i, entry, tensors: dict, used: Optional[set] = None, ids: Optional[d
                 raise bad(arg, f"tensors named {keys[0]!r}...", "none in the file")
     for name, parts in nested.items():
         if type(parts) is not list or not parts or depth >= MAX_DEPTH:
-            raise bad(f"{arg} records[{name!r}]", f"a list of records (nested at most "
-                      f"{MAX_DEPTH} deep)", _short(parts))
-        fields[name] = tuple(_decode(f"{i}.{name}.{j}", e, tensors, used, ids, depth + 1)
-                             for j, e in enumerate(parts))
+            raise bad(
+                f"{arg} records[{name!r}]",
+                f"a list of records (nested at most {MAX_DEPTH} deep)",
+                _short(parts),
+            )
+        fields[name] = tuple(
+            _decode(f"{i}.{name}.{j}", e, tensors, used, ids, depth + 1)
+            for j, e in enumerate(parts)
+        )
     if "row_ids" in fields:
         saved = fields["row_ids"]
         if type(saved) is not tuple or any(type(x) is not int for x in saved):
@@ -208,8 +228,11 @@ def _check_metadata(metadata) -> dict:
         raise bad("metadata", "a dict of str -> str", type(metadata).__name__)
     for k, v in metadata.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise bad(f"metadata[{k!r}]", "str keys and str values",
-                      f"{type(k).__name__} -> {type(v).__name__}")
+            raise bad(
+                f"metadata[{k!r}]",
+                "str keys and str values",
+                f"{type(k).__name__} -> {type(v).__name__}",
+            )
         # The model digest ``load`` returns may be handed back, so that
         # ``save(path, *load(other))`` carries the model identity over.
         if k.startswith(PREFIX) and k != DIGEST_KEY:
@@ -225,8 +248,9 @@ def _check_path(path, arg="path") -> str:
     return path
 
 
-def save(path, states, metadata: Optional[dict] = None, *, model_path=None,
-         exact: bool = False) -> None:
+def save(
+    path, states, metadata: Optional[dict] = None, *, model_path=None, exact: bool = False
+) -> None:
     """Write ``states`` (a list of records, one per layer, or a ``kv.Batch``) to a
     ``.safetensors`` file.
 
@@ -253,15 +277,22 @@ def save(path, states, metadata: Optional[dict] = None, *, model_path=None,
     if model_path is not None:
         digest = model_digest(model_path)
         given = meta.get(DIGEST_KEY, digest)
-        check(given == digest, f"metadata[{DIGEST_KEY!r}]",
-              f"the digest of model_path {model_path} ({digest[:16]}…)",
-              f"another model's ({given[:16]}…)")
+        check(
+            given == digest,
+            f"metadata[{DIGEST_KEY!r}]",
+            f"the digest of model_path {model_path} ({digest[:16]}…)",
+            f"another model's ({given[:16]}…)",
+        )
         meta[DIGEST_KEY] = digest
     meta["kvstate.format"] = FORMAT
     meta["kvstate.records"] = json.dumps(entries, separators=(",", ":"))
     size = sum(len(k) + len(v) for k, v in meta.items())
-    check(size < HEADER_LIMIT, "metadata", f"under {HEADER_LIMIT} bytes in all (what load "
-          "can read back)", f"{size} bytes")
+    check(
+        size < HEADER_LIMIT,
+        "metadata",
+        f"under {HEADER_LIMIT} bytes in all (what load can read back)",
+        f"{size} bytes",
+    )
     _write_atomic(path, tensors, meta)
 
 
@@ -274,17 +305,26 @@ def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
     full disk leaves the previous file (or none) and a stray temporary file,
     never a torn ``path``. Any failure raises ``KVStateError``."""
     directory = os.path.dirname(os.path.abspath(path))
-    check(os.path.isdir(directory), "path", "a file in an existing directory",
-          f"{path} (no directory {directory})")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}"
-                                  ".partial.safetensors")
+    check(
+        os.path.isdir(directory),
+        "path",
+        "a file in an existing directory",
+        f"{path} (no directory {directory})",
+    )
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.partial.safetensors"
+    )
     moved = False  # the partial file became ``path``
     try:
         mx.save_safetensors(tmp, tensors, meta)
         with open(tmp, "rb+") as f:
             length = struct.unpack("<Q", f.read(8))[0]
-            check(length < HEADER_LIMIT, "metadata", f"a file header under {HEADER_LIMIT} "
-                  "bytes (what load can read back)", f"{length} bytes")
+            check(
+                length < HEADER_LIMIT,
+                "metadata",
+                f"a file header under {HEADER_LIMIT} bytes (what load can read back)",
+                f"{length} bytes",
+            )
             os.fsync(f.fileno())
         os.replace(tmp, path)
         moved = True
@@ -334,8 +374,9 @@ def load(path, *, model=None, model_path=None):
     check(os.path.isfile(path), "path", "an existing file", path)
     meta = check_file(path)
     if "kvstate.format" in meta:
-        check(meta["kvstate.format"] == FORMAT, "file format", FORMAT,
-              _short(meta["kvstate.format"]))
+        check(
+            meta["kvstate.format"] == FORMAT, "file format", FORMAT, _short(meta["kvstate.format"])
+        )
         states = _load_kvstate(path, meta)
         user = {k: v for k, v in meta.items() if not k.startswith(PREFIX)}
         if DIGEST_KEY in meta:
@@ -347,15 +388,26 @@ def load(path, *, model=None, model_path=None):
     # mx.load is lazy: read now, so a later change to the file cannot leak in.
     is_batch = type(states) is Batch
     layers = states.states if is_batch else states
-    _read(path, [p for s in layers for p in _arrays(s)]
-          + ([states.tokens, states.keys] if is_batch else []))
+    _read(
+        path,
+        [p for s in layers for p in _arrays(s)]
+        + ([states.tokens, states.keys] if is_batch else []),
+    )
     if model_path is not None:
         want = model_digest(model_path)
         have = user.get(DIGEST_KEY)
-        check(have is not None, "path", f"a cache recording a model identity (for {model_path})",
-              "a file with no model identity (saved without model_path)")
-        check(have == want, "path", f"a cache for the model at {model_path} (digest {want[:16]}…)",
-              f"a cache for another model (digest {have[:16]}…)")
+        check(
+            have is not None,
+            "path",
+            f"a cache recording a model identity (for {model_path})",
+            "a file with no model identity (saved without model_path)",
+        )
+        check(
+            have == want,
+            "path",
+            f"a cache for the model at {model_path} (digest {want[:16]}…)",
+            f"a cache for another model (digest {have[:16]}…)",
+        )
     if model is not None:
         check_model(layers, model)
     return states, user
@@ -390,8 +442,9 @@ def _load_kvstate(path: str, meta: dict):
     try:
         entries = json.loads(table)
     except (ValueError, RecursionError) as e:
-        raise bad("kvstate.records", "a JSON list of records", f"{type(e).__name__}: "
-                  f"{_short(str(e))}") from None
+        raise bad(
+            "kvstate.records", "a JSON list of records", f"{type(e).__name__}: {_short(str(e))}"
+        ) from None
     if type(entries) is not list:
         raise bad("kvstate.records", "a JSON list of records", type(entries).__name__)
     try:
@@ -400,21 +453,21 @@ def _load_kvstate(path: str, meta: dict):
         raise bad("path", "a readable safetensors file", f"{path}: {e}") from None
     used: set = set()
     ids: dict = {}
-    states = compact.decode(entries, meta, tensors,
-                            lambda i, e, t: _decode(i, e, t, used, ids), used)
+    states = compact.decode(
+        entries, meta, tensors, lambda i, e, t: _decode(i, e, t, used, ids), used
+    )
     extra = sorted(set(tensors) - used)
     check(not extra, "path", "only the tensors its record table names", _short(extra))
     return states
-
-
 
 
 def _load_mlx_lm(path, meta):
     try:
         from mlx_lm.models.cache import load_prompt_cache
     except ImportError:  # pragma: no cover - mlx-lm is an optional dependency
-        raise bad("path", "mlx-lm installed to read an mlx-lm prompt-cache file",
-                  "no module mlx_lm") from None
+        raise bad(
+            "path", "mlx-lm installed to read an mlx-lm prompt-cache file", "no module mlx_lm"
+        ) from None
     from .prompt_cache import CACHE_CLASSES, from_prompt_cache
 
     for k, v in meta.items():
@@ -423,21 +476,41 @@ def _load_mlx_lm(path, meta):
     try:
         caches, user = load_prompt_cache(path, return_metadata=True)
     except Exception as e:  # mlx-lm's own reader: any failure there is a bad file
-        raise bad("path", "a readable mlx-lm prompt-cache file",
-                  f"{path}: {type(e).__name__}: {_short(str(e))}") from None
+        raise bad(
+            "path",
+            "a readable mlx-lm prompt-cache file",
+            f"{path}: {type(e).__name__}: {_short(str(e))}",
+        ) from None
     try:
         return list(from_prompt_cache(caches)), user
     except KVStateError as e:
         raise KVStateError(f"{path}: {e}") from None
     except Exception as e:  # an mlx-lm object built from lying numbers
-        raise bad("path", "an mlx-lm prompt-cache file holding consistent caches",
-                  f"{path}: {type(e).__name__}: {_short(str(e))}") from None
+        raise bad(
+            "path",
+            "an mlx-lm prompt-cache file holding consistent caches",
+            f"{path}: {type(e).__name__}: {_short(str(e))}",
+        ) from None
 
 
 # --- the safetensors layout -----------------------------------------------------------
 
-DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4,
-          "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+DTYPES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 def check_file(path: str) -> dict:
@@ -453,24 +526,29 @@ def check_file(path: str) -> dict:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
-            check(len(head) == 8, "path", "a safetensors file (8-byte header length)",
-                  f"{size} bytes")
+            check(
+                len(head) == 8, "path", "a safetensors file (8-byte header length)", f"{size} bytes"
+            )
             n = struct.unpack("<Q", head)[0]
-            check(2 <= n < min(HEADER_LIMIT, size - 7), "path header length",
-                  f"in [2, {min(HEADER_LIMIT, size - 7)}) (the file holds {size} bytes)", n)
+            check(
+                2 <= n < min(HEADER_LIMIT, size - 7),
+                "path header length",
+                f"in [2, {min(HEADER_LIMIT, size - 7)}) (the file holds {size} bytes)",
+                n,
+            )
             raw = f.read(n)
     except OSError as e:
         raise bad("path", "a readable file", f"{path}: {e}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise bad("path header", "a JSON object", f"{type(e).__name__}: {_short(str(e))}") \
-            from None
+        raise bad("path header", "a JSON object", f"{type(e).__name__}: {_short(str(e))}") from None
     if type(header) is not dict:
         raise bad("path header", "a JSON object", type(header).__name__)
     meta = header.pop("__metadata__", {})
-    if type(meta) is not dict or any(type(k) is not str or type(v) is not str
-                                     for k, v in meta.items()):
+    if type(meta) is not dict or any(
+        type(k) is not str or type(v) is not str for k, v in meta.items()
+    ):
         raise bad("path metadata", "an object of strings", _short(meta))
     data = size - 8 - n
     spans = []
@@ -482,19 +560,26 @@ def check_file(path: str) -> dict:
         if itemsize is None:
             raise bad(f"{arg} dtype", f"one of {sorted(DTYPES)}", _short(t["dtype"]))
         shape, offsets = t["shape"], t["data_offsets"]
-        if type(shape) is not list or len(shape) > 8 or any(
-                type(d) is not int or not 0 <= d < 2**40 for d in shape):
+        if (
+            type(shape) is not list
+            or len(shape) > 8
+            or any(type(d) is not int or not 0 <= d < 2**40 for d in shape)
+        ):
             raise bad(f"{arg} shape", "at most 8 non-negative ints", _short(shape))
-        if type(offsets) is not list or len(offsets) != 2 or any(
-                type(o) is not int for o in offsets):
+        if (
+            type(offsets) is not list
+            or len(offsets) != 2
+            or any(type(o) is not int for o in offsets)
+        ):
             raise bad(f"{arg} data_offsets", "[begin, end]", _short(offsets))
         begin, end = offsets
         nbytes = itemsize
         for d in shape:
             nbytes *= d
         if not 0 <= begin <= end <= data or end - begin != nbytes:
-            raise bad(f"{arg} data_offsets", f"{nbytes} bytes inside the {data} data bytes",
-                      offsets)
+            raise bad(
+                f"{arg} data_offsets", f"{nbytes} bytes inside the {data} data bytes", offsets
+            )
         spans.append((begin, end))
     spans.sort()
     for (_, e0), (b1, _) in zip(spans, spans[1:]):
@@ -534,11 +619,15 @@ def _cache_geometry(name, c):
     from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
     if isinstance(c, CacheList):
-        return ("parts", tuple(_cache_geometry(f"{name}.caches[{j}]", p)
-                               for j, p in enumerate(c.caches)))
+        return (
+            "parts",
+            tuple(_cache_geometry(f"{name}.caches[{j}]", p) for j, p in enumerate(c.caches)),
+        )
     if isinstance(c, ArraysCache):
-        return ("slots", tuple(None if a is None else (tuple(a.shape[1:]), a.dtype)
-                               for a in c.cache))
+        return (
+            "slots",
+            tuple(None if a is None else (tuple(a.shape[1:]), a.dtype) for a in c.cache),
+        )
     keys, values = getattr(c, "keys", None), getattr(c, "values", None)
     if keys is None or values is None:
         raise bad(name, "a KV, recurrent or composite cache", type(c).__name__)
@@ -560,8 +649,12 @@ def check_model(states, model) -> None:
     records (no geometry yet) fit any layer of the right kind.
     """
     want = model_geometry(model)
-    check(len(states) == len(want), "states", f"{len(want)} records (one per model layer)",
-          len(states))
+    check(
+        len(states) == len(want),
+        "states",
+        f"{len(want)} records (one per model layer)",
+        len(states),
+    )
     for i, (s, geo) in enumerate(zip(states, want)):
         _check_fits(f"states[{i}]", s, geo, i)
 
@@ -570,35 +663,52 @@ def _check_fits(name, s, geo, i):
     kind = geo[0] if isinstance(geo[0], str) else "kv"
     if kind == "parts":
         parts = getattr(s, "parts", None)
-        check(parts is not None and len(parts) == len(geo[1]), name,
-              f"a CompositeState of {len(geo[1])} parts (layer {i} is a CacheList)",
-              type(s).__name__ if parts is None else f"{len(parts)} parts")
+        check(
+            parts is not None and len(parts) == len(geo[1]),
+            name,
+            f"a CompositeState of {len(geo[1])} parts (layer {i} is a CacheList)",
+            type(s).__name__ if parts is None else f"{len(parts)} parts",
+        )
         for j, (p, g) in enumerate(zip(parts, geo[1])):
             _check_fits(f"{name}.parts[{j}]", p, g, i)
         return
     if kind == "slots":
         slots = getattr(s, "arrays", None)
-        check(isinstance(s, records.RecurrentState) and len(slots) == len(geo[1]), name,
-              f"a RecurrentState of {len(geo[1])} slots (layer {i} is recurrent)",
-              type(s).__name__ if slots is None else f"{len(slots)} slots")
+        check(
+            isinstance(s, records.RecurrentState) and len(slots) == len(geo[1]),
+            name,
+            f"a RecurrentState of {len(geo[1])} slots (layer {i} is recurrent)",
+            type(s).__name__ if slots is None else f"{len(slots)} slots",
+        )
         for j, (a, g) in enumerate(zip(slots, geo[1])):
             if a is not None and g is not None:
                 have = (tuple(a.shape[1:]), a.dtype)
-                check(have == g, f"{name} slot {j} (shape[1:], dtype)",
-                      f"{g} (the model's layer {i})", have)
+                check(
+                    have == g,
+                    f"{name} slot {j} (shape[1:], dtype)",
+                    f"{g} (the model's layer {i})",
+                    have,
+                )
         return
     H, Dk, Dv, dtype, window = geo
     record_geo = _record_geometry(s)
     if record_geo is None and not hasattr(s, "keys"):
         raise bad(name, f"a KV record (layer {i} is an attention layer)", type(s).__name__)
     if record_geo is not None:
-        check(tuple(record_geo) == (H, Dk, Dv, dtype), f"{name} geometry (H, Dk, Dv, dtype)",
-              f"{(H, Dk, Dv, dtype)} (the model's layer {i})", tuple(record_geo))
+        check(
+            tuple(record_geo) == (H, Dk, Dv, dtype),
+            f"{name} geometry (H, Dk, Dv, dtype)",
+            f"{(H, Dk, Dv, dtype)} (the model's layer {i})",
+            tuple(record_geo),
+        )
     if window is not None:
         size = getattr(s, "max_size", None)
-        check(size == window, name,
-              f"a ring of max_size={window} (layer {i} is a sliding-window layer)",
-              type(s).__name__ if size is None else f"max_size={size}")
+        check(
+            size == window,
+            name,
+            f"a ring of max_size={window} (layer {i} is a sliding-window layer)",
+            type(s).__name__ if size is None else f"max_size={size}",
+        )
 
 
 # --- model identity ---------------------------------------------------------------
@@ -641,8 +751,12 @@ def model_digest(model_path) -> str:
     root = Path(model_path).expanduser()
     check(root.is_dir(), "model_path", "an existing directory", os.fspath(model_path))
     files = sorted(p for p in root.glob("*.safetensors") if p.is_file())
-    check(bool(files), "model_path", "a directory holding *.safetensors weight files",
-          f"none in {os.fspath(model_path)}")
+    check(
+        bool(files),
+        "model_path",
+        "a directory holding *.safetensors weight files",
+        f"none in {os.fspath(model_path)}",
+    )
     h = hashlib.sha256()
     for p in files:
         h.update(f"{p.name}\0{file_digest(os.fspath(p))}\n".encode())

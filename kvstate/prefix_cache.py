@@ -53,8 +53,9 @@ def model_identity(path) -> str:
         raise bad("path", "a model directory or weight file", type(path).__name__)
     if os.path.isdir(path):
         return persist.model_digest(path)
-    check(os.path.isfile(path), "path", "an existing model directory or weight file",
-          os.fspath(path))
+    check(
+        os.path.isfile(path), "path", "an existing model directory or weight file", os.fspath(path)
+    )
     return persist.file_digest(os.fspath(path))
 
 
@@ -90,8 +91,10 @@ class PrefixLease(Releasable):
         self._cache, self._entry = cache, entry
         self.tokens, self.matched = entry.tokens, matched
         cut = len(entry.tokens) - matched
-        self.states = [ops.trim(fork(s, 0, 0) if not isinstance(s, SharedState) else s, cut)
-                       for s in entry.states]
+        self.states = [
+            ops.trim(fork(s, 0, 0) if not isinstance(s, SharedState) else s, cut)
+            for s in entry.states
+        ]
         self.released = False
         entry.pins += 1
 
@@ -104,7 +107,6 @@ class PrefixLease(Releasable):
         self._cache._fit()
 
 
-
 def _check_states(states, arg="states") -> list:
     if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
         raise bad(arg, "a list of records (one per layer)", type(states).__name__)
@@ -112,8 +114,9 @@ def _check_states(states, arg="states") -> list:
     check(len(states) >= 1, arg, "at least one record", "none")
     for i, s in enumerate(states):
         if not isinstance(s, (CacheState, QuantizedState, SharedState)):
-            raise bad(f"{arg}[{i}]", "a CacheState, QuantizedState or SharedState",
-                      type(s).__name__)
+            raise bad(
+                f"{arg}[{i}]", "a CacheState, QuantizedState or SharedState", type(s).__name__
+            )
     return states
 
 
@@ -177,10 +180,15 @@ class PrefixCache:
         check(len(key) >= 1, "tokens", "at least one token", "none")
         states = _check_states(states)
         for i, s in enumerate(states):
-            check(s.batch_size == 1, f"states[{i}] batch size", "1 (one row per entry)",
-                  s.batch_size)
-            check(s.lengths[0] == len(key), f"states[{i}] tokens", f"{len(key)} (len(tokens))",
-                  s.lengths[0])
+            check(
+                s.batch_size == 1, f"states[{i}] batch size", "1 (one row per entry)", s.batch_size
+            )
+            check(
+                s.lengths[0] == len(key),
+                f"states[{i}] tokens",
+                f"{len(key)} (len(tokens))",
+                s.lengths[0],
+            )
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
@@ -204,8 +212,9 @@ class PrefixCache:
         best, best_n = None, 0
         for e in self._entries.values():
             n = min(common_prefix(e.tokens, tokens), limit)
-            if n > best_n or (n == best_n and best is not None and n and
-                              len(e.tokens) < len(best.tokens)):
+            if n > best_n or (
+                n == best_n and best is not None and n and len(e.tokens) < len(best.tokens)
+            ):
                 best, best_n = e, n
         if best is None or best_n < max(1, min_tokens):
             return None
@@ -248,16 +257,28 @@ class PrefixCache:
         records, meta = persist.load(path)
         have = meta.get(persist.DIGEST_KEY)
         if identity is not None:
-            check(have is not None, "path", "a prefix cache recording a model identity",
-                  "a file with no model identity")
-            check(have == identity, "path", f"a prefix cache for this model ({identity[:16]}…)",
-                  f"one for another model ({have[:16]}…)")
-        check(ENTRIES_KEY in meta, "path", "a file written by PrefixCache.save",
-              f"no {ENTRIES_KEY!r} metadata")
+            check(
+                have is not None,
+                "path",
+                "a prefix cache recording a model identity",
+                "a file with no model identity",
+            )
+            check(
+                have == identity,
+                "path",
+                f"a prefix cache for this model ({identity[:16]}…)",
+                f"one for another model ({have[:16]}…)",
+            )
+        check(
+            ENTRIES_KEY in meta,
+            "path",
+            "a file written by PrefixCache.save",
+            f"no {ENTRIES_KEY!r} metadata",
+        )
         out = cls(max_bytes, identity=identity if identity is not None else have)
         at = 0
         for e in json.loads(meta[ENTRIES_KEY]):
-            layers = records[at:at + e["layers"]]
+            layers = records[at : at + e["layers"]]
             at += e["layers"]
             out.insert(e["tokens"], layers)
         mx.eval([p for s in records for p in s.planes])
@@ -267,8 +288,15 @@ class PrefixCache:
 # --- prefill through the mlx-lm bridge ---------------------------------------------------
 
 
-def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None = None, *,
-            memo=None, prefill_step_size: int | None = None, **make) -> tuple:
+def prefill(
+    model,
+    prompts: Sequence[Sequence[int]],
+    cache: PrefixCache | None = None,
+    *,
+    memo=None,
+    prefill_step_size: int | None = None,
+    **make,
+) -> tuple:
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 
     A prompt whose start is cached prefills only the rest (its rows read the
@@ -313,7 +341,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         rest = head[start:]  # no logits are asked for: the output layer never runs here
         chunk = prefill_step_size or max(len(rest), 1)
         for at in range(0, len(rest), chunk):  # (chunks bound a long prompt's activations)
-            _, states = forward(model, mx.array([rest[at:at + chunk]]), states, memo=memo)
+            _, states = forward(model, mx.array([rest[at : at + chunk]]), states, memo=memo)
         prefilled.append(len(p) - start)
         if head and cache is not None and cache.insert(head, states):
             held = cache.pin(head)  # the row reads the entry (the same records when dense)
@@ -325,8 +353,7 @@ def prefill(model, prompts: Sequence[Sequence[int]], cache: PrefixCache | None =
         leases.append(hit)
         rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
     # Every row's last prompt token in one batched step: the only logits computed.
-    logits, states = step(model, mx.array([p[-1] for p in prompts]), merge_rows(rows),
-                          memo=memo)
+    logits, states = step(model, mx.array([p[-1] for p in prompts]), merge_rows(rows), memo=memo)
     if cache is not None:  # the whole prompts too (a next turn reuses all of them)
         for b, p in enumerate(prompts):
             cache.insert(p, [ops.extract_row(s, b) for s in states])

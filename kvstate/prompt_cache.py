@@ -21,8 +21,14 @@ from ._dense import empty, from_arrays
 from ._quantized import quantized
 from ._ring import from_temporal, rotating
 from .errors import bad, check
-from .records import (CacheState, ChunkedState, CompositeState, QuantizedState,
-                      RecurrentState, RotatingState)
+from .records import (
+    CacheState,
+    ChunkedState,
+    CompositeState,
+    QuantizedState,
+    RecurrentState,
+    RotatingState,
+)
 from .chunked import chunked_state
 from .invariants import share_row_ids
 from .recurrent import recurrent_state
@@ -32,11 +38,23 @@ __all__ = ["from_prompt_cache", "to_prompt_cache", "CACHE_CLASSES"]
 # The mlx-lm cache classes ``from_prompt_cache`` converts (subclasses too), by
 # name: what an mlx-lm prompt-cache file may name (mlx-lm's own reader builds
 # whatever global of its cache module a file names).
-_CONVERTED = (lm_cache.KVCache, lm_cache.QuantizedKVCache, lm_cache.RotatingKVCache,
-              lm_cache.BatchKVCache, lm_cache.BatchRotatingKVCache, lm_cache.ArraysCache,
-              lm_cache.ChunkedKVCache, lm_cache.CacheList)
-CACHE_CLASSES = tuple(sorted(name for name, c in vars(lm_cache).items()
-                             if isinstance(c, type) and issubclass(c, _CONVERTED)))
+_CONVERTED = (
+    lm_cache.KVCache,
+    lm_cache.QuantizedKVCache,
+    lm_cache.RotatingKVCache,
+    lm_cache.BatchKVCache,
+    lm_cache.BatchRotatingKVCache,
+    lm_cache.ArraysCache,
+    lm_cache.ChunkedKVCache,
+    lm_cache.CacheList,
+)
+CACHE_CLASSES = tuple(
+    sorted(
+        name
+        for name, c in vars(lm_cache).items()
+        if isinstance(c, type) and issubclass(c, _CONVERTED)
+    )
+)
 
 
 def _own(x):
@@ -50,8 +68,7 @@ def _stored(name, c, keys) -> int:
     """The cache's ``offset``: an int in ``[0, stored columns]`` (a slice
     with a negative or larger offset would read the wrong columns)."""
     n = as_int(c.offset, f"{name}.offset")
-    check(0 <= n <= keys.shape[2], f"{name}.offset", f"in [0, {keys.shape[2]}] (stored columns)",
-          n)
+    check(0 <= n <= keys.shape[2], f"{name}.offset", f"in [0, {keys.shape[2]}] (stored columns)", n)
     return n
 
 
@@ -59,21 +76,39 @@ def _planes_of(name, c, triple: bool):
     """``c.keys``/``c.values`` as mlx-lm holds them: arrays, or quantized triples."""
     for field in ("keys", "values"):
         x = getattr(c, field)
-        ok = (isinstance(x, (tuple, list)) and len(x) == 3
-              and all(isinstance(p, mx.array) and p.ndim == 4 for p in x)) if triple else (
-            isinstance(x, mx.array) and x.ndim == 4)
+        ok = (
+            (
+                isinstance(x, (tuple, list))
+                and len(x) == 3
+                and all(isinstance(p, mx.array) and p.ndim == 4 for p in x)
+            )
+            if triple
+            else (isinstance(x, mx.array) and x.ndim == 4)
+        )
         if not ok:
-            raise bad(f"{name}.{field}", "(packed, scales, biases) arrays [B, H, S, *]" if triple
-                      else "an mx.array [B, H, S, D]", type(x).__name__)
+            raise bad(
+                f"{name}.{field}",
+                "(packed, scales, biases) arrays [B, H, S, *]"
+                if triple
+                else "an mx.array [B, H, S, D]",
+                type(x).__name__,
+            )
 
 
 def _per_row(name, c, field, B=None) -> list:
     """An integer ``mx.array`` ``[B]`` field of a batched cache, as ints."""
     x = getattr(c, field)
-    if (not isinstance(x, mx.array) or x.ndim != 1 or not mx.issubdtype(x.dtype, mx.integer)
-            or (B is not None and x.shape[0] != B)):
-        raise bad(f"{name}.{field}", f"an integer mx.array [{'B' if B is None else B}]",
-                  f"{type(x).__name__} {getattr(x, 'shape', '')}")
+    if (
+        not isinstance(x, mx.array)
+        or x.ndim != 1
+        or not mx.issubdtype(x.dtype, mx.integer)
+        or (B is not None and x.shape[0] != B)
+    ):
+        raise bad(
+            f"{name}.{field}",
+            f"an integer mx.array [{'B' if B is None else B}]",
+            f"{type(x).__name__} {getattr(x, 'shape', '')}",
+        )
     return cast(list, x.tolist())  # a 1-D array (checked above)
 
 
@@ -86,8 +121,9 @@ def _from_cache(i, c):
         n, B = _stored(name, c, c.keys[0]), c.keys[0].shape[0]
         keys = tuple(_own(x[:, :, :n]) for x in c.keys)
         values = tuple(_own(x[:, :, :n]) for x in c.values)
-        return QuantizedState((n,) * B, (0,) * B, keys=keys, values=values,
-                              group_size=c.group_size, bits=c.bits)
+        return QuantizedState(
+            (n,) * B, (0,) * B, keys=keys, values=values, group_size=c.group_size, bits=c.bits
+        )
     if isinstance(c, lm_cache.KVCache):
         if c.keys is None:
             return empty(1)
@@ -96,8 +132,12 @@ def _from_cache(i, c):
         return from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
     if isinstance(c, lm_cache.BatchKVCache):
         pending = getattr(c, "_right_padding", None)  # absent after load_prompt_cache
-        check(pending is None, f"{name}", "a finalized BatchKVCache (call finalize())",
-              "one with pending right padding")
+        check(
+            pending is None,
+            f"{name}",
+            "a finalized BatchKVCache (call finalize())",
+            "one with pending right padding",
+        )
         lp = _per_row(name, c, "left_padding")
         if c.keys is None:
             check(all(p == 0 for p in lp), f"{name}.left_padding", "zeros for an empty cache", lp)
@@ -105,10 +145,13 @@ def _from_cache(i, c):
         _planes_of(name, c, False)
         w = as_int(c._idx, f"{name}._idx")
         check(0 <= w <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", w)
-        check(all(0 <= p <= w for p in lp), f"{name}.left_padding", f"each in [0, {w}] (_idx)",
-              lp)
-        return from_arrays(_own(c.keys[:, :, :w]), _own(c.values[:, :, :w]),
-                              lengths=[w - p for p in lp], left_pad=lp)
+        check(all(0 <= p <= w for p in lp), f"{name}.left_padding", f"each in [0, {w}] (_idx)", lp)
+        return from_arrays(
+            _own(c.keys[:, :, :w]),
+            _own(c.values[:, :, :w]),
+            lengths=[w - p for p in lp],
+            left_pad=lp,
+        )
     if isinstance(c, lm_cache.RotatingKVCache):
         if c.keys is None:
             return rotating(1, max_size=c.max_size, keep=c.keep)
@@ -119,15 +162,20 @@ def _from_cache(i, c):
         check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
         k, v = c._temporal_order(c.keys), c._temporal_order(c.values)  # new arrays
         n = min(offset, k.shape[2])
-        return from_temporal(_own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset,
-                             max_size=c.max_size, keep=c.keep)
+        return from_temporal(
+            _own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset, max_size=c.max_size, keep=c.keep
+        )
     if isinstance(c, lm_cache.BatchRotatingKVCache):
         B = len(_per_row(name, c, "offset"))
         if c.keys is None:
             return rotating(B, max_size=c.max_size)
         pending = getattr(c, "_lengths", None)  # absent after load_prompt_cache
-        check(pending is None, name, "a finalized BatchRotatingKVCache (call finalize())",
-              "one with pending right padding")
+        check(
+            pending is None,
+            name,
+            "a finalized BatchRotatingKVCache (call finalize())",
+            "one with pending right padding",
+        )
         _planes_of(name, c, False)
         _per_row(name, c, "left_padding", B)  # (negative once rotated: extract clips it)
         idx = as_int(c._idx, f"{name}._idx")
@@ -140,9 +188,12 @@ def _from_cache(i, c):
         return _from_chunked_cache(c)
     if isinstance(c, lm_cache.CacheList):
         return CompositeState(tuple(_from_cache(f"{i}.{j}", p) for j, p in enumerate(c.caches)))
-    raise bad(name, "KVCache, QuantizedKVCache, RotatingKVCache, BatchKVCache, "
-              "BatchRotatingKVCache, ArraysCache, ChunkedKVCache or CacheList",
-              type(c).__name__)
+    raise bad(
+        name,
+        "KVCache, QuantizedKVCache, RotatingKVCache, BatchKVCache, "
+        "BatchRotatingKVCache, ArraysCache, ChunkedKVCache or CacheList",
+        type(c).__name__,
+    )
 
 
 def _ints(x):
@@ -156,8 +207,12 @@ def _from_arrays_cache(name, c):
     takes them from the model's other layers when it has any."""
     B = c.batch_size
     arrays = tuple(None if a is None else _own(a) for a in c.cache)
-    check(all(a is None or a.shape[0] == B for a in arrays), f"{name} slots",
-          f"arrays of batch size {B}", [None if a is None else list(a.shape) for a in arrays])
+    check(
+        all(a is None or a.shape[0] == B for a in arrays),
+        f"{name} slots",
+        f"arrays of batch size {B}",
+        [None if a is None else list(a.shape) for a in arrays],
+    )
     state = recurrent_state(B, slots=max(len(arrays), 1), left_padding=_ints(c.left_padding))
     return attrs.evolve(state, arrays=arrays or (None,), until=_ints(c.lengths))
 
@@ -167,8 +222,14 @@ def _from_chunked_cache(c):
         return chunked_state(1, chunk_size=c.chunk_size)
     k, v = c.keys_and_values()
     B, held = k.shape[0], k.shape[2]
-    return ChunkedState((held,) * B, (0,) * B, start=(c.start_position,) * B,
-                        chunk_size=c.chunk_size, keys=_own(k), values=_own(v))
+    return ChunkedState(
+        (held,) * B,
+        (0,) * B,
+        start=(c.start_position,) * B,
+        chunk_size=c.chunk_size,
+        keys=_own(k),
+        values=_own(v),
+    )
 
 
 def _counted(records: list) -> list:
@@ -214,13 +275,17 @@ def from_prompt_cache(caches: Sequence) -> list:
 def _to_cache(i, s):
     name = f"states[{i}]"
     if isinstance(s, QuantizedState):
-        check(s.batch_size == 1, f"{name} batch size",
-              "1 (mlx-lm has no batched quantized cache)", s.batch_size)
+        check(
+            s.batch_size == 1,
+            f"{name} batch size",
+            "1 (mlx-lm has no batched quantized cache)",
+            s.batch_size,
+        )
         c = lm_cache.QuantizedKVCache(group_size=s.group_size, bits=s.bits)
         if s.keys is not None:
             a, n = s.left_pad[0], s.lengths[0]
-            c.keys = tuple(x[:, :, a:a + n] for x in s.keys)
-            c.values = tuple(x[:, :, a:a + n] for x in s.values)
+            c.keys = tuple(x[:, :, a : a + n] for x in s.keys)
+            c.values = tuple(x[:, :, a : a + n] for x in s.values)
             c.offset = n
         return c
     if isinstance(s, CacheState):
@@ -228,7 +293,7 @@ def _to_cache(i, s):
             c = lm_cache.KVCache()
             if s.keys is not None:
                 a, n = s.left_pad[0], s.lengths[0]
-                c.keys, c.values, c.offset = s.keys[:, :, a:a + n], s.values[:, :, a:a + n], n
+                c.keys, c.values, c.offset = s.keys[:, :, a : a + n], s.values[:, :, a : a + n], n
             return c
         if s.keys is None:
             return lm_cache.BatchKVCache([0] * s.batch_size)
@@ -249,15 +314,15 @@ def _to_cache(i, s):
                 c.keys, c.values = ops.fetch(s)
                 c.offset, c._idx = s.lengths[0], s.held[0]
             return c
-        check(s.keep == 0, f"{name}.keep", "0 (mlx-lm's BatchRotatingKVCache drops keep)",
-              s.keep)
+        check(s.keep == 0, f"{name}.keep", "0 (mlx-lm's BatchRotatingKVCache drops keep)", s.keep)
         if s.keys is None:
             return lm_cache.BatchRotatingKVCache(s.max_size, [0] * s.batch_size)
         rows = [_to_cache(i, ops.extract_row(s, b)) for b in range(s.batch_size)]
         return lm_cache.BatchRotatingKVCache.merge(rows)
     if isinstance(s, RecurrentState):
-        c = lm_cache.ArraysCache(len(s.arrays), left_padding=list(s.left_padding)
-                                 if any(s.left_padding) else None)
+        c = lm_cache.ArraysCache(
+            len(s.arrays), left_padding=list(s.left_padding) if any(s.left_padding) else None
+        )
         c.cache = list(s.arrays)
         c.lengths = None if s.until is None else mx.array(s.until)
         return c
@@ -265,17 +330,24 @@ def _to_cache(i, s):
         return _to_chunked_cache(name, s)
     if isinstance(s, CompositeState):
         return lm_cache.CacheList(*(_to_cache(f"{i}.{j}", p) for j, p in enumerate(s.parts)))
-    raise bad(name, "a CacheState, QuantizedState, RotatingState, RecurrentState, "
-              "ChunkedState or CompositeState", type(s).__name__)
+    raise bad(
+        name,
+        "a CacheState, QuantizedState, RotatingState, RecurrentState, "
+        "ChunkedState or CompositeState",
+        type(s).__name__,
+    )
 
 
 def _to_chunked_cache(name, s):
     c = lm_cache.ChunkedKVCache(s.chunk_size)
     if s.keys is None:
         return c
-    check(len(set(s.offsets)) == 1 and len(set(s.start)) == 1, f"{name} rows",
-          "rows at one position (mlx-lm's ChunkedKVCache has one offset)",
-          f"offsets {s.offsets}, start {s.start}")
+    check(
+        len(set(s.offsets)) == 1 and len(set(s.start)) == 1,
+        f"{name} rows",
+        "rows at one position (mlx-lm's ChunkedKVCache has one offset)",
+        f"offsets {s.offsets}, start {s.start}",
+    )
     if not s.aligned:
         s = ops.merge_rows([ops.extract_row(s, b) for b in range(s.batch_size)])
     c.keys, c.values = ops.fetch(s)

@@ -60,8 +60,9 @@ def _tuple_of_ints(value) -> tuple:
     try:
         return tuple(map(operator.index, value))
     except TypeError:
-        raise bad("row bookkeeping (lengths, left_pad, held)", "a sequence of ints",
-                  repr(value)) from None
+        raise bad(
+            "row bookkeeping (lengths, left_pad, held)", "a sequence of ints", repr(value)
+        ) from None
 
 
 def _row_ids(value):
@@ -112,8 +113,12 @@ def derived(state, **changes):
     if names is None:
         names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
     lengths = changes.get("lengths")
-    if (lengths is not None and "row_ids" not in changes and "row_ids" in names
-            and len(lengths) != len(state.row_ids)):
+    if (
+        lengths is not None
+        and "row_ids" not in changes
+        and "row_ids" in names
+        and len(lengths) != len(state.row_ids)
+    ):
         changes["row_ids"] = fresh_row_ids(len(lengths))
     new, hit = _new(cls), 0
     for name in names:
@@ -157,7 +162,8 @@ class _Rows:
     left_pad: tuple = attrs.field(converter=_tuple_of_ints)
     step: int = 256
     row_ids: Optional[tuple] = attrs.field(
-        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
+        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids
+    )
 
     __attrs_post_init__ = _checked
 
@@ -273,8 +279,7 @@ def validate_checkpoint(cp: Checkpoint):
     for name in ("left_pad", "row_ids"):
         values = getattr(cp, name)
         if values is not None and len(values) != B:
-            raise bad(f"checkpoint.{name}", f"{B} values (one per row, as lengths)",
-                      len(values))
+            raise bad(f"checkpoint.{name}", f"{B} values (one per row, as lengths)", len(values))
     for name in ("lengths", "left_pad"):
         for b, v in enumerate(getattr(cp, name)):
             check_int(v, f"checkpoint.{name}[{b}]")
@@ -345,7 +350,8 @@ class RotatingState(_Unpadded):
     keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     row_ids: Optional[tuple] = attrs.field(
-        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids)
+        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids
+    )
 
     __attrs_post_init__ = _checked
 

@@ -154,9 +154,13 @@ def finalize(state: RecurrentState) -> RecurrentState:
 
 
 for _name in ("append", "attend", "next_mask", "update_and_read"):
-    getattr(ops, _name).register(RecurrentState)(ops.refusing(
-        f"{_name}_recurrent", f"a record holding keys and values ({_name} reads or writes them)",
-        "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)"))
+    getattr(ops, _name).register(RecurrentState)(
+        ops.refusing(
+            f"{_name}_recurrent",
+            f"a record holding keys and values ({_name} reads or writes them)",
+            "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)",
+        )
+    )
 
 
 @ops.fetch.register(RecurrentState)

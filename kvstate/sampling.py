@@ -129,12 +129,11 @@ class Sampling:
     """
 
     temperature: float = attrs.field(
-        default=0.0, converter=lambda v: _floats(v, 1, "temperature", 0.0, math.inf)[0])
-    top_p: float = attrs.field(
-        default=1.0, converter=lambda v: _floats(v, 1, "top_p", 0.0, 1.0)[0])
+        default=0.0, converter=lambda v: _floats(v, 1, "temperature", 0.0, math.inf)[0]
+    )
+    top_p: float = attrs.field(default=1.0, converter=lambda v: _floats(v, 1, "top_p", 0.0, 1.0)[0])
     top_k: int = attrs.field(default=0, converter=lambda v: _ints(v, 1, "top_k")[0])
-    min_p: float = attrs.field(
-        default=0.0, converter=lambda v: _floats(v, 1, "min_p", 0.0, 1.0)[0])
+    min_p: float = attrs.field(default=0.0, converter=lambda v: _floats(v, 1, "min_p", 0.0, 1.0)[0])
     seed: int | None = attrs.field(
         default=None, kw_only=True, converter=lambda v: v if v is None else _seed(v, "seed")
     )

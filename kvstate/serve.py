@@ -55,12 +55,12 @@ class Job:
     seed: Optional[int] = None
     n: int = 1
     emit: Callable[[str, int, Any], None] = lambda kind, i, value: None
-    cancelled: set = attrs.Factory(set)      # choices the client no longer wants
+    cancelled: set = attrs.Factory(set)  # choices the client no longer wants
     id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
     submitted: float = attrs.Factory(time.perf_counter)
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
-    leases: list = attrs.Factory(list)       # prefix-cache entries the rows read
+    leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
 
     def release(self) -> None:
         """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
@@ -80,14 +80,25 @@ class Job:
 class BadRequest(Exception):
     """A request the server refuses with 4xx and an OpenAI-style error body."""
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 status: int = 400):
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        status: int = 400,
+    ):
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error",
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def _number(body: dict, name: str, default, low, high, *, integer=False):
@@ -96,8 +107,9 @@ def _number(body: dict, name: str, default, low, high, *, integer=False):
         return default
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
-        raise BadRequest(f"'{name}' must be {'an integer' if integer else 'a number'}, "
-                         f"got {value!r}", name)
+        raise BadRequest(
+            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
+        )
     if not low <= value <= high:
         raise BadRequest(f"'{name}' must be in [{low}, {high}], got {value!r}", name)
     return value
@@ -107,7 +119,7 @@ def _number(body: dict, name: str, default, low, high, *, integer=False):
 class Params:
     """What a request asks for, validated."""
 
-    prompt: list              # token ids
+    prompt: list  # token ids
     max_tokens: int
     temperature: float
     top_p: float
@@ -118,8 +130,15 @@ class Params:
     chat: bool
 
 
-def parse(body: Any, *, chat: bool, tokenize: Callable, context: int,
-          max_tokens_default: int = 256, max_n: int = 16) -> Params:
+def parse(
+    body: Any,
+    *,
+    chat: bool,
+    tokenize: Callable,
+    context: int,
+    max_tokens_default: int = 256,
+    max_n: int = 16,
+) -> Params:
     """Validate an OpenAI request body; raises ``BadRequest`` naming the field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -128,12 +147,16 @@ def parse(body: Any, *, chat: bool, tokenize: Callable, context: int,
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list", "messages")
         for i, m in enumerate(messages):
-            if (not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant")
-                    or not isinstance(m.get("content"), str)):
-                raise BadRequest(f"messages[{i}] must be {{'role': system|user|assistant, "
-                                 f"'content': str}}", "messages")
-        prompt = tokenize(messages=[{"role": m["role"], "content": m["content"]}
-                                    for m in messages])
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ("system", "user", "assistant")
+                or not isinstance(m.get("content"), str)
+            ):
+                raise BadRequest(
+                    f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}",
+                    "messages",
+                )
+        prompt = tokenize(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
@@ -144,31 +167,38 @@ def parse(body: Any, *, chat: bool, tokenize: Callable, context: int,
     if "max_completion_tokens" in body:
         max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, context, integer=True)
     if len(prompt) + max_tokens > context:
-        raise BadRequest(f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
-                         f"exceeds the context of {context} tokens", "messages" if chat
-                         else "prompt", "context_length_exceeded")
+        raise BadRequest(
+            f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
+            f"exceeds the context of {context} tokens",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
     stop = body.get("stop")
     if stop is None:
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
-    elif (isinstance(stop, list) and len(stop) <= 4
-          and all(isinstance(s, str) and s for s in stop)):
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
         stop = tuple(stop)
     else:
-        raise BadRequest("'stop' must be a string or a list of at most 4 non-empty strings",
-                         "stop")
+        raise BadRequest("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
-    return Params(prompt=list(prompt), max_tokens=max_tokens,
-                  temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                  top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-                  seed=seed, n=_number(body, "n", 1, 1, max_n, integer=True),
-                  stop=stop, stream=stream, chat=chat)
+    return Params(
+        prompt=list(prompt),
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+        seed=seed,
+        n=_number(body, "n", 1, 1, max_n, integer=True),
+        stop=stop,
+        stream=stream,
+        chat=chat,
+    )
 
 
 # --- text out -------------------------------------------------------------------------
@@ -185,7 +215,7 @@ class TextStream:
     def __init__(self, decode: Callable[[list], str], stop: tuple = ()):
         self.decode, self.stop = decode, stop
         self.tokens: list = []
-        self.text = ""          # released so far
+        self.text = ""  # released so far
         self.stopped = False
         self._hold = max((len(s) for s in stop), default=1) - 1
 
@@ -200,7 +230,7 @@ class TextStream:
             if at >= 0:
                 self.stopped = True
                 return self._release(full[:at])
-        return self._release(full[:max(len(full) - self._hold, 0)])
+        return self._release(full[: max(len(full) - self._hold, 0)])
 
     def flush(self) -> str:
         """At the end: release what was held back (no stop string matched)."""
@@ -209,7 +239,7 @@ class TextStream:
     def _release(self, upto: str) -> str:
         if len(upto) <= len(self.text):
             return ""
-        delta, self.text = upto[len(self.text):], upto
+        delta, self.text = upto[len(self.text) :], upto
         return delta
 
 
@@ -244,15 +274,30 @@ class Api:
         from aiohttp import web
 
         s = self.scheduler
-        return web.json_response({"status": "ok" if s.alive else "stopped",
-                                  "active_rows": s.active_rows, "queued": s.queued})
+        return web.json_response(
+            {
+                "status": "ok" if s.alive else "stopped",
+                "active_rows": s.active_rows,
+                "queued": s.queued,
+            }
+        )
 
     async def models(self, request):
         from aiohttp import web
 
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": self.created,
-             "owned_by": "kvstate"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "kvstate",
+                    }
+                ],
+            }
+        )
 
     async def chat(self, request):
         return await self._complete(request, chat=True)
@@ -282,28 +327,47 @@ class Api:
         def emit(kind, i, value):
             loop.call_soon_threadsafe(events.put_nowait, (kind, i, value))
 
-        job = Job(prompt=p.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
-                  top_p=p.top_p, seed=p.seed, n=p.n, emit=emit)
+        job = Job(
+            prompt=p.prompt,
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            n=p.n,
+            emit=emit,
+        )
         try:
             self.scheduler.submit(job)
         except QueueFull:
-            return _error(BadRequest("the server is at capacity; retry later", code="queue_full",
-                                     status=429))
+            return _error(
+                BadRequest("the server is at capacity; retry later", code="queue_full", status=429)
+            )
         kind = "chat.completion" if chat else "text_completion"
-        head = {"id": ("chatcmpl-" if chat else "cmpl-") + job.id, "created": int(time.time()),
-                "model": self.model_id}
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+            "created": int(time.time()),
+            "model": self.model_id,
+        }
         texts = [TextStream(self.tok.decode, p.stop) for _ in range(p.n)]
         finish: list = [None] * p.n
         response: Any = None  # a web.StreamResponse when streaming
         try:
             if p.stream:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await response.prepare(request)
                 if chat:
                     for i in range(p.n):
-                        await self._send(response, head, kind, i, {"role": "assistant",
-                                                                   "content": ""}, None, chat)
+                        await self._send(
+                            response,
+                            head,
+                            kind,
+                            i,
+                            {"role": "assistant", "content": ""},
+                            None,
+                            chat,
+                        )
             while None in finish:
                 what, i, value = await events.get()
                 if what == "error":
@@ -327,8 +391,10 @@ class Api:
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
                 return response
-            usage = {"prompt_tokens": len(p.prompt),
-                     "completion_tokens": sum(len(t.tokens) for t in texts)}
+            usage = {
+                "prompt_tokens": len(p.prompt),
+                "completion_tokens": sum(len(t.tokens) for t in texts),
+            }
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
             choices = []
             for i, t in enumerate(texts):
@@ -338,15 +404,19 @@ class Api:
                 else:
                     c["text"], c["logprobs"] = t.text, None
                 choices.append(c)
-            return web.json_response({**head, "object": kind, "choices": choices,
-                                      "usage": usage})
+            return web.json_response({**head, "object": kind, "choices": choices, "usage": usage})
         finally:
             job.cancel()  # no-op for finished choices; frees rows of a vanished client
 
     async def _send(self, response, head, kind, i, delta, finish, chat):
         if chat:
-            choice = {"index": i, "delta": delta if isinstance(delta, dict)
-                      else ({"content": delta} if delta else {}), "finish_reason": finish}
+            choice = {
+                "index": i,
+                "delta": delta
+                if isinstance(delta, dict)
+                else ({"content": delta} if delta else {}),
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": None}
         chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": [choice]}
@@ -377,8 +447,17 @@ class Scheduler:
         num_draft: most drafted tokens per row per round.
     """
 
-    def __init__(self, model, eos, *, max_batch: int = 32, max_queue: int = 64,
-                 prefix_cache=None, drafter=None, num_draft: int = 4):
+    def __init__(
+        self,
+        model,
+        eos,
+        *,
+        max_batch: int = 32,
+        max_queue: int = 64,
+        prefix_cache=None,
+        drafter=None,
+        num_draft: int = 4,
+    ):
         self.model, self.eos = model, frozenset(eos)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
@@ -387,8 +466,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
-        self.stats = {"rounds": 0, "prefilled": 0, "prompt_tokens": 0, "drafted": 0,
-                      "accepted": 0}
+        self.stats = {"rounds": 0, "prefilled": 0, "prompt_tokens": 0, "drafted": 0, "accepted": 0}
 
     # the HTTP side's view
     @property
@@ -407,8 +485,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
         if job.n > self.max_batch:
-            raise BadRequest(f"'n' must be at most {self.max_batch} (the batch), got {job.n}",
-                             "n")
+            raise BadRequest(f"'n' must be at most {self.max_batch} (the batch), got {job.n}", "n")
         if self.queued >= self.max_queue:
             raise QueueFull
         self._queue.put(job)
@@ -446,8 +523,9 @@ class Scheduler:
         while room > 0:
             if not self._pending:
                 try:
-                    self._pending.append(self._queue.get(timeout=0.05) if block
-                                         else self._queue.get_nowait())
+                    self._pending.append(
+                        self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+                    )
                 except queue.Empty:
                     break
                 block = False
@@ -475,16 +553,21 @@ class Scheduler:
 
         prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = prefix_cache.prefill(
-            self.model, prompts, self.prefix_cache)
+            self.model, prompts, self.prefix_cache
+        )
         for job, lease in zip(jobs, leases):
             job.leases = [lease] if lease is not None else []
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(map(len, prompts))
         seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
-        batch = kv.Batch(states, mx.zeros((len(jobs),), mx.uint32), keys=kv.row_keys(seeds),
-                         sampling=[kv.Sampling(temperature=job.temperature, top_p=job.top_p)
-                                   for job in jobs],
-                         ids=[job.id for job in jobs], payload=[(job, 0) for job in jobs])
+        batch = kv.Batch(
+            states,
+            mx.zeros((len(jobs),), mx.uint32),
+            keys=kv.row_keys(seeds),
+            sampling=[kv.Sampling(temperature=job.temperature, top_p=job.top_p) for job in jobs],
+            ids=[job.id for job in jobs],
+            payload=[(job, 0) for job in jobs],
+        )
         tokens, keys = sample_batch(logits, batch)
         batch = attrs.evolve(batch, tokens=tokens, keys=keys)
         draft_states = None
@@ -559,8 +642,12 @@ def make_app(loaded, *, context: Optional[int] = None, **options):
     if loaded.tokenizer is None:
         raise KVStateError("kvstate serve needs a model with a tokenizer (not --model tiny)")
     scheduler = Scheduler(loaded.model, loaded.tokenizer.eos_ids, **options)
-    api = Api(scheduler, loaded.tokenizer, model_id=loaded.name,
-              context=context or context_of(loaded.model))
+    api = Api(
+        scheduler,
+        loaded.tokenizer,
+        model_id=loaded.name,
+        context=context or context_of(loaded.model),
+    )
     app = api.app()
 
     async def start(app):
@@ -579,5 +666,10 @@ def run(loaded, *, host: str = "127.0.0.1", port: int = 8080, log=None, **option
     from aiohttp import web
 
     app, _ = make_app(loaded, **options)
-    web.run_app(app, host=host, port=port, handler_cancellation=True,
-                print=(lambda msg: print(msg, file=log, flush=True)) if log else None)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        handler_cancellation=True,
+        print=(lambda msg: print(msg, file=log, flush=True)) if log else None,
+    )

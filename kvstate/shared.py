@@ -45,8 +45,16 @@ from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import validate
 from .masks import MaskKey, lease, rows_mask
-from .records import (CacheState, Checkpoint, QuantizedState, _Rows, _tuple, _tuple_of_ints,
-                      derived, row_ids_of)
+from .records import (
+    CacheState,
+    Checkpoint,
+    QuantizedState,
+    _Rows,
+    _tuple,
+    _tuple_of_ints,
+    derived,
+    row_ids_of,
+)
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
 
@@ -124,9 +132,13 @@ def with_suffix(state: SharedState, suffix) -> SharedState:
     result): the row map is unchanged, so it is not checked again (the
     decode hot path builds one per layer per step)."""
     out = object.__new__(SharedState)
-    for name, value in (("prefixes", state.prefixes), ("source", state.source),
-                        ("prefix_row", state.prefix_row), ("shared", state.shared),
-                        ("suffix", suffix)):
+    for name, value in (
+        ("prefixes", state.prefixes),
+        ("source", state.source),
+        ("prefix_row", state.prefix_row),
+        ("shared", state.shared),
+        ("suffix", suffix),
+    ):
         object.__setattr__(out, name, value)
     return out
 
@@ -151,22 +163,38 @@ def validate_shared(state: SharedState) -> SharedState:
     suffix's kind, each row reading a row of a prefix and at most what it holds.
     The suffix and the prefixes were validated when they were made."""
     kind = type(state.suffix)
-    check(kind in (CacheState, QuantizedState), "suffix", "a CacheState or QuantizedState",
-          kind.__name__)
+    check(
+        kind in (CacheState, QuantizedState),
+        "suffix",
+        "a CacheState or QuantizedState",
+        kind.__name__,
+    )
     B = state.batch_size
     for name in ("source", "prefix_row", "shared"):
         n = len(getattr(state, name))
         check(n == B, f"{name}", f"{B} entries (one per suffix row)", n)
     for i, p in enumerate(state.prefixes):
-        check(type(p) is kind, f"prefixes[{i}]", f"a {kind.__name__} like the suffix",
-              type(p).__name__)
+        check(
+            type(p) is kind,
+            f"prefixes[{i}]",
+            f"a {kind.__name__} like the suffix",
+            type(p).__name__,
+        )
     for b, (s, r, n) in enumerate(zip(state.source, state.prefix_row, state.shared)):
-        check(0 <= s < len(state.prefixes), f"source[{b}]",
-              f"an index in [0, {len(state.prefixes)})", s)
+        check(
+            0 <= s < len(state.prefixes),
+            f"source[{b}]",
+            f"an index in [0, {len(state.prefixes)})",
+            s,
+        )
         p = state.prefixes[s]
         check(0 <= r < p.batch_size, f"prefix_row[{b}]", f"a row of prefixes[{s}]", r)
-        check(0 <= n <= p.lengths[r], f"shared[{b}]",
-              f"in [0, {p.lengths[r]}] (tokens prefix row {r} holds)", n)
+        check(
+            0 <= n <= p.lengths[r],
+            f"shared[{b}]",
+            f"in [0, {p.lengths[r]}] (tokens prefix row {r} holds)",
+            n,
+        )
     return state
 
 
@@ -202,8 +230,11 @@ def fork(state, row: int, n: int, *, step: int | None = None):
     """
     if isinstance(state, (list, tuple)):
         return type(state)(fork(s, row, n, step=step) for s in state)
-    raise bad("state", "a CacheState, QuantizedState or SharedState (or a list of them)",
-              type(state).__name__)
+    raise bad(
+        "state",
+        "a CacheState, QuantizedState or SharedState (or a list of them)",
+        type(state).__name__,
+    )
 
 
 def _fork_args(state, row, n):
@@ -215,24 +246,32 @@ def _fork_args(state, row, n):
 
 def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows:
     """``batch_size`` empty rows of ``state``'s kind and quantization."""
-    empty = _rows.with_planes(state, (), lengths=(0,) * batch_size,
-                              left_pad=(0,) * batch_size)
+    empty = _rows.with_planes(state, (), lengths=(0,) * batch_size, left_pad=(0,) * batch_size)
     return empty if step is None or step == state.step else attrs.evolve(empty, step=step)
 
 
 @fork.register
 def fork_rows(state: _Rows, row, n, *, step=None):
     row, n = _fork_args(state, row, n)
-    check(type(state) in (CacheState, QuantizedState), "state",
-          "a CacheState or QuantizedState", type(state).__name__)
+    check(
+        type(state) in (CacheState, QuantizedState),
+        "state",
+        "a CacheState or QuantizedState",
+        type(state).__name__,
+    )
     if step is None:
         step = min(state.step, SUFFIX_STEP)
     step = as_int(step, "step")
     check(step >= 1, "step", ">= 1", step)
     B = state.batch_size
     rows = tuple(range(B)) + (row,) * n
-    return SharedState((state,), (0,) * (B + n), rows,
-                       tuple(state.lengths[r] for r in rows), _empty_like(state, B + n, step))
+    return SharedState(
+        (state,),
+        (0,) * (B + n),
+        rows,
+        tuple(state.lengths[r] for r in rows),
+        _empty_like(state, B + n, step),
+    )
 
 
 @fork.register
@@ -246,11 +285,18 @@ def fork_shared(state: SharedState, row, n, *, step=None):
         suffix = ops.merge_rows([suffix] + [copy] * n)
     else:
         B = suffix.batch_size
-        suffix = ops.merge_rows([suffix, _empty_like(suffix, n)]) if suffix.planes else \
-            _empty_like(suffix, B + n)
-    return SharedState(state.prefixes, state.source + (state.source[row],) * n,
-                       state.prefix_row + (state.prefix_row[row],) * n,
-                       state.shared + (state.shared[row],) * n, suffix)
+        suffix = (
+            ops.merge_rows([suffix, _empty_like(suffix, n)])
+            if suffix.planes
+            else _empty_like(suffix, B + n)
+        )
+    return SharedState(
+        state.prefixes,
+        state.source + (state.source[row],) * n,
+        state.prefix_row + (state.prefix_row[row],) * n,
+        state.shared + (state.shared[row],) * n,
+        suffix,
+    )
 
 
 # --- append / positions / lengths -----------------------------------------------------------
@@ -337,16 +383,21 @@ def _reindex(prefixes, source, prefix_row, shared, suffix) -> SharedState:
         if id(p) not in index:
             index[id(p)] = len(keep)
             keep.append(p)
-    return SharedState(tuple(keep), tuple(index[id(prefixes[s])] for s in source), prefix_row,
-                       shared, suffix)
+    return SharedState(
+        tuple(keep), tuple(index[id(prefixes[s])] for s in source), prefix_row, shared, suffix
+    )
 
 
 @ops.filter_rows.register
 def filter_rows_shared(state: SharedState, rows):
     rows = row_list(rows, state.batch_size)
-    return _reindex(state.prefixes, [state.source[r] for r in rows],
-                    tuple(state.prefix_row[r] for r in rows),
-                    tuple(state.shared[r] for r in rows), ops.filter_rows(state.suffix, rows))
+    return _reindex(
+        state.prefixes,
+        [state.source[r] for r in rows],
+        tuple(state.prefix_row[r] for r in rows),
+        tuple(state.shared[r] for r in rows),
+        ops.filter_rows(state.suffix, rows),
+    )
 
 
 @ops.extract_row.register
@@ -354,15 +405,21 @@ def extract_row_shared(state: SharedState, row):
     """A one-row ``SharedState``: a compact copy of the row's suffix, still
     sharing its prefix record (which it pins, being shared by definition)."""
     row = row_index(row, state.batch_size)
-    return _reindex(state.prefixes, [state.source[row]], (state.prefix_row[row],),
-                    (state.shared[row],), ops.extract_row(state.suffix, row))
+    return _reindex(
+        state.prefixes,
+        [state.source[row]],
+        (state.prefix_row[row],),
+        (state.shared[row],),
+        ops.extract_row(state.suffix, row),
+    )
 
 
 @ops.merge_same_kind.register
 def merge_rows_shared(first: SharedState, states):
     kinds = {type(s.suffix) for s in states}
-    check(len(kinds) == 1, "states suffix kinds", "one record kind",
-          sorted(k.__name__ for k in kinds))
+    check(
+        len(kinds) == 1, "states suffix kinds", "one record kind", sorted(k.__name__ for k in kinds)
+    )
     geos = [_rows.geometry(s) for s in states]
     ref = next((g for g in geos if g is not None), None)
     for i, g in enumerate(geos):
@@ -377,8 +434,13 @@ def merge_rows_shared(first: SharedState, states):
         suffix = ops.merge_rows(suffixes)
     else:  # (every suffix empty: nothing to pad or copy)
         suffix = _empty_like(suffixes[0], sum(x.batch_size for x in suffixes))
-    return _reindex(prefixes, source, tuple(x for s in states for x in s.prefix_row),
-                    tuple(x for s in states for x in s.shared), suffix)
+    return _reindex(
+        prefixes,
+        source,
+        tuple(x for s in states for x in s.prefix_row),
+        tuple(x for s in states for x in s.shared),
+        suffix,
+    )
 
 
 # --- materialized reads: fetch, masks -----------------------------------------------------------
@@ -404,11 +466,15 @@ def _gather_prefix(state: SharedState, plane_index: int, starts, width: int):
         plane = p.planes[plane_index]
         C = plane.shape[2]
         first = [p.left_pad[state.prefix_row[b]] - starts[b] for b in rows]
-        cols = mx.clip(mx.array(first, dtype=mx.int32)[:, None]
-                       + mx.arange(width, dtype=mx.int32)[None], 0, C - 1)
+        cols = mx.clip(
+            mx.array(first, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None],
+            0,
+            C - 1,
+        )
         taken = plane[mx.array([state.prefix_row[b] for b in rows], dtype=mx.int32)]
-        index = mx.broadcast_to(cols[:, None, :, None], (len(rows), plane.shape[1], width,
-                                                         plane.shape[3]))
+        index = mx.broadcast_to(
+            cols[:, None, :, None], (len(rows), plane.shape[1], width, plane.shape[3])
+        )
         parts.append(mx.take_along_axis(taken, index, axis=2))
         order += rows
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
@@ -463,8 +529,12 @@ def materialize(state: SharedState):
 
 @ops.fetch.register
 def fetch_shared(state: SharedState):
-    check(_rows.geometry(state) is not None, "state", "a state holding keys (append first)",
-          "an empty state")
+    check(
+        _rows.geometry(state) is not None,
+        "state",
+        "a state holding keys (append first)",
+        "an empty state",
+    )
     return ops.fetch(materialize(state))
 
 
@@ -536,8 +606,9 @@ def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, s
     H = suffix_kv[0].shape[1]
     rep = Hq // H
     qf = q.reshape(B, H, rep * N, D)
-    o, m, total = _partial(qf, *suffix_kv, None if suffix_mask is None else
-                       _fold_mask(suffix_mask, rep), scale)
+    o, m, total = _partial(
+        qf, *suffix_kv, None if suffix_mask is None else _fold_mask(suffix_mask, rep), scale
+    )
     if groups:
         parts, order = [], []
         for (k, v), rows in zip(prefix_kv, groups):
@@ -550,19 +621,24 @@ def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, s
             mask = None
             if min(views) < S:  # rows of the group reading fewer prefix tokens
                 lim = mx.array(views, dtype=mx.int32).reshape(R, 1, 1)
-                mask = (mx.arange(S, dtype=mx.int32) < lim)
+                mask = mx.arange(S, dtype=mx.int32) < lim
                 mask = mx.broadcast_to(mask, (R, rep * N, S)).reshape(1, 1, R * rep * N, S)
             po, pm, pl = _partial(qg, k, v, mask, scale)
-            parts.append(tuple(x.reshape(H, R, rep * N, -1).transpose(1, 0, 2, 3)
-                               for x in (po, pm, pl)))
+            parts.append(
+                tuple(x.reshape(H, R, rep * N, -1).transpose(1, 0, 2, 3) for x in (po, pm, pl))
+            )
             order += rows
-        po, pm, pl = (mx.concatenate([p[i] for p in parts], axis=0) if len(parts) > 1
-                      else parts[0][i] for i in range(3))
+        po, pm, pl = (
+            mx.concatenate([p[i] for p in parts], axis=0) if len(parts) > 1 else parts[0][i]
+            for i in range(3)
+        )
         if len(order) < B:  # rows reading no prefix: nothing to merge
             fill = [0.0, -mx.inf, 0.0]
             missing = B - len(order)
-            po, pm, pl = (mx.concatenate([x, mx.full((missing, *x.shape[1:]), f, x.dtype)])
-                          for x, f in zip((po, pm, pl), fill))
+            po, pm, pl = (
+                mx.concatenate([x, mx.full((missing, *x.shape[1:]), f, x.dtype)])
+                for x, f in zip((po, pm, pl), fill)
+            )
             order += [b for b in range(B) if b not in set(order)]
         if order != list(range(B)):
             inverse = [0] * B
@@ -593,21 +669,30 @@ def group_kv(state: SharedState, groups) -> list:
         p = state.prefixes[s]
         start = p.left_pad[r]
         S = max(state.shared[b] for b in rows)
-        out.append((p.keys[r:r + 1, :, start:start + S], p.values[r:r + 1, :, start:start + S]))
+        out.append(
+            (p.keys[r : r + 1, :, start : start + S], p.values[r : r + 1, :, start : start + S])
+        )
     return out
 
 
 @ops.attend.register
 def attend_shared(state: SharedState, q, *, scale: float, memo=None, window=None):
-    check(type(state.suffix) is CacheState, "state", "a SharedState of CacheState rows "
-          "(quantized shared rows are read through kv.fetch / materialize)",
-          f"{type(state.suffix).__name__} rows")
+    check(
+        type(state.suffix) is CacheState,
+        "state",
+        "a SharedState of CacheState rows "
+        "(quantized shared rows are read through kv.fetch / materialize)",
+        f"{type(state.suffix).__name__} rows",
+    )
     check(window is None, "window", "None (shared prefixes have no windowed read yet)", window)
     n = _rows.validate_queries(state, q, scale=scale, window=None)
     short = min(state.suffix.lengths)
-    check(n <= short, "q tokens (shape[2])",
-          f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",
-          n)
+    check(
+        n <= short,
+        "q tokens (shape[2])",
+        f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",
+        n,
+    )
     return read(state, q, scale=scale, memo=memo)
 
 
@@ -635,8 +720,13 @@ def read(state: SharedState, q, *, scale: float, memo=None, groups=None, suffix_
     held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, C))
     try:
         fn = _compiled_read(tuple(g[2] for g in groups), state.shared, float(scale))
-        return fn(q, suffix.keys, suffix.values, held.mask,
-                  *[x for kv_ in group_kv(state, groups) for x in kv_])
+        return fn(
+            q,
+            suffix.keys,
+            suffix.values,
+            held.mask,
+            *[x for kv_ in group_kv(state, groups) for x in kv_],
+        )
     finally:
         held.release()
 
@@ -647,8 +737,7 @@ def _compiled_read(groups: tuple, shared: tuple, scale: float):
 
     def fn(q, suffix_k, suffix_v, mask, *prefix):
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
-        return cascade_attention(q, pairs, groups, shared, (suffix_k, suffix_v), mask,
-                                 scale=scale)
+        return cascade_attention(q, pairs, groups, shared, (suffix_k, suffix_v), mask, scale=scale)
 
     return mx.compile(fn)
 
@@ -663,6 +752,9 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
 def prepare_shared(state, n: int = 1):
     # A record holding records (its prefixes and suffix) does not flatten
     # through the attrs-derived boundary yet: refused by name (notes/prefix.md).
-    raise bad("state", "a record kind the compiled step supports",
-              "SharedState (decode shared rows with kvstate.mlx_lm.forward/step: their "
-              "cascade read is compiled per layout there)")
+    raise bad(
+        "state",
+        "a record kind the compiled step supports",
+        "SharedState (decode shared rows with kvstate.mlx_lm.forward/step: their "
+        "cascade read is compiled per layout there)",
+    )

@@ -69,7 +69,8 @@ class Speculation:
     num_draft: tuple = attrs.field(converter=_tuple)
     max_draft: tuple = attrs.field(converter=_tuple)
     draft_states: tuple | None = attrs.field(
-        default=None, converter=lambda s: None if s is None else tuple(s))
+        default=None, converter=lambda s: None if s is None else tuple(s)
+    )
 
     @property
     def batch_size(self) -> int:
@@ -94,8 +95,9 @@ class Round:
 # --- distributions and the acceptance rules ------------------------------------------
 
 
-def probabilities(logits: mx.array, temperature: mx.array, top_p: mx.array, top_k: mx.array,
-                  min_p: mx.array) -> mx.array:
+def probabilities(
+    logits: mx.array, temperature: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array
+) -> mx.array:
     """The distribution ``kv.sample_arrays`` draws from, per row and position.
 
     ``logits`` ``[B, V]`` or ``[B, N, V]``; the parameters ``[B]``, one per row
@@ -137,8 +139,14 @@ def accept_greedy(drafts: Sequence[Sequence[int]], target: Sequence[Sequence[int
     return tuple(accepted), tuple(nxt)
 
 
-def accept_sampled(drafts: mx.array, counts: mx.array, p: mx.array, q: mx.array | None,
-                   uniform: mx.array, keys: mx.array) -> tuple:
+def accept_sampled(
+    drafts: mx.array,
+    counts: mx.array,
+    p: mx.array,
+    q: mx.array | None,
+    uniform: mx.array,
+    keys: mx.array,
+) -> tuple:
     """The rejection rule of speculative sampling, for every row at once.
 
     Draft ``i`` of row ``b`` is accepted with probability
@@ -209,8 +217,18 @@ def compiled(model) -> Forward:
 # --- the batch: start, join, leave -----------------------------------------------------
 
 
-def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4,
-          sampling=None, seeds=None, ids=None, payload=None, **make) -> Speculation:
+def start(
+    target,
+    prompts: Sequence[Sequence[int]],
+    *,
+    drafter=None,
+    num_draft=4,
+    sampling=None,
+    seeds=None,
+    ids=None,
+    payload=None,
+    **make,
+) -> Speculation:
     """Prefill ``prompts`` and sample every row's first token (``kvstate.mlx_lm.admit``).
 
     Args:
@@ -226,26 +244,36 @@ def start(target, prompts: Sequence[Sequence[int]], *, drafter=None, num_draft=4
     drafter = validate_drafter(drafter)
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
     limit = per_row(num_draft, len(prompts), "num_draft")
-    batch = bridge.admit(target, prompts, sampling=sampling, seeds=seeds, ids=ids,
-                         payload=payload, **make)
+    batch = bridge.admit(
+        target, prompts, sampling=sampling, seeds=seeds, ids=ids, payload=payload, **make
+    )
     draft_states = None
     if isinstance(drafter, DraftModel):
         _, draft_states = bridge.prefill(drafter.model, prompts, **drafter.make)
     first = cast(list, batch.tokens.tolist())  # [B]
-    return Speculation(batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit,
-                       draft_states)
+    return Speculation(
+        batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit, draft_states
+    )
 
 
 def join(spec: Speculation, other: Speculation) -> Speculation:
     """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records)."""
-    check((spec.draft_states is None) == (other.draft_states is None), "other.draft_states",
-          "draft records exactly when spec has them", other.draft_states is not None)
+    check(
+        (spec.draft_states is None) == (other.draft_states is None),
+        "other.draft_states",
+        "draft records exactly when spec has them",
+        other.draft_states is not None,
+    )
     drafts = None
     if spec.draft_states is not None:
         drafts = ops.extend(spec.draft_states, other.draft_states)
-    return Speculation(ops.extend(spec.batch, other.batch), spec.context + other.context,
-                       spec.num_draft + other.num_draft, spec.max_draft + other.max_draft,
-                       drafts)
+    return Speculation(
+        ops.extend(spec.batch, other.batch),
+        spec.context + other.context,
+        spec.num_draft + other.num_draft,
+        spec.max_draft + other.max_draft,
+        drafts,
+    )
 
 
 def leave(spec: Speculation, rows) -> Speculation:
@@ -258,8 +286,13 @@ def leave(spec: Speculation, rows) -> Speculation:
     def pick(t):
         return tuple(t[r] for r in rows)
 
-    return Speculation(ops.filter_rows(spec.batch, rows), pick(spec.context),
-                       pick(spec.num_draft), pick(spec.max_draft), drafts)
+    return Speculation(
+        ops.filter_rows(spec.batch, rows),
+        pick(spec.context),
+        pick(spec.num_draft),
+        pick(spec.max_draft),
+        drafts,
+    )
 
 
 # --- one round ---------------------------------------------------------------------------
@@ -276,8 +309,10 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
 
 
 def _propose_lookup(spec: Speculation, drafter: Lookup) -> list:
-    return [lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
-            for c, k in zip(spec.context, spec.num_draft)]
+    return [
+        lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
+        for c, k in zip(spec.context, spec.num_draft)
+    ]
 
 
 def _propose_model(spec: Speculation, drafter: DraftModel, params, keys, sampled: bool):
@@ -338,11 +373,16 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     """
     drafter = validate_drafter(drafter)
     if not isinstance(spec, Speculation):
-        raise bad("spec", "a Speculation (kvstate.speculative.start makes one)",
-                  type(spec).__name__)
+        raise bad(
+            "spec", "a Speculation (kvstate.speculative.start makes one)", type(spec).__name__
+        )
     is_model = isinstance(drafter, DraftModel)
-    check(is_model == (spec.draft_states is not None), "drafter",
-          "a DraftModel exactly when the rows hold draft records", type(drafter).__name__)
+    check(
+        is_model == (spec.draft_states is not None),
+        "drafter",
+        "a DraftModel exactly when the rows hold draft records",
+        type(drafter).__name__,
+    )
     forward = forward or eager(target)
     batch, B = spec.batch, spec.batch_size
     params = sampling_arrays(batch)
@@ -361,15 +401,15 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         host = _propose_lookup(spec, drafter) if drafter is not None else [[]] * B
         counts = tuple(len(d) for d in host)
         K = max(counts)
-        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host],
-                              dtype=mx.uint32).reshape(B, K)
+        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], dtype=mx.uint32).reshape(B, K)
     K = max(counts)
     drafts_dev = drafts_dev[:, :K]
     if q is not None:
         q = q[:, :K]
 
-    window = mx.concatenate([batch.tokens[:, None].astype(mx.uint32),
-                             drafts_dev.astype(mx.uint32)], axis=1)  # pads past counts
+    window = mx.concatenate(
+        [batch.tokens[:, None].astype(mx.uint32), drafts_dev.astype(mx.uint32)], axis=1
+    )  # pads past counts
     cp = ops.checkpoint(batch.states)
     logits, states = forward(window, list(batch.states))
     if not sampled:
@@ -380,8 +420,14 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     else:
         p = probabilities(logits, *params)
         uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
-        acc, nx = accept_sampled(drafts_dev.astype(mx.int32), mx.array(counts, mx.int32), p, q,
-                                 uniform, round_keys[:, Kmax + 1])
+        acc, nx = accept_sampled(
+            drafts_dev.astype(mx.int32),
+            mx.array(counts, mx.int32),
+            p,
+            q,
+            uniform,
+            round_keys[:, Kmax + 1],
+        )
         mx.eval(acc, nx, drafts_dev)
         accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
@@ -392,12 +438,18 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     if is_model:
         draft_states = _settle_model(drafter, dstates, anchors, drafts_dev, accepted)
     emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
-    num_draft = tuple(next_num_draft(k, c, a, m) for k, c, a, m in
-                      zip(spec.num_draft, counts, accepted, spec.max_draft))
-    batch = attrs.evolve(batch, states=states, tokens=mx.array(nxt, dtype=mx.uint32),
-                         keys=carry)
-    new = Speculation(batch, [c + e for c, e in zip(spec.context, emitted)], num_draft,
-                      spec.max_draft, draft_states)
+    num_draft = tuple(
+        next_num_draft(k, c, a, m)
+        for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
+    )
+    batch = attrs.evolve(batch, states=states, tokens=mx.array(nxt, dtype=mx.uint32), keys=carry)
+    new = Speculation(
+        batch,
+        [c + e for c, e in zip(spec.context, emitted)],
+        num_draft,
+        spec.max_draft,
+        draft_states,
+    )
     return new, Round(emitted, counts, accepted, 1 + K)
 
 

@@ -63,8 +63,9 @@ def quantize_np(x: mx.array, group_size: int, bits: int) -> tuple:
 def mlx_qsdpa(q, keys, values, *, scale, mask, group_size, bits):
     """mlx-lm's quantized SDPA. It scales ``q`` in place (``queries *= scale``),
     so it gets a copy: the caller's ``q`` must stay usable for kvstate."""
-    return _mlx_qsdpa(mx.array(q), keys, values, scale=scale, mask=mask,
-                      group_size=group_size, bits=bits)
+    return _mlx_qsdpa(
+        mx.array(q), keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits
+    )
 
 
 def dequant_attend(state, q, *, scale, window=None) -> mx.array:

@@ -39,8 +39,11 @@ class RefRing:
             return False
         if t <= self.keep or len(self.entries) == self.length:
             return True
-        start = self.entries[min(self.keep, len(self.entries) - 1)][0] if len(
-            self.entries) > self.keep else self.length
+        start = (
+            self.entries[min(self.keep, len(self.entries) - 1)][0]
+            if len(self.entries) > self.keep
+            else self.length
+        )
         return t - start >= self.max_size - 1 - self.keep
 
     def trim_to(self, t: int):
@@ -53,8 +56,10 @@ class RefRing:
 
     def kv(self):
         """``(k [H, L, Dk], v [H, L, Dv])`` in temporal order."""
-        return (np.stack([e[1] for e in self.entries], axis=1),
-                np.stack([e[2] for e in self.entries], axis=1))
+        return (
+            np.stack([e[1] for e in self.entries], axis=1),
+            np.stack([e[2] for e in self.entries], axis=1),
+        )
 
     def attend(self, q, scale, window=None) -> np.ndarray:
         """``q`` ``[Hq, N, D]``: the last N entries' queries -> ``[Hq, N, Dv]``."""
@@ -78,7 +83,7 @@ def rows_of(state):
     k, v = np.array(k), np.array(v)
     W = state.width
     assert k.shape[2] == W
-    return [(k[b, :, W - h:], v[b, :, W - h:]) for b, h in enumerate(state.held)]
+    return [(k[b, :, W - h :], v[b, :, W - h :]) for b, h in enumerate(state.held)]
 
 
 def positions_of(state):

@@ -29,8 +29,9 @@ def filled(make, lengths, seed=0, H=2, D=32):
         s = make(1)
         if n:
             k1, k2 = mx.random.split(mx.random.key(seed + i))
-            s = kv.append(s, mx.random.normal((1, H, n, D), key=k1),
-                          mx.random.normal((1, H, n, D), key=k2))
+            s = kv.append(
+                s, mx.random.normal((1, H, n, D), key=k1), mx.random.normal((1, H, n, D), key=k2)
+            )
         rows.append(s)
     return kv.merge_rows(rows)
 
@@ -47,8 +48,10 @@ def visible(state) -> list:
     k, v = kv.fetch(state)
     assert k.shape[2] == state.width and v.shape[2] == state.width
     k, v = np_of(k), np_of(v)
-    return [(k[b, :, p:e, :], v[b, :, p:e, :])
-            for b, (p, e) in enumerate(zip(state.left_pad, state.ends))]
+    return [
+        (k[b, :, p:e, :], v[b, :, p:e, :])
+        for b, (p, e) in enumerate(zip(state.left_pad, state.ends))
+    ]
 
 
 def assert_rows_equal(got, want, exact=True):
@@ -92,8 +95,7 @@ def ref_attend_row(k, v, q, scale, window=None) -> np.ndarray:
 
 def ref_attend(rows, q, scale, window=None) -> np.ndarray:
     """Reference attention ``[B, Hq, N, Dv]`` over numpy rows for numpy ``q``."""
-    return np.stack([ref_attend_row(k, v, q[b], scale, window)
-                     for b, (k, v) in enumerate(rows)])
+    return np.stack([ref_attend_row(k, v, q[b], scale, window) for b, (k, v) in enumerate(rows)])
 
 
 def snapshot(state):

@@ -13,8 +13,20 @@ from kvstate import cli
 
 import tiny_models as tm
 
-SMALL = ["--model", "tiny", "--requests", "5", "--prompt-len", "3:12", "--gen-len", "2:9",
-         "--batch-size", "3", "--arrival-gap", "1"]
+SMALL = [
+    "--model",
+    "tiny",
+    "--requests",
+    "5",
+    "--prompt-len",
+    "3:12",
+    "--gen-len",
+    "2:9",
+    "--batch-size",
+    "3",
+    "--arrival-gap",
+    "1",
+]
 
 
 def table(stdout):
@@ -23,7 +35,7 @@ def table(stdout):
     i = next(i for i, line in enumerate(lines) if line.startswith("engine"))
     head = ["engine"] + [h.strip() for h in _cells(lines[i])[1:]]
     rows = {}
-    for line in lines[i + 1:]:
+    for line in lines[i + 1 :]:
         if not line.startswith(("kvstate", "mlx-lm")):
             break
         cells = _cells(line)
@@ -32,7 +44,7 @@ def table(stdout):
 
 
 def _cells(line):
-    return [line[:20]] + [line[j:j + 12] for j in range(20, len(line), 12)]
+    return [line[:20]] + [line[j : j + 12] for j in range(20, len(line), 12)]
 
 
 def expected_tokens(argv_seed=0):
@@ -41,8 +53,11 @@ def expected_tokens(argv_seed=0):
 
 
 def test_python_m_kvstate_generate_compare():
-    proc = subprocess.run([sys.executable, "-m", "kvstate", "generate", "--compare", *SMALL],
-                          capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstate", "generate", "--compare", *SMALL],
+        capture_output=True,
+        timeout=120,
+    )
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()  # bytes: keep the \r
     assert proc.returncode == 0, stderr
     rows = table(stdout)
@@ -82,17 +97,21 @@ def test_rows_join_and_leave_mid_generation():
     done, stats = cli.serve(engine, reqs, batch_size=4)
     assert [len(c.tokens) for c in done] == [r.max_tokens for r in reqs]
     assert [c.request for c in done] == reqs
-    assert any(n >= 2 for n in engine.joins)                  # joined a running batch
-    assert any(0 < kept < n for n, kept in engine.leaves)     # left while others go on
+    assert any(n >= 2 for n in engine.joins)  # joined a running batch
+    assert any(0 < kept < n for n, kept in engine.leaves)  # left while others go on
     assert stats["steps"] > 0 and stats["bytes_per_token"] > 0
     ref, _ = cli.serve(cli.MlxLmEngine(model), reqs, batch_size=4)  # same schedule on mlx-lm
     assert [c.tokens for c in ref] == [c.tokens for c in done]
 
 
-@pytest.mark.parametrize("build", [
-    lambda: cli.tiny_llama(5, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128),
-    lambda: tm.gemma3_model(seed=2, layers=4, sliding_window=8),   # ring layers
-], ids=["llama", "gemma3-sliding"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: cli.tiny_llama(5, layers=2, hidden=64, heads=4, kv_heads=2, vocab=128),
+        lambda: tm.gemma3_model(seed=2, layers=4, sliding_window=8),  # ring layers
+    ],
+    ids=["llama", "gemma3-sliding"],
+)
 def test_local_model_directory(build, tmp_path, capsys):
     model = build()
     model.save_weights(str(tmp_path / "model.safetensors"))
@@ -108,7 +127,7 @@ def test_a_token_mismatch_is_reported(monkeypatch, capsys):
 
     def off_by_one(self, batch, tokens):
         logits, batch = real(self, batch, tokens)
-        return logits[:, ::-1], batch        # argmax lands elsewhere
+        return logits[:, ::-1], batch  # argmax lands elsewhere
 
     monkeypatch.setattr(cli.MlxLmEngine, "step", off_by_one)
     assert cli.main(["generate", "--compare", "--quiet", *SMALL]) == 1
@@ -122,11 +141,14 @@ def test_compile_flag(capsys):
     assert "kvstate (compiled)" in out and "token parity: 5/5 requests identical" in out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--batch-size", "0"], "--batch-size must be >= 1"),
-    (["--prompt-len", "5:2"], "LO:HI"),
-    (["--model", "/nonexistent/model"], "no config.json"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
+        (["--prompt-len", "5:2"], "LO:HI"),
+        (["--model", "/nonexistent/model"], "no config.json"),
+    ],
+)
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--quiet", *argv])
@@ -145,8 +167,9 @@ def run_json(argv, capsys):
 
 @pytest.mark.slow
 def test_default_model_answers_a_chat_prompt(capsys):
-    rows, err = run_json(["--prompt", "What is the capital of France?", "--max-tokens", "12"],
-                         capsys)
+    rows, err = run_json(
+        ["--prompt", "What is the capital of France?", "--max-tokens", "12"], capsys
+    )
     (row,) = rows
     assert row["completion"] == "The capital of France is Paris."
     assert row["finish_reason"] == "stop" and row["token_ids"][-1] == 2  # <|im_end|>
@@ -158,9 +181,21 @@ def test_default_model_answers_a_chat_prompt(capsys):
 
 @pytest.mark.slow
 def test_compare_on_the_real_model(capsys):
-    argv = ["generate", "--raw", "--float32", "--prompt", "The capital of France is",
-            "--prompt", "Hi", "--prompt", "1 2 3 4 5 6", "--max-tokens", "3", "--compare",
-            "--quiet"]
+    argv = [
+        "generate",
+        "--raw",
+        "--float32",
+        "--prompt",
+        "The capital of France is",
+        "--prompt",
+        "Hi",
+        "--prompt",
+        "1 2 3 4 5 6",
+        "--max-tokens",
+        "3",
+        "--compare",
+        "--quiet",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "token parity: 3/3 requests identical" in out
@@ -170,20 +205,33 @@ def test_compare_on_the_real_model(capsys):
 @pytest.mark.slow
 def test_prompts_file_and_sampling(tmp_path, capsys):
     f = tmp_path / "prompts.jsonl"
-    f.write_text('The sky is\n'
-                 '{"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0.9, '
-                 '"seed": 5}\n\n'
-                 '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}\n')
-    argv = ["--prompts", str(f), "--raw", "--max-tokens", "4", "--temperature", "0.8",
-            "--top-p", "0.9", "--float32"]
+    f.write_text(
+        "The sky is\n"
+        '{"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0.9, '
+        '"seed": 5}\n\n'
+        '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}\n'
+    )
+    argv = [
+        "--prompts",
+        str(f),
+        "--raw",
+        "--max-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--float32",
+    ]
     first, _ = run_json(argv, capsys)
     again, _ = run_json(argv, capsys)
     by_id = {r["id"]: r for r in first}
     assert sorted(by_id) == [0, 1, 2]
     assert [by_id[i]["generated_tokens"] for i in (0, 1, 2)] == [4, 2, 1]
     assert by_id[1]["prompt"] == "Once upon a time"
-    assert {r["id"]: r["token_ids"] for r in again} == {i: r["token_ids"]
-                                                        for i, r in by_id.items()}  # seeded
+    assert {r["id"]: r["token_ids"] for r in again} == {
+        i: r["token_ids"] for i, r in by_id.items()
+    }  # seeded
 
 
 def test_built_in_prompts_go_through_the_chat_template():
@@ -199,11 +247,14 @@ def test_built_in_prompts_go_through_the_chat_template():
     assert len({r.seed for r in reqs}) == len(reqs)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", "x", "--model", "tiny"], "has no tokenizer"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "x", "--model", "tiny"], "has no tokenizer"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    ],
+)
 def test_bad_real_model_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--quiet", *argv])

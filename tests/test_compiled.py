@@ -30,8 +30,9 @@ def prefill(model, lens, *, step=256, **make):
     last, rows = [], []
     for p in prompts:
         states = br.make_states(model, 1, **make)
-        states = [s if isinstance(s, kv.RotatingState) else
-                  attrs.evolve(s, step=step) for s in states]
+        states = [
+            s if isinstance(s, kv.RotatingState) else attrs.evolve(s, step=step) for s in states
+        ]
         logits, states = br.forward(model, mx.array([p]), states)
         last.append(logits[:, -1])
         rows.append(states)
@@ -73,10 +74,13 @@ def test_flatten_unflatten_round_trip():
     assert later != spec and later.key == kc.spec_of(kv.trim(s, (1, 1, 1))).key
 
 
-@pytest.mark.parametrize("make,rows", [
-    (lambda: kv.quantized(2, group_size=32, bits=4), "lengths"),
-    (lambda: kv.rotating(2, max_size=6, keep=2, step=4), "held"),
-])
+@pytest.mark.parametrize(
+    "make,rows",
+    [
+        (lambda: kv.quantized(2, group_size=32, bits=4), "lengths"),
+        (lambda: kv.rotating(2, max_size=6, keep=2, step=4), "held"),
+    ],
+)
 def test_unflatten_rebuilds_every_kind_from_spec_and_planes(make, rows):
     mx.random.seed(5)
     s = kv.append(make(), mx.random.normal((2, 2, 9, 32)), mx.random.normal((2, 2, 9, 32)))
@@ -165,7 +169,7 @@ def solo_rows(model, prompts, tokens, steps):
     for b, p in enumerate(prompts):
         cache = make_prompt_cache(model)
         model(mx.array([p]), cache=cache)
-        t, seq = tokens[b:b + 1], []
+        t, seq = tokens[b : b + 1], []
         for _ in range(steps):
             lg = model(t[:, None], cache=cache)[:, -1]
             seq.append(lg[0])
@@ -226,6 +230,7 @@ def test_kernel_mode_routes_dense_reads_without_a_mask(monkeypatch):
     assert worst <= ATOL
     assert len(calls) == 3  # one per layer, during the single trace only
     from mlx_lm.models import base, llama
+
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
@@ -238,9 +243,10 @@ def test_ragged_attention_equals_masked_sdpa():
     lp, ends = mx.array([0, 5, 9], mx.int32), mx.array([20, 32, 10], mx.int32)
     got = kernels.ragged_attention(q, k, v, lp, ends, scale=0.2)
     for b, (a, e) in enumerate([(0, 20), (5, 32), (9, 10)]):
-        want = mx.fast.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, a:e],
-                                                    v[b:b + 1, :, a:e], scale=0.2)
-        assert mx.allclose(got[b:b + 1], want, atol=1e-5)
+        want = mx.fast.scaled_dot_product_attention(
+            q[b : b + 1], k[b : b + 1, :, a:e], v[b : b + 1, :, a:e], scale=0.2
+        )
+        assert mx.allclose(got[b : b + 1], want, atol=1e-5)
 
 
 def test_make_step_matches_the_bridge_step_signature():

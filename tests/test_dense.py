@@ -10,8 +10,16 @@ import numpy as np
 import pytest
 
 import kvstate as kv
-from _rows import (append_peak, assert_rows_equal, assert_unchanged, np_of, rand, ref_attend,
-                   snapshot, visible)
+from _rows import (
+    append_peak,
+    assert_rows_equal,
+    assert_unchanged,
+    np_of,
+    rand,
+    ref_attend,
+    snapshot,
+    visible,
+)
 
 H, D = 2, 8
 
@@ -24,8 +32,9 @@ def rng():
 def ragged(rng, lengths, *, step=256, dv=D):
     """A merged batch whose rows hold ``lengths`` tokens, and the numpy rows."""
     rows = [(rand(rng, H, n, D), rand(rng, H, n, dv)) for n in lengths]
-    states = [kv.append(kv.empty(1, step=step), mx.array(k[None]), mx.array(v[None]))
-              for k, v in rows]
+    states = [
+        kv.append(kv.empty(1, step=step), mx.array(k[None]), mx.array(v[None])) for k, v in rows
+    ]
     return kv.merge_rows(states), rows
 
 
@@ -92,13 +101,15 @@ def test_append_writes_each_row_at_its_own_end(rng):
     s, rows = ragged(rng, [5, 2, 4], step=8)
     assert s.left_pad == (0, 3, 1) and s.ends == (5, 5, 5)
     s = kv.trim(s, [0, 1, 3])  # ends 5, 4, 2: rows now advance independently
-    rows = [(k[:, :k.shape[1] - t], v[:, :v.shape[1] - t]) for (k, v), t in zip(rows, [0, 1, 3])]
+    rows = [(k[:, : k.shape[1] - t], v[:, : v.shape[1] - t]) for (k, v), t in zip(rows, [0, 1, 3])]
     assert s.ends == (5, 4, 2)
     for n in (2, 1, 3):
         k, v = rand(rng, 3, H, n, D), rand(rng, 3, H, n, D)
         s = kv.append(s, mx.array(k), mx.array(v))
-        rows = [(np.concatenate([rk, k[b]], 1), np.concatenate([rv, v[b]], 1))
-                for b, (rk, rv) in enumerate(rows)]
+        rows = [
+            (np.concatenate([rk, k[b]], 1), np.concatenate([rv, v[b]], 1))
+            for b, (rk, rv) in enumerate(rows)
+        ]
     assert s.lengths == (11, 7, 7) and s.left_pad == (0, 3, 1)
     assert s.ends == (11, 10, 8) and s.width == 11
     assert s.capacity == 16
@@ -209,11 +220,16 @@ def test_rollback(rng):
     assert_rows_equal(visible(r), visible(s))
     r = kv.rollback(d, cp, [4, 1])
     assert r.lengths == (7, 3)
-    assert_rows_equal(visible(r), [
-        (np.concatenate([rows[0][0], draft[0]], 1), np.concatenate([rows[0][1], draft[0]], 1)),
-        (np.concatenate([rows[1][0], draft[1, :, :1]], 1),
-         np.concatenate([rows[1][1], draft[1, :, :1]], 1)),
-    ])
+    assert_rows_equal(
+        visible(r),
+        [
+            (np.concatenate([rows[0][0], draft[0]], 1), np.concatenate([rows[0][1], draft[0]], 1)),
+            (
+                np.concatenate([rows[1][0], draft[1, :, :1]], 1),
+                np.concatenate([rows[1][1], draft[1, :, :1]], 1),
+            ),
+        ],
+    )
     # the next append overwrites the rejected columns at each row's own end
     nxt = rand(rng, 2, H, 1, D)
     r2 = kv.append(r, mx.array(nxt), mx.array(nxt))
@@ -313,15 +329,21 @@ def test_extend_is_merge_of_two(rng):
 # --- attend --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lengths,n,hq,window", [
-    ([6, 6], 1, H, None), ([6, 6], 3, H, None), ([6, 2, 4], 2, 2 * H, None),
-    ([7, 3], 1, H, 2), ([7, 5], 3, H, 3),
-])
+@pytest.mark.parametrize(
+    "lengths,n,hq,window",
+    [
+        ([6, 6], 1, H, None),
+        ([6, 6], 3, H, None),
+        ([6, 2, 4], 2, 2 * H, None),
+        ([7, 3], 1, H, 2),
+        ([7, 5], 3, H, 3),
+    ],
+)
 def test_attend_matches_numpy(rng, lengths, n, hq, window):
     s, rows = ragged(rng, lengths)
     q = rand(rng, len(lengths), hq, n, D)
-    out = kv.attend(s, mx.array(q), scale=D ** -0.5, window=window)
-    want = ref_attend(rows, q, D ** -0.5, window)
+    out = kv.attend(s, mx.array(q), scale=D**-0.5, window=window)
+    want = ref_attend(rows, q, D**-0.5, window)
     assert out.shape == (len(lengths), hq, n, D)
     np.testing.assert_allclose(np_of(out), want, atol=1e-5)
 

@@ -23,10 +23,12 @@ H, D = 2, 4
 def state():
     """Two rows, ragged (left_pad (0, 2)), float32, H=2, D=4."""
     rng = np.random.default_rng(3)
-    a = kv.append(kv.empty(1, step=8), mx.array(rand(rng, 1, H, 5, D)),
-                  mx.array(rand(rng, 1, H, 5, D)))
-    b = kv.append(kv.empty(1, step=8), mx.array(rand(rng, 1, H, 3, D)),
-                  mx.array(rand(rng, 1, H, 3, D)))
+    a = kv.append(
+        kv.empty(1, step=8), mx.array(rand(rng, 1, H, 5, D)), mx.array(rand(rng, 1, H, 5, D))
+    )
+    b = kv.append(
+        kv.empty(1, step=8), mx.array(rand(rng, 1, H, 3, D)), mx.array(rand(rng, 1, H, 3, D))
+    )
     return kv.merge_rows([a, b])
 
 
@@ -62,13 +64,28 @@ def test_wrong_rank(state):
 
 
 def test_wrong_batch_size(state):
-    refused(lambda: kv.append(state, z(3, H, 1, D), z(3, H, 1, D)), [state],
-            "k batch size", "expected 2", "got 3")
-    refused(lambda: kv.attend(state, z(1, H, 1, D), scale=1.0), [state],
-            "q batch size", "expected 2", "got 1")
+    refused(
+        lambda: kv.append(state, z(3, H, 1, D), z(3, H, 1, D)),
+        [state],
+        "k batch size",
+        "expected 2",
+        "got 3",
+    )
+    refused(
+        lambda: kv.attend(state, z(1, H, 1, D), scale=1.0),
+        [state],
+        "q batch size",
+        "expected 2",
+        "got 1",
+    )
     refused(lambda: kv.trim(state, [1, 1, 1]), [state], "n", "2 values", "3 values")
-    refused(lambda: kv.rollback(state, kv.checkpoint(kv.empty(3)), 0), [state],
-            "checkpoint batch size", "expected 2", "got 3")
+    refused(
+        lambda: kv.rollback(state, kv.checkpoint(kv.empty(3)), 0),
+        [state],
+        "checkpoint batch size",
+        "expected 2",
+        "got 3",
+    )
     refused(lambda: kv.empty(-1), [], "batch_size", ">= 0", "-1")  # 0 rows is legal
 
 
@@ -76,24 +93,54 @@ def test_wrong_batch_size(state):
 
 
 def test_wrong_head_count(state):
-    refused(lambda: kv.append(state, z(2, 3, 1, D), z(2, 3, 1, D)), [state],
-            "k heads", "expected 2", "got 3")
-    refused(lambda: kv.attend(state, z(2, 3, 1, D), scale=1.0), [state],
-            "q heads", "multiple of 2", "got 3")
-    refused(lambda: kv.append(state, z(2, H, 1, D), z(2, 1, 1, D)), [state],
-            "v shape[:3]", "[2, 2, 1]", "[2, 1, 1]")
+    refused(
+        lambda: kv.append(state, z(2, 3, 1, D), z(2, 3, 1, D)),
+        [state],
+        "k heads",
+        "expected 2",
+        "got 3",
+    )
+    refused(
+        lambda: kv.attend(state, z(2, 3, 1, D), scale=1.0),
+        [state],
+        "q heads",
+        "multiple of 2",
+        "got 3",
+    )
+    refused(
+        lambda: kv.append(state, z(2, H, 1, D), z(2, 1, 1, D)),
+        [state],
+        "v shape[:3]",
+        "[2, 2, 1]",
+        "[2, 1, 1]",
+    )
 
 
 # --- head dim ---------------------------------------------------------------------
 
 
 def test_wrong_head_dim(state):
-    refused(lambda: kv.append(state, z(2, H, 1, 8), z(2, H, 1, D)), [state],
-            "k head dim", "expected 4", "got 8")
-    refused(lambda: kv.append(state, z(2, H, 1, D), z(2, H, 1, 6)), [state],
-            "v head dim", "expected 4", "got 6")
-    refused(lambda: kv.attend(state, z(2, H, 1, 8), scale=1.0), [state],
-            "q head dim", "expected 4", "got 8")
+    refused(
+        lambda: kv.append(state, z(2, H, 1, 8), z(2, H, 1, D)),
+        [state],
+        "k head dim",
+        "expected 4",
+        "got 8",
+    )
+    refused(
+        lambda: kv.append(state, z(2, H, 1, D), z(2, H, 1, 6)),
+        [state],
+        "v head dim",
+        "expected 4",
+        "got 6",
+    )
+    refused(
+        lambda: kv.attend(state, z(2, H, 1, 8), scale=1.0),
+        [state],
+        "q head dim",
+        "expected 4",
+        "got 8",
+    )
 
 
 # --- dtype ------------------------------------------------------------------------
@@ -101,12 +148,27 @@ def test_wrong_head_dim(state):
 
 def test_dtype_mismatch(state):
     f16 = mx.float16
-    refused(lambda: kv.append(state, z(2, H, 1, D, dtype=f16), z(2, H, 1, D, dtype=f16)),
-            [state], "k dtype", "float32", "float16")
-    refused(lambda: kv.append(state, z(2, H, 1, D), z(2, H, 1, D, dtype=f16)), [state],
-            "v dtype", "float32", "float16")
-    refused(lambda: kv.attend(state, z(2, H, 1, D, dtype=f16), scale=1.0), [state],
-            "q dtype", "float32", "float16")
+    refused(
+        lambda: kv.append(state, z(2, H, 1, D, dtype=f16), z(2, H, 1, D, dtype=f16)),
+        [state],
+        "k dtype",
+        "float32",
+        "float16",
+    )
+    refused(
+        lambda: kv.append(state, z(2, H, 1, D), z(2, H, 1, D, dtype=f16)),
+        [state],
+        "v dtype",
+        "float32",
+        "float16",
+    )
+    refused(
+        lambda: kv.attend(state, z(2, H, 1, D, dtype=f16), scale=1.0),
+        [state],
+        "q dtype",
+        "float32",
+        "float16",
+    )
 
 
 # --- trim / rollback past what a row holds -----------------------------------------------
@@ -120,21 +182,33 @@ def test_trim_past_a_row(state):
 
 def test_rollback_past_a_row(state):
     cp = kv.checkpoint(state)
-    refused(lambda: kv.rollback(state, cp, [0, 1]), [state],
-            "checkpoint + keep for row 1", "<= 3", "got 4")
+    refused(
+        lambda: kv.rollback(state, cp, [0, 1]),
+        [state],
+        "checkpoint + keep for row 1",
+        "<= 3",
+        "got 4",
+    )
     trimmed = kv.trim(state, 2)  # the rows now hold less than the checkpoint
-    refused(lambda: kv.rollback(trimmed, cp, 0), [trimmed, state],
-            "checkpoint + keep for row 0", "<= 3", "got 5")
+    refused(
+        lambda: kv.rollback(trimmed, cp, 0),
+        [trimmed, state],
+        "checkpoint + keep for row 0",
+        "<= 3",
+        "got 5",
+    )
     refused(lambda: kv.rollback(state, cp, -1), [state], "keep", ">= 0", "-1")
     other = kv.filter_rows(state, [1, 0])  # the rows reordered
     refused(lambda: kv.rollback(other, cp, 0), [other], "checkpoint rows")
 
 
 def test_attend_more_queries_than_a_row_holds(state):
-    refused(lambda: kv.attend(state, z(2, H, 4, D), scale=1.0), [state],
-            "q tokens", "<= 3", "got 4")
-    refused(lambda: kv.attend(state, z(2, H, 1, D), scale=1.0, window=0), [state],
-            "window", ">= 1", "0")
+    refused(
+        lambda: kv.attend(state, z(2, H, 4, D), scale=1.0), [state], "q tokens", "<= 3", "got 4"
+    )
+    refused(
+        lambda: kv.attend(state, z(2, H, 1, D), scale=1.0, window=0), [state], "window", ">= 1", "0"
+    )
 
 
 # --- row indices --------------------------------------------------------------------
@@ -154,21 +228,30 @@ def test_row_index_out_of_range(state):
 
 def test_merge_different_kinds(state):
     q = kv.quantized(1)
-    refused(lambda: kv.merge_rows([state, q]), [state, q], "states[1]", "CacheState",
-            "QuantizedState")
+    refused(
+        lambda: kv.merge_rows([state, q]), [state, q], "states[1]", "CacheState", "QuantizedState"
+    )
     refused(lambda: kv.extend(state, q), [state, q], "states[1]")
     refused(lambda: kv.merge_rows([]), [], "states", "at least one")
 
 
-@pytest.mark.parametrize("shape,dtype,what", [
-    ((1, 1, 2, D), mx.float32, "(1, 4, 4"),       # heads
-    ((1, H, 2, 8), mx.float32, "(2, 8, 8"),       # head dim
-    ((1, H, 2, D), mx.float16, "float16"),         # dtype
-])
+@pytest.mark.parametrize(
+    "shape,dtype,what",
+    [
+        ((1, 1, 2, D), mx.float32, "(1, 4, 4"),  # heads
+        ((1, H, 2, 8), mx.float32, "(2, 8, 8"),  # head dim
+        ((1, H, 2, D), mx.float16, "float16"),  # dtype
+    ],
+)
 def test_merge_different_geometries(state, shape, dtype, what):
     other = kv.append(kv.empty(1, step=8), z(*shape, dtype=dtype), z(*shape, dtype=dtype))
-    refused(lambda: kv.merge_rows([state, other]), [state, other],
-            "states[1] geometry", "(2, 4, 4, mlx.core.float32)", what)
+    refused(
+        lambda: kv.merge_rows([state, other]),
+        [state, other],
+        "states[1] geometry",
+        "(2, 4, 4, mlx.core.float32)",
+        what,
+    )
 
 
 # --- leases --------------------------------------------------------------------------
@@ -188,14 +271,34 @@ def test_reusing_a_released_lease():
 
 def test_bad_arguments_elsewhere():
     refused(lambda: kv.MaskMemo().mask_for(("f", ()), lambda: None), [], "key", "MaskKey")
-    refused(lambda: kv.encoder_window_mask(kv.MaskMemo(), 0, mx.zeros((0,), mx.bool_)), [],
-            "L", "an int >= 1", "0")
-    refused(lambda: kv.encoder_window_mask(kv.MaskMemo(), 3, mx.zeros((4,), mx.bool_)), [],
-            "bidirectional", "[3]", "[4]")
-    refused(lambda: kv.from_arrays(z(1, H, 4, D), z(1, H, 4, D), lengths=[3], left_pad=[2]), [],
-            "left_pad[0] + lengths[0]", "<= 4", "got 5")
-    refused(lambda: kv.append(kv.empty(1), np.zeros((1, 1, 1, 1)), z(1, 1, 1, 1)), [],
-            "k", "mx.array", "ndarray")
+    refused(
+        lambda: kv.encoder_window_mask(kv.MaskMemo(), 0, mx.zeros((0,), mx.bool_)),
+        [],
+        "L",
+        "an int >= 1",
+        "0",
+    )
+    refused(
+        lambda: kv.encoder_window_mask(kv.MaskMemo(), 3, mx.zeros((4,), mx.bool_)),
+        [],
+        "bidirectional",
+        "[3]",
+        "[4]",
+    )
+    refused(
+        lambda: kv.from_arrays(z(1, H, 4, D), z(1, H, 4, D), lengths=[3], left_pad=[2]),
+        [],
+        "left_pad[0] + lengths[0]",
+        "<= 4",
+        "got 5",
+    )
+    refused(
+        lambda: kv.append(kv.empty(1), np.zeros((1, 1, 1, 1)), z(1, 1, 1, 1)),
+        [],
+        "k",
+        "mx.array",
+        "ndarray",
+    )
 
 
 # --- per-row arguments as arrays ----------------------------------------------------------
@@ -205,10 +308,15 @@ def _three_kinds():
     """One ragged two-row record of each kind (rows hold 5 and 3 tokens)."""
     rng = np.random.default_rng(5)
     out = []
-    for make in (lambda: kv.empty(1, step=8), lambda: kv.quantized(1, group_size=32),
-                 lambda: kv.rotating(1, max_size=16, keep=1)):
-        rows = [kv.append(make(), mx.array(rand(rng, 1, H, n, 32)),
-                          mx.array(rand(rng, 1, H, n, 32))) for n in (5, 3)]
+    for make in (
+        lambda: kv.empty(1, step=8),
+        lambda: kv.quantized(1, group_size=32),
+        lambda: kv.rotating(1, max_size=16, keep=1),
+    ):
+        rows = [
+            kv.append(make(), mx.array(rand(rng, 1, H, n, 32)), mx.array(rand(rng, 1, H, n, 32)))
+            for n in (5, 3)
+        ]
         out.append(kv.merge_rows(rows))
     return out
 
@@ -223,20 +331,26 @@ def test_per_row_counts_as_integer_arrays(as_array):
         drafted = kv.append(s, *(mx.zeros((2, H, 3, 32)),) * 2)
         got = kv.rollback(drafted, cp, as_array([1, 3]))
         assert got.lengths == kv.rollback(drafted, cp, [1, 3]).lengths == (6, 6)
-        refused(lambda s=s: kv.trim(s, as_array([6, 0])), [s], "n for row 0",
-                "<= 5", "got 6")
-        refused(lambda drafted=drafted, cp=cp: kv.rollback(drafted, cp, as_array([-1, 0])),
-                [drafted], "keep[0]",
-                ">= 0", "-1")
+        refused(lambda s=s: kv.trim(s, as_array([6, 0])), [s], "n for row 0", "<= 5", "got 6")
+        refused(
+            lambda drafted=drafted, cp=cp: kv.rollback(drafted, cp, as_array([-1, 0])),
+            [drafted],
+            "keep[0]",
+            ">= 0",
+            "-1",
+        )
 
 
 def test_per_row_arrays_of_the_wrong_kind(state):
-    for value, actual in ((mx.array([1.0, 2.0]), "float32 [2]"),
-                          (mx.array([True, False]), "bool [2]"),
-                          (np.array([[1, 2]]), "int64 [1, 2]"),
-                          (np.array([0.5, 1.0]), "float64 [2]")):
-        refused(lambda value=value: kv.trim(state, value), [state], "n", "1-D integer array",
-                actual)
+    for value, actual in (
+        (mx.array([1.0, 2.0]), "float32 [2]"),
+        (mx.array([True, False]), "bool [2]"),
+        (np.array([[1, 2]]), "int64 [1, 2]"),
+        (np.array([0.5, 1.0]), "float64 [2]"),
+    ):
+        refused(
+            lambda value=value: kv.trim(state, value), [state], "n", "1-D integer array", actual
+        )
     refused(lambda: kv.trim(state, mx.array([1, 1, 1])), [state], "n", "2 values", "3 values")
 
 
@@ -244,8 +358,13 @@ def test_memo_arguments_are_checked():
     bd = mx.array([True, False, True])
     refused(lambda: kv.encoder_window_mask(None, 3, bd), [], "memo", "MaskMemo", "NoneType")
     s = kv.trim(kv.append(kv.empty(2), mx.zeros((2, 1, 2, 4)), mx.zeros((2, 1, 2, 4))), [1, 0])
-    refused(lambda: kv.attend(s, mx.zeros((2, 1, 1, 4)), scale=1.0, memo={}), [s],
-            "memo", "MaskMemo", "dict")
+    refused(
+        lambda: kv.attend(s, mx.zeros((2, 1, 1, 4)), scale=1.0, memo={}),
+        [s],
+        "memo",
+        "MaskMemo",
+        "dict",
+    )
 
 
 def test_numpy_ints_and_index_arrays_are_taken_like_ints():
@@ -254,8 +373,10 @@ def test_numpy_ints_and_index_arrays_are_taken_like_ints():
     bd = mx.array([True, False, True])
     assert kv.encoder_window_mask(kv.MaskMemo(), np.int64(3), bd).mask.shape == (1, 1, 3, 3)
     assert kv.rotating_block_mask(kv.MaskMemo(), np.int64(4), 3, 1, 3).mask.shape == (1, 1, 1, 4)
-    for s in (kv.append(kv.empty(3), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4))),
-              kv.append(kv.rotating(3, max_size=8), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4)))):
+    for s in (
+        kv.append(kv.empty(3), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4))),
+        kv.append(kv.rotating(3, max_size=8), mx.ones((3, 1, 2, 4)), mx.ones((3, 1, 2, 4))),
+    ):
         assert kv.filter_rows(s, np.array([2, 0])).batch_size == 2
         assert kv.extract_row(s, np.int64(1)).batch_size == 1
         refused(lambda s=s: kv.filter_rows(s, np.array([[0]])), [s], "rows", "[1, 1]")

@@ -12,7 +12,11 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The programs a user runs as ``python examples/NAME``; examples that need a launcher
 # (``disaggregated.py``: ``mlx.launch``) have their own tests.
 PROGRAMS = [
-    "compiled_decode.py", "continuous_batching.py", "session.py", "speculative.py", "tour.py",
+    "compiled_decode.py",
+    "continuous_batching.py",
+    "session.py",
+    "speculative.py",
+    "tour.py",
 ]
 
 

@@ -20,7 +20,8 @@ import tiny_models as tm
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernel_available(),
-    reason="needs MLX's CUDA backend (elsewhere ragged_attention is the masked SDPA itself)")
+    reason="needs MLX's CUDA backend (elsewhere ragged_attention is the masked SDPA itself)",
+)
 
 BF16_RTOL = 2e-2  # relative L2 error of a bf16 read against a float32 reference
 
@@ -36,13 +37,14 @@ def _data(B, Hq, H, C, D, N, dtype, seed):
 def _masked(q, k, v, mask, scale):
     """The stock SDPA with a bool mask, in float32 (the reference)."""
     f = mx.float32
-    return mx.fast.scaled_dot_product_attention(q.astype(f), k.astype(f), v.astype(f),
-                                                scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(
+        q.astype(f), k.astype(f), v.astype(f), scale=scale, mask=mask
+    )
 
 
 def _rel(got, want):
     got = got.astype(mx.float32)
-    return (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want ** 2).sum())).item()
+    return (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want**2).sum())).item()
 
 
 ROWS = {  # name -> (left_pad, ends) for B=4 rows in a capacity of 160
@@ -62,7 +64,7 @@ def test_kernel_equals_masked_sdpa(rows, gqa, D, N, window):
     H, C = 2, 160
     q, k, v = _data(len(en), H * gqa, H, C, D, N, mx.bfloat16, seed=gqa * 100 + D + N)
     lp_a, en_a = mx.array(lp, mx.int32), mx.array(en, mx.int32)
-    scale = D ** -0.5
+    scale = D**-0.5
     got = kernels.ragged_attention(q, k, v, lp_a, en_a, scale=scale, window=window)
     want = _masked(q, k, v, rows_mask(N, lp, en, C, window=window or None), scale)
     assert got.shape == q.shape and got.dtype == mx.bfloat16
@@ -73,8 +75,9 @@ def test_kernel_equals_masked_sdpa(rows, gqa, D, N, window):
 def test_kernel_in_float32_is_exact_for_any_split(splits):
     lp, en = ROWS["ragged"]
     q, k, v = _data(4, 8, 2, 160, 64, 3, mx.float32, seed=splits)
-    got = kernels.ragged_attention(q, k, v, mx.array(lp, mx.int32), mx.array(en, mx.int32),
-                                   scale=0.125, splits=splits)
+    got = kernels.ragged_attention(
+        q, k, v, mx.array(lp, mx.int32), mx.array(en, mx.int32), scale=0.125, splits=splits
+    )
     # the reference in float64 on the host (MLX CUDA's masked SDPA uses TF32 matmuls)
     qn, kn, vn = (np.array(x, dtype=np.float64) for x in (q, k, v))
     kn, vn = np.repeat(kn, 4, axis=1), np.repeat(vn, 4, axis=1)
@@ -92,10 +95,11 @@ def test_kernel_reads_ring_rows(gqa, D):
     lengths = [5, 32, 33, 70]  # tokens seen, after the write
     held = [min(n, C) for n in lengths]
     q, k, v = _data(4, 2 * gqa, 2, C, D, 1, mx.bfloat16, seed=D + gqa)
-    got = kernels.ragged_attention(q, k, v, mx.zeros((4,), mx.int32), mx.array(held, mx.int32),
-                                   scale=D ** -0.5)
+    got = kernels.ragged_attention(
+        q, k, v, mx.zeros((4,), mx.int32), mx.array(held, mx.int32), scale=D**-0.5
+    )
     mask = _ring.ring_mask(1, lengths, held, keep=keep, capacity=C, width=C, window=C)
-    assert _rel(got, _masked(q, k, v, mask, D ** -0.5)) < BF16_RTOL
+    assert _rel(got, _masked(q, k, v, mask, D**-0.5)) < BF16_RTOL
 
 
 def test_splits_fill_the_gpu_at_any_batch():
@@ -145,7 +149,7 @@ def test_compiled_ring_writes_equal_eager_bytes():
     got = _compiled_write(state, k, v)
     want = kv.append(state, k, v)
     for g, e in zip(got, want.planes):
-        assert _bytes(g[:, :, :e.shape[2]]) == _bytes(e)
+        assert _bytes(g[:, :, : e.shape[2]]) == _bytes(e)
 
 
 @pytest.mark.parametrize("N", [1, 4])

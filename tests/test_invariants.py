@@ -392,9 +392,7 @@ def test_arrays_from_outside_are_cleared(tmp_path):
 
 
 def _recurrent(B=2):
-    return kv.RecurrentState(
-        (3, 1), (0, 2), None, arrays=(rand(0, B, 3, 4), rand(1, B, H, 4, 8))
-    )
+    return kv.RecurrentState((3, 1), (0, 2), None, arrays=(rand(0, B, 3, 4), rand(1, B, H, 4, 8)))
 
 
 RECURRENT_LIES = [

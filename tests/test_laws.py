@@ -37,7 +37,7 @@ def batches(draw, geo, max_rows=3, min_len=0):
     s = kv.merge_rows(singles)
     cut = [draw(st.integers(0, min(2, len(k[0]) - min_len))) for k, _ in rows]
     s = kv.trim(s, cut)
-    rows = [(k[:, :k.shape[1] - c], v[:, :v.shape[1] - c]) for (k, v), c in zip(rows, cut)]
+    rows = [(k[:, : k.shape[1] - c], v[:, : v.shape[1] - c]) for (k, v), c in zip(rows, cut)]
     note(f"batch lengths={s.lengths} left_pad={s.left_pad} step={step}")
     return s, rows
 
@@ -66,8 +66,10 @@ def test_extract_of_merge_is_the_row(inputs):
 @given(dims.flatmap(batches), st.data())
 def test_filter_keeps_surviving_rows(sr, data):
     s, rows = sr
-    keep = data.draw(st.lists(st.integers(0, s.batch_size - 1), min_size=1,
-                              max_size=s.batch_size + 1), label="keep")
+    keep = data.draw(
+        st.lists(st.integers(0, s.batch_size - 1), min_size=1, max_size=s.batch_size + 1),
+        label="keep",
+    )
     f = kv.filter_rows(s, keep)
     assert f.lengths == tuple(s.lengths[r] for r in keep)
     assert_rows_equal(visible(f), [rows[r] for r in keep])
@@ -85,8 +87,9 @@ def test_rollback_of_an_append_reads_like_the_original(sr, data):
     n = data.draw(st.integers(1, 4), label="draft")
     H, D, DV = s.keys.shape[1], s.keys.shape[3], s.values.shape[3]
     cp = kv.checkpoint(s)
-    d = kv.append(s, mx.array(rand(rng, s.batch_size, H, n, D)),
-                  mx.array(rand(rng, s.batch_size, H, n, DV)))
+    d = kv.append(
+        s, mx.array(rand(rng, s.batch_size, H, n, D)), mx.array(rand(rng, s.batch_size, H, n, DV))
+    )
     r = kv.rollback(d, cp, 0)
     assert (r.lengths, r.left_pad, r.width) == (s.lengths, s.left_pad, s.width)
     assert [x.shape for x in kv.fetch(r)] == [x.shape for x in kv.fetch(s)]
@@ -95,8 +98,10 @@ def test_rollback_of_an_append_reads_like_the_original(sr, data):
     m = data.draw(st.integers(1, min(s.lengths)), label="queries")
     window = data.draw(st.sampled_from([None, 2]), label="window")
     q = mx.array(rand(rng, s.batch_size, H, m, D))
-    np.testing.assert_array_equal(np_of(kv.attend(r, q, scale=0.3, window=window)),
-                                  np_of(kv.attend(s, q, scale=0.3, window=window)))
+    np.testing.assert_array_equal(
+        np_of(kv.attend(r, q, scale=0.3, window=window)),
+        np_of(kv.attend(s, q, scale=0.3, window=window)),
+    )
 
 
 @given(dims.flatmap(batches), st.data())
@@ -104,21 +109,26 @@ def test_per_row_rollback_equals_appending_only_accepted(sr, data):
     s, rows = sr
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     n = data.draw(st.integers(1, 4), label="draft")
-    keep = data.draw(st.lists(st.integers(0, n), min_size=s.batch_size,
-                              max_size=s.batch_size), label="keep")
+    keep = data.draw(
+        st.lists(st.integers(0, n), min_size=s.batch_size, max_size=s.batch_size), label="keep"
+    )
     H, D, DV = rows[0][0].shape[0], rows[0][0].shape[2], rows[0][1].shape[2]
     dk, dv = rand(rng, s.batch_size, H, n, D), rand(rng, s.batch_size, H, n, DV)
     cp = kv.checkpoint(s)
     r = kv.rollback(kv.append(s, mx.array(dk), mx.array(dv)), cp, keep)
-    want = [(np.concatenate([k, dk[b, :, :keep[b]]], 1), np.concatenate([v, dv[b, :, :keep[b]]], 1))
-            for b, (k, v) in enumerate(rows)]
+    want = [
+        (np.concatenate([k, dk[b, :, : keep[b]]], 1), np.concatenate([v, dv[b, :, : keep[b]]], 1))
+        for b, (k, v) in enumerate(rows)
+    ]
     assert r.lengths == tuple(len_ + k for len_, k in zip(s.lengths, keep))
     assert_rows_equal(visible(r), want)
     # the next token lands right after the accepted ones on every row
     nk, nv = rand(rng, s.batch_size, H, 1, D), rand(rng, s.batch_size, H, 1, DV)
     r = kv.append(r, mx.array(nk), mx.array(nv))
-    want = [(np.concatenate([k, nk[b]], 1), np.concatenate([v, nv[b]], 1))
-            for b, (k, v) in enumerate(want)]
+    want = [
+        (np.concatenate([k, nk[b]], 1), np.concatenate([v, nv[b]], 1))
+        for b, (k, v) in enumerate(want)
+    ]
     assert_rows_equal(visible(r), want)
     window = data.draw(st.sampled_from([None, 1, 3]), label="window")
     got, ref = attend_both(r, want, rng, 1, window)
@@ -133,10 +143,15 @@ def test_shared_memo_changes_nothing_and_builds_once_per_family(sr, data):
     n = data.draw(st.integers(1, min(s.lengths)), label="queries")
     window = data.draw(st.integers(1, 4), label="window")
     # several "layers": same row layout, different data
-    layers = [kv.from_arrays(mx.array(rand(rng, s.batch_size, H, s.capacity, D)),
-                             mx.array(rand(rng, s.batch_size, H, s.capacity, DV)),
-                             lengths=s.lengths, left_pad=s.left_pad)
-              for _ in range(4)]
+    layers = [
+        kv.from_arrays(
+            mx.array(rand(rng, s.batch_size, H, s.capacity, D)),
+            mx.array(rand(rng, s.batch_size, H, s.capacity, DV)),
+            lengths=s.lengths,
+            left_pad=s.left_pad,
+        )
+        for _ in range(4)
+    ]
     memo = kv.MaskMemo()
     for _forward in range(2):
         builds = memo.builds

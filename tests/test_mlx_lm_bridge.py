@@ -4,8 +4,15 @@ memo, and conversion to and from mlx-lm cache objects (same process)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import (BatchKVCache, ConcatenateKVCache, BatchRotatingKVCache, KVCache,
-                                 QuantizedKVCache, RotatingKVCache, trim_prompt_cache)
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    ConcatenateKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    trim_prompt_cache,
+)
 
 import kvstate as kv
 from kvstate import _shells, mlx_lm as br
@@ -134,8 +141,9 @@ def test_layers_of_one_layout_share_one_append_plan(llama, monkeypatch):
 
     made = []
     init = _rows.AppendPlan.__init__
-    monkeypatch.setattr(_rows.AppendPlan, "__init__",
-                        lambda self, *a: (made.append(a), init(self, *a))[1])
+    monkeypatch.setattr(
+        _rows.AppendPlan, "__init__", lambda self, *a: (made.append(a), init(self, *a))[1]
+    )
     _, logits, states = ragged(llama)
     tok = mx.argmax(logits, axis=-1)
     for _ in range(3):  # merged rows hold equal (not identical) tuples at first
@@ -147,9 +155,13 @@ def test_layers_of_one_layout_share_one_append_plan(llama, monkeypatch):
     s1 = states[1]
     pad = mx.zeros((s1.batch_size, s1.keys.shape[1], 256, s1.keys.shape[3]))
     wider = list(states)
-    wider[1] = kv.CacheState(s1.lengths, s1.left_pad, s1.step,
-                             keys=mx.concatenate([s1.keys, pad], axis=2),
-                             values=mx.concatenate([s1.values, pad], axis=2))
+    wider[1] = kv.CacheState(
+        s1.lengths,
+        s1.left_pad,
+        s1.step,
+        keys=mx.concatenate([s1.keys, pad], axis=2),
+        values=mx.concatenate([s1.values, pad], axis=2),
+    )
     made.clear()
     got, got_states = br.step(llama, tok, wider)
     assert len(made) == 2
@@ -256,9 +268,16 @@ class Probe:
     def __call__(self, tokens, cache):
         B, N = tokens.shape
         for c in cache:
-            self.seen.append(dict(offset=c.offset, quantized=hasattr(c, "bits"),
-                                  trimmable=c.is_trimmable(), empty=c.empty(), size=c.size(),
-                                  nbytes=c.nbytes))
+            self.seen.append(
+                dict(
+                    offset=c.offset,
+                    quantized=hasattr(c, "bits"),
+                    trimmable=c.is_trimmable(),
+                    empty=c.empty(),
+                    size=c.size(),
+                    nbytes=c.nbytes,
+                )
+            )
             k = mx.random.normal((B, self.heads, N, self.dim))
             c.update_and_fetch(k, k)
         return mx.zeros((B, N, 4))
@@ -366,8 +385,7 @@ def test_quantized_round_trip(llama):
     c = [QuantizedKVCache(group_size=32, bits=8) for _ in llama.layers]
     logits = llama(mx.array([tm.prompt(6, 5)]), cache=c)[:, -1]
     states = br.from_prompt_cache(c)
-    assert all(type(s) is kv.QuantizedState and s.bits == 8 and s.group_size == 32
-               for s in states)
+    assert all(type(s) is kv.QuantizedState and s.bits == 8 and s.group_size == 32 for s in states)
     tok = mx.argmax(logits, axis=-1)
     ours, states = br.step(llama, tok, states)
     close(ours, llama(tok[:, None], cache=c)[:, -1])
@@ -429,8 +447,9 @@ def test_batch_rotating_kvcache_round_trip(gemma3):
     for p in prompts:
         c = gemma3.make_cache()
         solos.append((gemma3(mx.array([p]), cache=c)[:, -1], c))
-    batch = [type(solos[0][1][i]).merge([s[1][i] for s in solos])
-             for i in range(len(gemma3.layers))]
+    batch = [
+        type(solos[0][1][i]).merge([s[1][i] for s in solos]) for i in range(len(gemma3.layers))
+    ]
     assert type(batch[0]) is BatchRotatingKVCache
     states = br.from_prompt_cache(batch)
     assert states[0].lengths == (12, 4, 9) and states[0].held == (8, 4, 8)
@@ -462,7 +481,10 @@ def test_ring_shells_answer_the_cache_protocol():
         br.forward(probe, mx.zeros((2, 1), mx.int32), states)  # the probe looks, then appends
         seen = probe.seen[-1]
         assert (seen["offset"], seen["size"], seen["trimmable"]) == (
-            ref.offset, ref.size(), ref.is_trimmable())
+            ref.offset,
+            ref.size(),
+            ref.is_trimmable(),
+        )
     fwd = _shells.Eager(kv.MaskMemo())  # a block that needs no array, asked for one
     mask = _shells.shell(kv.rotating(2, max_size=6), fwd).make_mask(2, return_array=True)
     assert mask.dtype == mx.bool_
@@ -477,10 +499,20 @@ def gemma2_model(seed=3):
     from mlx_lm.models import gemma2
 
     mx.random.seed(seed)
-    model = gemma2.Model(gemma2.ModelArgs(
-        model_type="gemma2", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=tm.VOCAB,
-        num_key_value_heads=1, query_pre_attn_scalar=32))
+    model = gemma2.Model(
+        gemma2.ModelArgs(
+            model_type="gemma2",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=2,
+            head_dim=32,
+            rms_norm_eps=1e-6,
+            vocab_size=tm.VOCAB,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=32,
+        )
+    )
     mx.eval(model.parameters())
     return model
 

@@ -15,8 +15,20 @@ def test_all_lists_the_public_api_and_nothing_missing():
     assert len(kv.__all__) == len(set(kv.__all__))
     for name in kv.__all__:
         assert hasattr(kv, name), name
-    for name in ("next_mask", "append", "fetch", "attend", "rotating", "quantized", "empty",
-                 "flatten", "unflatten", "compiled_decoder", "MaskMemo", "KVStateError"):
+    for name in (
+        "next_mask",
+        "append",
+        "fetch",
+        "attend",
+        "rotating",
+        "quantized",
+        "empty",
+        "flatten",
+        "unflatten",
+        "compiled_decoder",
+        "MaskMemo",
+        "KVStateError",
+    ):
         assert name in kv.__all__
     star = {}
     exec("from kvstate import *", star)
@@ -55,7 +67,8 @@ def test_every_registration_has_a_name():
             for cls, impl in registry.items():
                 seen += 1
                 assert getattr(impl, "__name__", "") not in ("_", "<lambda>"), (
-                    f"{mod.__name__}.{obj.__name__} for {cls.__name__}")
+                    f"{mod.__name__}.{obj.__name__} for {cls.__name__}"
+                )
     assert seen > 50
 
 

@@ -72,8 +72,11 @@ class Side:
             assert s.keys is None or s.width == 0
             return
         if fetched is None:
-            fetched = (self.cache.keys_and_values() if self.batch or self.cache.offset
-                       else (self.cache.keys[..., :0, :], self.cache.values[..., :0, :]))
+            fetched = (
+                self.cache.keys_and_values()
+                if self.batch or self.cache.offset
+                else (self.cache.keys[..., :0, :], self.cache.values[..., :0, :])
+            )
         mk, mv = (np_of(x) for x in fetched)
         sk, sv = (np_of(x) for x in kv.fetch(s))
         assert mk.shape == sk.shape and mv.shape == sv.shape, (mk.shape, sk.shape)
@@ -85,7 +88,7 @@ class Side:
         B = self.state.batch_size
         k, v, q = rand(rng, B, H, n, D), rand(rng, B, H, n, DV), rand(rng, B, hq, n, D)
         k, v, q = mx.array(k), mx.array(v), mx.array(q)
-        scale = D ** -0.5
+        scale = D**-0.5
         mask = self.cache.make_mask(n, return_array=False, window_size=window)
         fetched = self.cache.update_and_fetch(k, v)
         want = mx.fast.scaled_dot_product_attention(q, *fetched, scale=scale, mask=mask)
@@ -105,8 +108,9 @@ def single(rng, data, step, label):
 
 
 def merged(sides):
-    batch = Side(BatchKVCache.merge([s.cache for s in sides]),
-                 kv.merge_rows([s.state for s in sides]))
+    batch = Side(
+        BatchKVCache.merge([s.cache for s in sides]), kv.merge_rows([s.state for s in sides])
+    )
     batch.check()
     return batch
 
@@ -119,8 +123,10 @@ def test_random_programs_match_mlx_lm(data):
     batch = merged([single(rng, data, step, f"prefill row {i}") for i in range(n_rows)])
     for t in range(data.draw(st.integers(1, 8), label="ops")):
         B = batch.state.batch_size
-        op = data.draw(st.sampled_from(["append", "append", "trim", "filter", "extend",
-                                        "extract"]), label=f"op {t}")
+        op = data.draw(
+            st.sampled_from(["append", "append", "trim", "filter", "extend", "extract"]),
+            label=f"op {t}",
+        )
         if op == "append":
             n = data.draw(st.integers(1, 4), label="n")
             hq = data.draw(st.sampled_from([H, 2 * H]), label="query heads")
@@ -134,8 +140,7 @@ def test_random_programs_match_mlx_lm(data):
             batch.state = kv.trim(batch.state, n)
             batch.check()
         elif op == "filter":
-            rows = data.draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B),
-                             label="rows")
+            rows = data.draw(st.lists(st.integers(0, B - 1), min_size=1, max_size=B), label="rows")
             note(f"filter {rows} of {batch.state.lengths} pad {batch.state.left_pad}")
             batch.cache.filter(rows)
             batch.state = kv.filter_rows(batch.state, rows)

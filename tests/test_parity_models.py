@@ -76,8 +76,13 @@ def check_parity(model, make_cache, make, requests=REQUESTS, seed=10):
         ref_logits, ref_toks = solo(model, p, r[1], make_cache)
         logits, toks = result[i]
         assert toks == ref_toks, f"request {i}: tokens differ"
-        np.testing.assert_allclose(np.array(logits), np.array(ref_logits), atol=ATOL, rtol=0,
-                                   err_msg=f"request {i}: logits differ")
+        np.testing.assert_allclose(
+            np.array(logits),
+            np.array(ref_logits),
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"request {i}: logits differ",
+        )
 
 
 def full_caches(model):
@@ -92,6 +97,7 @@ def test_continuous_batching_dense(build):
 
 def test_continuous_batching_quantized_llama():
     model = tm.llama_model()
+
     def make_cache():
         return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
 
@@ -117,6 +123,7 @@ def test_continuous_batching_llama_sliding_layers():
 
 def test_continuous_batching_qwen3_max_kv_size():
     model = tm.qwen3_model()  # no make_cache: max_kv_size gives rings with keep=4
+
     def make_cache():
         return make_prompt_cache(model, max_kv_size=10)
 
@@ -137,8 +144,11 @@ def test_speculative_block_then_per_row_rollback(build):
     (``kv.rollback`` per row), then decode on: each row equals the prompt run
     alone on only the tokens it kept."""
     model = build()
-    make_cache = (model.make_cache if hasattr(model, "make_cache")
-                  else lambda: [KVCache() for _ in model.layers])
+    make_cache = (
+        model.make_cache
+        if hasattr(model, "make_cache")
+        else lambda: [KVCache() for _ in model.layers]
+    )
     prompts = [tm.prompt(70 + i, n) for i, n in enumerate((5, 12, 3))]
     drafts = [tm.prompt(80 + i, 3) for i in range(3)]
     kept = [3, 1, 0]
@@ -146,13 +156,22 @@ def test_speculative_block_then_per_row_rollback(build):
     cps = [kv.checkpoint(s) for s in states]
     logits, states = br.forward(model, mx.array(drafts), states)
     for i, (p, d) in enumerate(zip(prompts, drafts)):
-        np.testing.assert_allclose(np.array(logits[i]), np.array(solo_logits(model, make_cache,
-                                   p, d)), atol=ATOL, rtol=0, err_msg=f"row {i} block")
+        np.testing.assert_allclose(
+            np.array(logits[i]),
+            np.array(solo_logits(model, make_cache, p, d)),
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"row {i} block",
+        )
     states = [kv.rollback(s, cp, kept) for s, cp in zip(states, cps)]
     nxt = [7, 8, 9]
     logits, states = br.step(model, mx.array(nxt), states)
     for i, (p, d, k) in enumerate(zip(prompts, drafts, kept)):
         blocks = [p] + ([d[:k]] if k else []) + [[nxt[i]]]
-        np.testing.assert_allclose(np.array(logits[i]),
-                                   np.array(solo_logits(model, make_cache, *blocks)[-1]),
-                                   atol=ATOL, rtol=0, err_msg=f"row {i} after rollback")
+        np.testing.assert_allclose(
+            np.array(logits[i]),
+            np.array(solo_logits(model, make_cache, *blocks)[-1]),
+            atol=ATOL,
+            rtol=0,
+            err_msg=f"row {i} after rollback",
+        )

@@ -35,7 +35,8 @@ ops_strategy = st.lists(
         st.tuples(st.just("append"), st.sampled_from([1, 1, 1, 2, 3, 7])),
         st.tuples(st.just("trim"), st.integers(1, 3)),
     ),
-    min_size=1, max_size=8,
+    min_size=1,
+    max_size=8,
 )
 
 
@@ -65,8 +66,11 @@ def test_fetch_and_attend_equal_quantized_kv_cache(geometry, B, rep, step, ops, 
         s = kv.append(s, k, v)
         got_k, got_v = kv.fetch(s)
         assert s.lengths == (cache.offset,) * B
-        assert_same_bytes([np_of(x) for x in (*got_k, *got_v)],
-                          [np_of(x) for x in (*want_k, *want_v)], f"fetch after {op} {n}")
+        assert_same_bytes(
+            [np_of(x) for x in (*got_k, *got_v)],
+            [np_of(x) for x in (*want_k, *want_v)],
+            f"fetch after {op} {n}",
+        )
         want = mlx_qsdpa(q, want_k, want_v, scale=SCALE, mask=mask, group_size=gs, bits=bits)
         got = kv.attend(s, q, scale=SCALE, window=window)
         np.testing.assert_array_equal(np_of(got), np_of(want), err_msg=f"attend, window={window}")
@@ -88,13 +92,18 @@ def test_to_quantized_equals_kv_cache_to_quantized():
         for step in range(3):
             want_k, want_v = qc.keys_and_values() if step == 0 else qc.update_and_fetch(k, v)
             got_k, got_v = kv.fetch(qs)
-            assert_same_bytes([np_of(x) for x in (*got_k, *got_v)],
-                              [np_of(x) for x in (*want_k, *want_v)], f"bits={bits} step {step}")
+            assert_same_bytes(
+                [np_of(x) for x in (*got_k, *got_v)],
+                [np_of(x) for x in (*want_k, *want_v)],
+                f"bits={bits} step {step}",
+            )
             q = rand(rng, 2, 2 * H, 1, 64)
             np.testing.assert_array_equal(
                 np_of(kv.attend(qs, q, scale=SCALE)),
-                np_of(mlx_qsdpa(q, want_k, want_v, scale=SCALE, mask=None, group_size=gs,
-                                bits=bits)))
+                np_of(
+                    mlx_qsdpa(q, want_k, want_v, scale=SCALE, mask=None, group_size=gs, bits=bits)
+                ),
+            )
             k, v = rand(rng, 2, H, 1, 64), rand(rng, 2, H, 1, 64)
             qs = kv.append(qs, k, v)
 
@@ -141,12 +150,15 @@ def test_ragged_batch_rows_equal_each_row_alone(geometry, lengths, steps, rep, s
         got = np_of(kv.attend(s, q, scale=SCALE))
         for b, c in enumerate(caches):
             mask = mlx_mask(c, n)
-            want_k, want_v = c.update_and_fetch(k[b:b + 1], v[b:b + 1])
-            assert_same_bytes(row_planes(s, b), [np_of(x[0]) for x in (*want_k, *want_v)],
-                              f"row {b} columns")
-            want = mlx_qsdpa(q[b:b + 1], want_k, want_v, scale=SCALE, mask=mask,
-                             group_size=gs, bits=bits)
+            want_k, want_v = c.update_and_fetch(k[b : b + 1], v[b : b + 1])
+            assert_same_bytes(
+                row_planes(s, b), [np_of(x[0]) for x in (*want_k, *want_v)], f"row {b} columns"
+            )
+            want = mlx_qsdpa(
+                q[b : b + 1], want_k, want_v, scale=SCALE, mask=mask, group_size=gs, bits=bits
+            )
             # The batch reads padding columns the solo row lacks: their weight
             # is exactly 0, but the longer reductions may round differently.
-            np.testing.assert_allclose(got[b:b + 1], np_of(want), atol=1e-5, rtol=1e-5,
-                                       err_msg=f"row {b}")
+            np.testing.assert_allclose(
+                got[b : b + 1], np_of(want), atol=1e-5, rtol=1e-5, err_msg=f"row {b}"
+            )

@@ -42,17 +42,18 @@ def test_quantized_batch_rows_equal_each_row_alone(build, bits):
     assert all(isinstance(s, kv.QuantizedState) and s.bits == bits for s in states)
     want = [model(mx.array([p]), cache=c)[:, -1] for p, c in zip(prompts, solo)]
     for b in range(B):
-        close(logits[b:b + 1], want[b], f"prefill row {b}")
+        close(logits[b : b + 1], want[b], f"prefill row {b}")
 
     def decode(logits, states, steps):
         for t in range(steps):
             toks = mx.argmax(logits, axis=-1)
             logits, states = br.step(model, toks, states)
             for b in range(B):
-                want = model(toks[b:b + 1, None], cache=solo[b])[:, -1]
+                want = model(toks[b : b + 1, None], cache=solo[b])[:, -1]
                 assert int(mx.argmax(want, axis=-1).item()) == int(
-                    mx.argmax(logits[b], axis=-1).item()), f"step {t} row {b}: token"
-                close(logits[b:b + 1], want, f"step {t} row {b}")
+                    mx.argmax(logits[b], axis=-1).item()
+                ), f"step {t} row {b}: token"
+                close(logits[b : b + 1], want, f"step {t} row {b}")
         return logits, states
 
     logits, states = decode(logits, states, 3)
@@ -64,18 +65,22 @@ def test_quantized_batch_rows_equal_each_row_alone(build, bits):
     dlogits, drafted = br.forward(model, draft, states)
     keep = [0, 2, 3]
     for b in range(B):
-        want = model(draft[b:b + 1], cache=solo[b])
-        close(dlogits[b:b + 1], want, f"draft row {b}")
+        want = model(draft[b : b + 1], cache=solo[b])
+        close(dlogits[b : b + 1], want, f"draft row {b}")
         for c in solo[b]:
             assert c.trim(DRAFT - keep[b]) == DRAFT - keep[b]
     states = [kv.rollback(s, cp, keep) for s, cp in zip(drafted, cps)]
     # The next token of each row: greedy after its last accepted position.
-    nxt = mx.array([int(mx.argmax(dlogits[b, keep[b] - 1] if keep[b] else logits[b]).item())
-                    for b in range(B)])
+    nxt = mx.array(
+        [int(mx.argmax(dlogits[b, keep[b] - 1] if keep[b] else logits[b]).item()) for b in range(B)]
+    )
     logits, states = br.step(model, nxt, states)
     for b in range(B):
-        close(logits[b:b + 1], model(nxt[b:b + 1, None], cache=solo[b])[:, -1],
-              f"after rollback row {b}")
+        close(
+            logits[b : b + 1],
+            model(nxt[b : b + 1, None], cache=solo[b])[:, -1],
+            f"after rollback row {b}",
+        )
 
     logits, states = decode(logits, states, 3)
 
@@ -85,5 +90,6 @@ def test_quantized_batch_rows_equal_each_row_alone(build, bits):
             c = solo[b][layer]
             k, v = c.keys_and_values()
             assert s.lengths[b] == c.offset
-            assert_same_bytes(row_planes(s, b), [np_of(x[0]) for x in (*k, *v)],
-                              f"layer {layer} row {b}")
+            assert_same_bytes(
+                row_planes(s, b), [np_of(x[0]) for x in (*k, *v)], f"layer {layer} row {b}"
+            )

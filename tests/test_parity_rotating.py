@@ -27,7 +27,7 @@ from kvstate._ring import from_temporal, read_width, ring_mask, update_and_read
 from _ring import RefRing, rand, rows_of
 
 H, HQ, D = 2, 4, 8
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def own(x):
@@ -53,8 +53,13 @@ rings = st.sampled_from([(1, 0), (2, 0), (2, 1), (4, 0), (4, 2), (5, 1), (7, 3),
 appends = st.lists(st.sampled_from([1, 1, 1, 1, 2, 3, 5, 9]), min_size=1, max_size=14)
 
 
-@given(ring=rings, sizes=appends, window=st.sampled_from([None, None, 1, 2, 3, 6, 20]),
-       step=st.sampled_from([3, 256]), seed=st.integers(0, 2**16))
+@given(
+    ring=rings,
+    sizes=appends,
+    window=st.sampled_from([None, None, 1, 2, 3, 6, 20]),
+    step=st.sampled_from([3, 256]),
+    seed=st.integers(0, 2**16),
+)
 def test_one_row_equals_rotating_kv_cache(ring, sizes, window, step, seed):
     max_size, keep = ring
     rng = np.random.default_rng(seed)
@@ -71,7 +76,7 @@ def test_one_row_equals_rotating_kv_cache(ring, sizes, window, step, seed):
         got = kv.attend(s, mx.array(q), scale=SCALE, window=window)
 
         # What the row holds: same entries, same order, same bits.
-        (gk, gv), = rows_of(s)
+        ((gk, gv),) = rows_of(s)
         mk, mv = mlx_temporal(cache)
         np.testing.assert_array_equal(gk, mk)
         np.testing.assert_array_equal(gv, mv)
@@ -99,13 +104,12 @@ def test_trim_equals_rotating_kv_cache_where_mlx_lm_can_trim(ring, sizes, cut, s
             m = min(cut, cache.offset)
             assert cache.trim(m) == m
             s = kv.trim(s, m)
-        (gk, _), = rows_of(s) if s.held[0] else [(np.zeros((H, 0, D), np.float32), None)]
+        ((gk, _),) = rows_of(s) if s.held[0] else [(np.zeros((H, 0, D), np.float32), None)]
         mk, _ = mlx_temporal(cache) if cache.offset else (np.zeros((H, 0, D), np.float32), None)
         np.testing.assert_array_equal(gk, mk)
 
 
-@given(ring=rings, sizes=appends, window=st.sampled_from([None, 2, 3]),
-       seed=st.integers(0, 2**16))
+@given(ring=rings, sizes=appends, window=st.sampled_from([None, 2, 3]), seed=st.integers(0, 2**16))
 def test_shell_protocol_next_mask_then_update_and_read(ring, sizes, window, seed):
     """The bridge's path: ``next_mask`` before the append, ``update_and_read`` after,
     fused SDPA over that read: equals mlx-lm's cache driven the same way."""
@@ -122,9 +126,9 @@ def test_shell_protocol_next_mask_then_update_and_read(ring, sizes, window, seed
         if held is not None:
             assert mask.shape[-1] == keys.shape[2]
             held.release()
-        np.testing.assert_allclose(np.array(got),
-                                   np.array(kv.attend(s, q, scale=SCALE, window=window)),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            np.array(got), np.array(kv.attend(s, q, scale=SCALE, window=window)), atol=1e-6
+        )
         mmask = cache.make_mask(n, window_size=window)
         ck, cv = cache.update_and_fetch(own(k), own(v))
         if not mlx_buggy(n, keep, window, max_size):
@@ -146,8 +150,9 @@ def test_mlx_lm_window_mask_ignores_keep():
     assert np.array(k).reshape(-1).tolist()[2] == 6.0
     assert not np.array(mask)[2]
     # kvstate: position 6 sees itself and the two entries before it (4, 5).
-    cols = np.array(ring_mask(1, s.lengths, s.held, keep=2, capacity=s.capacity,
-                              width=read_width(s), window=3)).reshape(-1)
+    cols = np.array(
+        ring_mask(1, s.lengths, s.held, keep=2, capacity=s.capacity, width=read_width(s), window=3)
+    ).reshape(-1)
     assert sorted(np.array(s.keys)[0, 0, cols, 0].tolist()) == [4.0, 5.0, 6.0]
 
 
@@ -163,8 +168,13 @@ def to_mlx(state):
 def from_mlx(cache):
     """An mlx-lm ring as a record: its buffer in temporal order, its offset and keep."""
     k, v = mlx_temporal(cache)
-    return from_temporal(mx.array(k)[None], mx.array(v)[None], lengths=cache.offset,
-                         max_size=cache.max_size, keep=cache.keep)
+    return from_temporal(
+        mx.array(k)[None],
+        mx.array(v)[None],
+        lengths=cache.offset,
+        max_size=cache.max_size,
+        keep=cache.keep,
+    )
 
 
 @given(ring=rings, before=appends, after=appends, seed=st.integers(0, 2**16))
@@ -186,17 +196,22 @@ def test_conversion_both_ways_continues_identically(ring, before, after, seed):
             c.update_and_fetch(own(k), own(v))
             r = kv.append(r, mx.array(k), mx.array(v))
             pairs[i] = (c, r)
-            (gk, gv), = rows_of(r)
+            ((gk, gv),) = rows_of(r)
             np.testing.assert_array_equal(gk, mlx_temporal(c)[0])
             np.testing.assert_array_equal(gv, mlx_temporal(c)[1])
             assert r.lengths == (c.offset,)
 
 
-@given(ring=rings, prefixes=st.lists(appends, min_size=2, max_size=3),
-       after=st.lists(st.sampled_from([1, 1, 1, 2, 4]), min_size=1, max_size=8),
-       window=st.sampled_from([None, None, 2, 20]), seed=st.integers(0, 2**16))
-def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(ring, prefixes, after,
-                                                                   window, seed):
+@given(
+    ring=rings,
+    prefixes=st.lists(appends, min_size=2, max_size=3),
+    after=st.lists(st.sampled_from([1, 1, 1, 2, 4]), min_size=1, max_size=8),
+    window=st.sampled_from([None, None, 2, 20]),
+    seed=st.integers(0, 2**16),
+)
+def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(
+    ring, prefixes, after, window, seed
+):
     """Rows with different histories in one batch (``keep`` included, which mlx-lm's
     ``BatchRotatingKVCache`` drops): each row equals mlx-lm's ring run alone."""
     max_size, keep = ring
@@ -219,12 +234,13 @@ def test_ragged_batch_equals_each_row_in_its_own_rotating_kv_cache(ring, prefixe
         held = rows_of(s)
         for b, c in enumerate(caches):
             mask = c.make_mask(n, window_size=window)
-            ck, cv = c.update_and_fetch(own(k[b:b + 1]), own(v[b:b + 1]))
+            ck, cv = c.update_and_fetch(own(k[b : b + 1]), own(v[b : b + 1]))
             np.testing.assert_array_equal(held[b][0], mlx_temporal(c)[0])
             np.testing.assert_array_equal(held[b][1], mlx_temporal(c)[1])
             if not mlx_buggy(n, keep, window, max_size):
-                want = mx.fast.scaled_dot_product_attention(mx.array(q[b:b + 1]), ck, cv,
-                                                            scale=SCALE, mask=mask)
+                want = mx.fast.scaled_dot_product_attention(
+                    mx.array(q[b : b + 1]), ck, cv, scale=SCALE, mask=mask
+                )
                 np.testing.assert_allclose(got[b], np.array(want)[0], atol=2e-5)
 
 

@@ -20,7 +20,6 @@ from kvstate import persist
 import tiny_models as tm
 
 
-
 # --- helpers -------------------------------------------------------------------------
 
 
@@ -45,8 +44,10 @@ def assert_same_record(a, b):
 
 def rand_kv(seed, B, N, H=2, D=32, dtype=mx.float32):
     k1, k2 = mx.random.split(mx.random.key(seed))
-    return (mx.random.normal((B, H, N, D), key=k1).astype(dtype),
-            mx.random.normal((B, H, N, D), key=k2).astype(dtype))
+    return (
+        mx.random.normal((B, H, N, D), key=k1).astype(dtype),
+        mx.random.normal((B, H, N, D), key=k2).astype(dtype),
+    )
 
 
 def ragged(make, lengths, seed=0, dtype=mx.float32):
@@ -91,7 +92,7 @@ def greedy(model, logits, n, run):
 
 def test_round_trip_mixed_records_and_metadata(tmp_path):
     d = ragged(dense, [5, 0, 9, 3], dtype=mx.float16)
-    d = kv.trim(d, [1, 0, 2, 0])                     # stale columns are kept byte-exact
+    d = kv.trim(d, [1, 0, 2, 0])  # stale columns are kept byte-exact
     q = ragged(quant, [4, 7])
     states = [d, q, kv.empty(3), kv.quantized(2, bits=8), kv.from_arrays(*rand_kv(9, 2, 6))]
     path = tmp_path / "c.safetensors"
@@ -107,12 +108,21 @@ def test_round_trip_mixed_records_and_metadata(tmp_path):
     assert raw(arrays["1.keys.0"]) == raw(q.keys[0])
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["append", "trim", "filter", "extend"]),
-                         st.integers(0, 6), st.integers(0, 2**16)), max_size=6)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["append", "trim", "filter", "extend"]),
+        st.integers(0, 6),
+        st.integers(0, 2**16),
+    ),
+    max_size=6,
+)
 
 
-@given(kind=st.sampled_from(sorted(MAKERS)), lengths=st.lists(st.integers(0, 12), min_size=1,
-       max_size=4), ops=OPS)
+@given(
+    kind=st.sampled_from(sorted(MAKERS)),
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    ops=OPS,
+)
 def test_round_trip_is_exact_after_any_ops(kind, lengths, ops):
     make = MAKERS[kind]
     s = ragged(make, lengths)
@@ -221,7 +231,7 @@ def test_mlx_lm_rotating_file_continues_identically(tmp_path):
 
 
 def test_mlx_lm_batch_rotating_file_continues_identically(tmp_path):
-    model = tm.gemma3_model(seed=7, sliding_window=8)   # BatchRotatingKVCache + BatchKVCache
+    model = tm.gemma3_model(seed=7, sliding_window=8)  # BatchRotatingKVCache + BatchKVCache
     rows, last = [], []
     for i, n in enumerate([11, 4, 6]):
         c = lm_cache.make_prompt_cache(model)
@@ -243,13 +253,13 @@ def test_mlx_lm_batch_rotating_file_continues_identically(tmp_path):
 
 
 def test_load_refuses_another_geometry(tmp_path):
-    model = tm.llama_model(seed=1)                  # 3 layers, 2 KV heads of 32
+    model = tm.llama_model(seed=1)  # 3 layers, 2 KV heads of 32
     _, states = br.prefill(model, [tm.prompt(1, 5)])
     kv.save(tmp_path / "a.safetensors", states)
-    kv.load(tmp_path / "a.safetensors", model=tm.llama_model(seed=2))   # same geometry: fine
+    kv.load(tmp_path / "a.safetensors", model=tm.llama_model(seed=2))  # same geometry: fine
     with pytest.raises(kv.KVStateError, match=r"states: expected 2 records.*got 3"):
         kv.load(tmp_path / "a.safetensors", model=tm.llama_model(seed=1, layers=2))
-    other = tm.gemma3_model(seed=2, layers=3)       # 1 KV head
+    other = tm.gemma3_model(seed=2, layers=3)  # 1 KV head
     with pytest.raises(kv.KVStateError, match=r"states\[0\] geometry .* expected \(1, 32, 32"):
         kv.load(tmp_path / "a.safetensors", model=other)
     # mlx-lm's own files are checked the same way.
@@ -271,8 +281,9 @@ def test_load_checks_sliding_layers_hold_rings_of_the_window(tmp_path):
     wider = tm.gemma3_model(seed=2, layers=4, sliding_window=16)
     with pytest.raises(kv.KVStateError, match=r"states\[0\]: expected a ring of max_size=16"):
         kv.load(tmp_path / "g.safetensors", model=wider)
-    dense_only = [kv.from_arrays(*kv.fetch(s)) if isinstance(s, kv.RotatingState) else s
-                  for s in states]
+    dense_only = [
+        kv.from_arrays(*kv.fetch(s)) if isinstance(s, kv.RotatingState) else s for s in states
+    ]
     kv.save(tmp_path / "d.safetensors", dense_only)
     with pytest.raises(kv.KVStateError, match="sliding-window layer"):
         kv.load(tmp_path / "d.safetensors", model=model)
@@ -306,7 +317,6 @@ def test_model_identity_recorded_and_checked(tmp_path):
         kv.load(tmp_path / "anon.safetensors", model_path=a)
 
 
-
 def test_loaded_metadata_saves_again_with_its_model_identity(tmp_path):
     # load returns the model digest with the user's pairs; handing that
     # metadata back to save (a resumed chat saved anew) keeps the identity.
@@ -318,7 +328,7 @@ def test_loaded_metadata_saves_again_with_its_model_identity(tmp_path):
     again, meta2 = kv.load(tmp_path / "again.safetensors", model_path=a)
     assert meta2 == meta
     assert_same_record(states[0], again[0])
-    kv.save(tmp_path / "same.safetensors", got, meta, model_path=a)      # agreeing: fine
+    kv.save(tmp_path / "same.safetensors", got, meta, model_path=a)  # agreeing: fine
     assert kv.load(tmp_path / "same.safetensors", model_path=a)[1] == meta
     with pytest.raises(kv.KVStateError, match="metadata.*digest of model_path"):
         kv.save(tmp_path / "other.safetensors", got, meta, model_path=b)  # conflicting
@@ -326,29 +336,32 @@ def test_loaded_metadata_saves_again_with_its_model_identity(tmp_path):
     with pytest.raises(kv.KVStateError, match="a cache for another model"):
         kv.load(tmp_path / "again.safetensors", model_path=b)
 
+
 def test_model_digest_is_memoized_on_file_stats(tmp_path, monkeypatch):
     root = tmp_path / "m"
     root.mkdir()
-    for name, n in (("model-00001-of-00002.safetensors", 1000),
-                    ("model-00002-of-00002.safetensors", 2000)):
+    for name, n in (
+        ("model-00001-of-00002.safetensors", 1000),
+        ("model-00002-of-00002.safetensors", 2000),
+    ):
         (root / name).write_bytes(bytes(range(256)) * (n // 256) + b"x" * (n % 256))
-    (root / "config.json").write_text("{}")          # not a weight file: not hashed
+    (root / "config.json").write_text("{}")  # not a weight file: not hashed
     calls = []
     real_hash = persist.hash_file
     monkeypatch.setattr(persist, "hash_file", lambda p: calls.append(p) or real_hash(p))
 
     first = persist.model_digest(root)
     assert len(calls) == 2
-    assert persist.model_digest(root) == first and len(calls) == 2    # memo: no rehash
+    assert persist.model_digest(root) == first and len(calls) == 2  # memo: no rehash
     assert persist.model_digest(str(root)) == first and len(calls) == 2
 
     shard = root / "model-00002-of-00002.safetensors"
     st_ = os.stat(shard)
-    os.utime(shard, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))    # touch: rehash that file
+    os.utime(shard, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))  # touch: rehash that file
     assert persist.model_digest(root) == first and len(calls) == 3
     assert calls[-1].endswith("00002.safetensors")
 
-    data = bytearray(shard.read_bytes())                              # same size, new content
+    data = bytearray(shard.read_bytes())  # same size, new content
     data[0] ^= 0xFF
     shard.write_bytes(bytes(data))
     os.utime(shard, ns=(st_.st_atime_ns, st_.st_mtime_ns + 2 * 10**9))
@@ -356,7 +369,7 @@ def test_model_digest_is_memoized_on_file_stats(tmp_path, monkeypatch):
     assert changed != first and len(calls) == 4
     assert persist.model_digest(root) == changed and len(calls) == 4
 
-    (root / "model-00001-of-00002.safetensors").unlink()              # a file gone: new identity
+    (root / "model-00001-of-00002.safetensors").unlink()  # a file gone: new identity
     assert persist.model_digest(root) != changed
 
 
@@ -371,11 +384,15 @@ def test_bad_input_names_the_argument_and_writes_nothing(tmp_path):
         (lambda: kv.save(p, good, {"a": 1}), r"metadata\['a'\]: expected str keys and str values"),
         (lambda: kv.save(p, good, {"kvstate.x": "1"}), "reserved"),
         (lambda: kv.save(p, good, ["a"]), "metadata: expected a dict"),
-        (lambda: kv.save(tmp_path / "x.npz", good),
-         r"path: expected a name ending in \.safetensors"),
+        (
+            lambda: kv.save(tmp_path / "x.npz", good),
+            r"path: expected a name ending in \.safetensors",
+        ),
         (lambda: kv.save(p, kv.empty(1)), "states: expected a list of records"),
-        (lambda: kv.save(p, good, model_path=tmp_path / "none"),
-         "model_path: expected an existing"),
+        (
+            lambda: kv.save(p, good, model_path=tmp_path / "none"),
+            "model_path: expected an existing",
+        ),
     ]
     for call, match in cases:
         with pytest.raises(kv.KVStateError, match=match):

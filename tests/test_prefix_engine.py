@@ -20,8 +20,10 @@ def requests(rng_seed=0):
     prompts = [system + u for u in users]
     prompts += [prompts[0]] * 2  # two more samples of the first prompt
     prompts.append(prompts[1] + [40, 41, 42, 43, 44])  # a second turn of request 1
-    return [Request(i, tuple(p), 4, temperature=0.8, seed=i, arrival=i // 2)
-            for i, p in enumerate(prompts)]
+    return [
+        Request(i, tuple(p), 4, temperature=0.8, seed=i, arrival=i // 2)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_engine_with_a_prefix_cache_gives_the_same_tokens_and_prefills_less():
@@ -57,4 +59,4 @@ def test_text_requests_samples_and_the_built_in_chats():
     assert len({r.seed for r in reqs}) == len(reqs)
     # The built-in second turn repeats its first turn's messages.
     first, second = cli.CHATS[0], cli.CHATS[-1]
-    assert second[:len(first)] == first and second[-1]["role"] == "user"
+    assert second[: len(first)] == first and second[-1]["role"] == "user"

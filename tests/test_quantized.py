@@ -19,8 +19,16 @@ from kvstate import KVStateError, to_quantized
 
 from _rows import append_peak, np_rows_mask
 from _quant import (
-    GEOMETRIES, QuantizeCounter, assert_same_bytes, dequant_attend, fetched, mlx_qsdpa,
-    np_of, quantize_np, rand, row_planes,
+    GEOMETRIES,
+    QuantizeCounter,
+    assert_same_bytes,
+    dequant_attend,
+    fetched,
+    mlx_qsdpa,
+    np_of,
+    quantize_np,
+    rand,
+    row_planes,
 )
 
 H = 2
@@ -51,8 +59,11 @@ def test_append_quantizes_only_new_tokens(monkeypatch, ragged_rows):
     if ragged_rows:
         _, s = ragged(rng, [5, 2, 7], D=D, group_size=gs, bits=bits)
     else:
-        s = kv.append(kv.quantized(3, group_size=gs, bits=bits, step=8),
-                      rand(rng, 3, H, 6, D), rand(rng, 3, H, 6, D))
+        s = kv.append(
+            kv.quantized(3, group_size=gs, bits=bits, step=8),
+            rand(rng, 3, H, 6, D),
+            rand(rng, 3, H, 6, D),
+        )
     before = [row_planes(s, b) for b in range(s.batch_size)]
     all_before = tuple(np_of(p) for p in s.planes)
     counter = QuantizeCounter(monkeypatch)
@@ -106,12 +117,21 @@ def _append_peak(state, steps, keep_old):
 def test_append_is_in_place_when_the_old_record_is_dropped(ragged_ends):
     rng = np.random.default_rng(11)
     C = 8192
-    rows = [kv.append(kv.quantized(1, group_size=64, bits=8),
-                      rand(rng, 1, H, n, 64), rand(rng, 1, H, n, 64))
-            for n in ([C - 64, C - 70] if ragged_ends else [C - 64] * 2)]
-    s = kv.merge_rows(rows) if ragged_ends else kv.append(
-        kv.quantized(2, group_size=64, bits=8), rand(rng, 2, H, C - 64, 64),
-        rand(rng, 2, H, C - 64, 64))
+    rows = [
+        kv.append(
+            kv.quantized(1, group_size=64, bits=8), rand(rng, 1, H, n, 64), rand(rng, 1, H, n, 64)
+        )
+        for n in ([C - 64, C - 70] if ragged_ends else [C - 64] * 2)
+    ]
+    s = (
+        kv.merge_rows(rows)
+        if ragged_ends
+        else kv.append(
+            kv.quantized(2, group_size=64, bits=8),
+            rand(rng, 2, H, C - 64, 64),
+            rand(rng, 2, H, C - 64, 64),
+        )
+    )
     del rows
     mx.eval(*s.planes)
     assert s.capacity == C
@@ -151,8 +171,9 @@ def test_moves_never_quantize_or_dequantize(monkeypatch):
 def quantized_rows(draw, max_rows=4):
     bits, gs, D = draw(st.sampled_from([(b, g, d) for b, g, d in GEOMETRIES if d == 64]))
     step = draw(st.sampled_from([4, 16]))
-    rows = draw(st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3),
-                         min_size=1, max_size=max_rows))
+    rows = draw(
+        st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=max_rows)
+    )
     seed = draw(st.integers(0, 2**16))
     return bits, gs, D, step, rows, seed
 
@@ -181,8 +202,9 @@ def test_extract_after_merge_is_byte_exact(spec):
 def test_filter_is_byte_exact(spec, data):
     rows = build_rows(spec)
     merged = kv.merge_rows(rows)
-    keep = data.draw(st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=len(rows),
-                              unique=True))
+    keep = data.draw(
+        st.lists(st.integers(0, len(rows) - 1), min_size=1, max_size=len(rows), unique=True)
+    )
     f = kv.filter_rows(merged, keep)
     assert f.lengths == tuple(rows[r].lengths[0] for r in keep)
     assert min(f.left_pad) == 0  # padding every survivor shared is gone
@@ -210,9 +232,12 @@ def test_rollback_and_trim_then_append_equal_appending_the_accepted(spec, data):
         after = kv.append(got, nk, nv)
         for b in range(B):
             ref = kv.extract_row(batch, b)
-            ref = kv.append(ref, dk[b:b + 1, :, :keep[b]], dv[b:b + 1, :, :keep[b]]) \
-                if keep[b] else ref
-            ref = kv.append(ref, nk[b:b + 1], nv[b:b + 1])
+            ref = (
+                kv.append(ref, dk[b : b + 1, :, : keep[b]], dv[b : b + 1, :, : keep[b]])
+                if keep[b]
+                else ref
+            )
+            ref = kv.append(ref, nk[b : b + 1], nv[b : b + 1])
             assert_same_bytes(row_planes(after, b), row_planes(ref, 0), f"row {b}")
 
 
@@ -251,8 +276,11 @@ def test_to_quantized_bad_input():
     rng = np.random.default_rng(12)
     assert to_quantized(kv.empty(3, step=8), bits=4).lengths == (0, 0, 0)
     s = kv.append(kv.empty(1), rand(rng, 1, H, 2, 32), rand(rng, 1, H, 2, 32))
-    with pytest.raises(KVStateError, match=r"state keys head dim \(shape\[3\]\): expected a "
-                                           r"multiple of group_size=64, got 32"):
+    with pytest.raises(
+        KVStateError,
+        match=r"state keys head dim \(shape\[3\]\): expected a "
+        r"multiple of group_size=64, got 32",
+    ):
         to_quantized(s)
     with pytest.raises(KVStateError, match="bits: expected one of"):
         to_quantized(s, group_size=32, bits=7)
@@ -285,8 +313,7 @@ def check_attend(s, q, window=None, tol=2e-4):
         mask = None if n == 1 else "causal"  # what mlx-lm's make_mask answers
     else:
         mask = mx.array(np_rows_mask(n, s.left_pad, s.ends, s.width, window))
-    want = mlx_qsdpa(q, keys, values, scale=SCALE, mask=mask, group_size=s.group_size,
-                     bits=s.bits)
+    want = mlx_qsdpa(q, keys, values, scale=SCALE, mask=mask, group_size=s.group_size, bits=s.bits)
     np.testing.assert_array_equal(np_of(got), np_of(want))
     ref = dequant_attend(s, q, scale=SCALE, window=window)
     np.testing.assert_allclose(np_of(got), np_of(ref), atol=tol, rtol=tol)
@@ -299,8 +326,11 @@ def check_attend(s, q, window=None, tol=2e-4):
 @pytest.mark.parametrize("n", [1, 3])
 def test_attend_aligned_gqa(rep, n):
     rng = np.random.default_rng(5 + rep + n)
-    s = kv.append(kv.quantized(2, group_size=32, bits=8, step=8),
-                  rand(rng, 2, H, 6, 64), rand(rng, 2, H, 6, 64))
+    s = kv.append(
+        kv.quantized(2, group_size=32, bits=8, step=8),
+        rand(rng, 2, H, 6, 64),
+        rand(rng, 2, H, 6, 64),
+    )
     check_attend(s, rand(rng, 2, H * rep, n, 64))
 
 
@@ -318,8 +348,9 @@ def test_attend_ragged_rows_gqa(bits, gs, n):
 def test_attend_window(aligned):
     rng = np.random.default_rng(7)
     if aligned:
-        s = kv.append(kv.quantized(2, group_size=32, bits=8),
-                      rand(rng, 2, H, 9, 64), rand(rng, 2, H, 9, 64))
+        s = kv.append(
+            kv.quantized(2, group_size=32, bits=8), rand(rng, 2, H, 9, 64), rand(rng, 2, H, 9, 64)
+        )
     else:
         _, s = ragged(rng, [9, 4], group_size=32, bits=8)
     for n, w in [(1, 3), (3, 2), (2, 20)]:
@@ -371,8 +402,11 @@ def test_bad_input_names_the_argument_and_changes_nothing():
     x = rand(rng, 1, H, 2, 32)
     with pytest.raises(KVStateError, match=r"k head dim \(shape\[3\]\): expected 64"):
         kv.append(s, x, x)
-    with pytest.raises(KVStateError, match=r"k head dim \(shape\[3\]\): expected a multiple of "
-                                           r"group_size=64, got 32"):
+    with pytest.raises(
+        KVStateError,
+        match=r"k head dim \(shape\[3\]\): expected a multiple of "
+        r"group_size=64, got 32",
+    ):
         kv.append(kv.quantized(1, group_size=64), x, x)
     with pytest.raises(KVStateError, match="q dtype"):
         kv.attend(s, rand(rng, 1, H, 1, 64).astype(mx.bfloat16), scale=SCALE)
@@ -422,8 +456,10 @@ class QuantizedRows(RuleBasedStateMachine):
         s = self.state
         note(f"{what} -> lengths={s.lengths} left_pad={s.left_pad} capacity={s.capacity}")
 
-    @initialize(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3),
-                geometry=st.sampled_from([(4, 32), (8, 32), (3, 32), (2, 32)]))
+    @initialize(
+        lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+        geometry=st.sampled_from([(4, 32), (8, 32), (3, 32), (2, 32)]),
+    )
     def start(self, lengths, geometry):
         self.bits, self.gs = geometry
         self.state, self.rows = self.fresh(lengths)
@@ -436,16 +472,19 @@ class QuantizedRows(RuleBasedStateMachine):
         k, v = rand(rng, B, H, n, self.D), rand(rng, B, H, n, self.D)
         self.state = kv.append(self.state, k, v)
         new = (*self.quantize(k), *self.quantize(v))
-        self.rows = [tuple(np.concatenate([r, p[b]], axis=1) for r, p in zip(row, new))
-                     for b, row in enumerate(self.rows)]
+        self.rows = [
+            tuple(np.concatenate([r, p[b]], axis=1) for r, p in zip(row, new))
+            for b, row in enumerate(self.rows)
+        ]
         self.show(f"append {n}")
 
     @rule(data=st.data())
     def trim(self, data):
-        n = [data.draw(st.integers(0, m), label=f"n[{b}]")
-             for b, m in enumerate(self.state.lengths)]
+        n = [
+            data.draw(st.integers(0, m), label=f"n[{b}]") for b, m in enumerate(self.state.lengths)
+        ]
         self.state = kv.trim(self.state, n)
-        self.rows = [tuple(p[:, :p.shape[1] - t] for p in row) for row, t in zip(self.rows, n)]
+        self.rows = [tuple(p[:, : p.shape[1] - t] for p in row) for row, t in zip(self.rows, n)]
         self.show(f"trim {n}")
 
     @rule(data=st.data(), n=st.integers(1, 3), seed=st.integers(0, 2**16))
@@ -457,8 +496,10 @@ class QuantizedRows(RuleBasedStateMachine):
         cp = kv.checkpoint(self.state)
         self.state = kv.rollback(kv.append(self.state, k, v), cp, keep)
         new = (*self.quantize(k), *self.quantize(v))
-        self.rows = [tuple(np.concatenate([r, p[b][:, :keep[b]]], axis=1)
-                           for r, p in zip(row, new)) for b, row in enumerate(self.rows)]
+        self.rows = [
+            tuple(np.concatenate([r, p[b][:, : keep[b]]], axis=1) for r, p in zip(row, new))
+            for b, row in enumerate(self.rows)
+        ]
         self.show(f"draft {n} keep {keep}")
 
     @precondition(lambda self: self.state.batch_size < 5)
@@ -511,11 +552,18 @@ class QuantizedRows(RuleBasedStateMachine):
         for b, row in enumerate(self.rows):
             keys = tuple(mx.array(p[None]) for p in row[:3])
             values = tuple(mx.array(p[None]) for p in row[3:])
-            want = mlx_qsdpa(q[b:b + 1], keys, values, scale=SCALE,
-                             mask=None if n == 1 else "causal", group_size=self.gs,
-                             bits=self.bits)
-            np.testing.assert_allclose(got[b:b + 1], np_of(want), atol=1e-5, rtol=1e-5,
-                                       err_msg=f"row {b}")
+            want = mlx_qsdpa(
+                q[b : b + 1],
+                keys,
+                values,
+                scale=SCALE,
+                mask=None if n == 1 else "causal",
+                group_size=self.gs,
+                bits=self.bits,
+            )
+            np.testing.assert_allclose(
+                got[b : b + 1], np_of(want), atol=1e-5, rtol=1e-5, err_msg=f"row {b}"
+            )
 
 
 QuantizedRows.TestCase.settings = settings(stateful_step_count=12)

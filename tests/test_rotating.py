@@ -18,19 +18,27 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import kvstate as kv
 from kvstate._ring import (
-    advance, from_temporal, read, read_width, ring_mask, ring_writer, update_and_read,
+    advance,
+    from_temporal,
+    read,
+    read_width,
+    ring_mask,
+    ring_writer,
+    update_and_read,
 )
 
 from _ring import RefRing, positions_of, rand, rows_of
 
 H, HQ, D = 2, 4, 8
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def tokens(p0, n, B=1):
     """Keys/values whose every element is the token's position (row b adds 1000*b)."""
-    x = (mx.arange(p0, p0 + n, dtype=mx.float32)[None, None, :, None]
-         + 1000 * mx.arange(B, dtype=mx.float32)[:, None, None, None])
+    x = (
+        mx.arange(p0, p0 + n, dtype=mx.float32)[None, None, :, None]
+        + 1000 * mx.arange(B, dtype=mx.float32)[:, None, None, None]
+    )
     x = mx.broadcast_to(x, (B, H, n, D))
     return x, x + 0.5
 
@@ -78,11 +86,17 @@ def test_capacity_grows_in_steps_up_to_max_size():
     assert caps == [4, 4, 4, 4, 8, 8, 8, 8, 10, 10, 10, 10]
 
 
-@pytest.mark.parametrize("kwargs, arg", [
-    (dict(max_size=0), "max_size"), (dict(max_size=4, keep=4), "keep"),
-    (dict(max_size=4, keep=-1), "keep"), (dict(max_size=4, step=0), "step"),
-    (dict(max_size=4.0), "max_size"), (dict(batch_size=-1, max_size=4), "batch_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        (dict(max_size=0), "max_size"),
+        (dict(max_size=4, keep=4), "keep"),
+        (dict(max_size=4, keep=-1), "keep"),
+        (dict(max_size=4, step=0), "step"),
+        (dict(max_size=4.0), "max_size"),
+        (dict(batch_size=-1, max_size=4), "batch_size"),
+    ],
+)
 def test_construction_errors_name_the_argument(kwargs, arg):
     with pytest.raises(kv.KVStateError, match=arg):
         kv.rotating(**kwargs)
@@ -132,9 +146,13 @@ def test_fetch_and_attend_need_keys():
 
 def test_attend_errors():
     s = kv.append(kv.rotating(max_size=4), *tokens(0, 2))
-    for q, arg in [(mx.zeros((1, HQ, 3, D)), "q tokens"), (mx.zeros((1, 3, 1, D)), "q heads"),
-                   (mx.zeros((2, HQ, 1, D)), "q batch"), (mx.zeros((1, HQ, 1, 4)), "q head dim"),
-                   (mx.zeros((1, HQ, 1, D), mx.float16), "q dtype")]:
+    for q, arg in [
+        (mx.zeros((1, HQ, 3, D)), "q tokens"),
+        (mx.zeros((1, 3, 1, D)), "q heads"),
+        (mx.zeros((2, HQ, 1, D)), "q batch"),
+        (mx.zeros((1, HQ, 1, 4)), "q head dim"),
+        (mx.zeros((1, HQ, 1, D), mx.float16), "q dtype"),
+    ]:
         with pytest.raises(kv.KVStateError, match=arg):
             kv.attend(s, q, scale=1.0)
     with pytest.raises(kv.KVStateError, match="window"):
@@ -156,16 +174,23 @@ def grow(state, ref, ns, rng):
     return state
 
 
-@given(ring=rings, prefixes=st.lists(sizes, min_size=2, max_size=4), after=sizes,
-       window=st.sampled_from([None, 1, 2, 4, 9]), seed=st.integers(0, 2**16))
+@given(
+    ring=rings,
+    prefixes=st.lists(sizes, min_size=2, max_size=4),
+    after=sizes,
+    window=st.sampled_from([None, 1, 2, 4, 9]),
+    seed=st.integers(0, 2**16),
+)
 def test_batch_equals_each_row_alone(ring, prefixes, after, window, seed):
     """Rows of different histories, merged, then appended together: each row holds
     and attends exactly as the same row alone (``keep`` included, windows < max_size)."""
     max_size, keep = ring
     rng = np.random.default_rng(seed)
     refs = [RefRing(max_size, keep) for _ in prefixes]
-    solos = [grow(kv.rotating(max_size=max_size, keep=keep, step=2), r, p, rng)
-             for r, p in zip(refs, prefixes)]
+    solos = [
+        grow(kv.rotating(max_size=max_size, keep=keep, step=2), r, p, rng)
+        for r, p in zip(refs, prefixes)
+    ]
     s = kv.merge_rows(solos)
     for n in after:
         k, v = rand(rng, len(refs), H, n, D), rand(rng, len(refs), H, n, D)
@@ -174,22 +199,28 @@ def test_batch_equals_each_row_alone(ring, prefixes, after, window, seed):
         got = np.array(kv.attend(s, mx.array(q), scale=SCALE, window=window))
         for b, r in enumerate(refs):
             r.append(k[b], v[b])
-            solos[b] = kv.append(solos[b], mx.array(k[b:b + 1]), mx.array(v[b:b + 1]))
-            alone = np.array(kv.attend(solos[b], mx.array(q[b:b + 1]), scale=SCALE,
-                                       window=window))
+            solos[b] = kv.append(solos[b], mx.array(k[b : b + 1]), mx.array(v[b : b + 1]))
+            alone = np.array(
+                kv.attend(solos[b], mx.array(q[b : b + 1]), scale=SCALE, window=window)
+            )
             np.testing.assert_allclose(got[b], alone[0], atol=2e-5)
             np.testing.assert_allclose(got[b], r.attend(q[b], SCALE, window), atol=2e-5)
             assert_row(s, b, r)
 
 
-@given(ring=rings, prefixes=st.lists(sizes, min_size=2, max_size=4),
-       rows=st.data(), seed=st.integers(0, 2**16))
+@given(
+    ring=rings,
+    prefixes=st.lists(sizes, min_size=2, max_size=4),
+    rows=st.data(),
+    seed=st.integers(0, 2**16),
+)
 def test_merge_filter_extract_before_and_after_wrap(ring, prefixes, rows, seed):
     max_size, keep = ring
     rng = np.random.default_rng(seed)
     refs = [RefRing(max_size, keep) for _ in prefixes]
-    solos = [grow(kv.rotating(max_size=max_size, keep=keep), r, p, rng)
-             for r, p in zip(refs, prefixes)]
+    solos = [
+        grow(kv.rotating(max_size=max_size, keep=keep), r, p, rng) for r, p in zip(refs, prefixes)
+    ]
     s = kv.merge_rows(solos)
     for b, r in enumerate(refs):
         assert_row(s, b, r)
@@ -214,11 +245,15 @@ def test_merge_filter_extract_before_and_after_wrap(ring, prefixes, rows, seed):
 
 def test_merge_errors():
     a = kv.append(kv.rotating(max_size=4), *tokens(0, 2))
-    for other, arg in [(kv.append(kv.rotating(max_size=5), *tokens(0, 2)), "max_size"),
-                       (kv.append(kv.rotating(max_size=4, keep=1), *tokens(0, 2)), "keep"),
-                       (kv.append(kv.empty(), *tokens(0, 2)), "RotatingState"),
-                       (kv.append(kv.rotating(max_size=4), tokens(0, 2)[0][:, :1],
-                                  tokens(0, 2)[1][:, :1]), "geometry")]:
+    for other, arg in [
+        (kv.append(kv.rotating(max_size=5), *tokens(0, 2)), "max_size"),
+        (kv.append(kv.rotating(max_size=4, keep=1), *tokens(0, 2)), "keep"),
+        (kv.append(kv.empty(), *tokens(0, 2)), "RotatingState"),
+        (
+            kv.append(kv.rotating(max_size=4), tokens(0, 2)[0][:, :1], tokens(0, 2)[1][:, :1]),
+            "geometry",
+        ),
+    ]:
         with pytest.raises(kv.KVStateError, match=arg):
             kv.merge_rows([a, other])
 
@@ -286,8 +321,7 @@ def test_trim_within_the_ring_and_errors_beyond():
 
 
 def test_rollback_per_row_and_checkpoint_holds_no_arrays():
-    s = kv.merge_rows([kv.append(kv.rotating(max_size=5, keep=1), *tokens(0, n))
-                       for n in (2, 9)])
+    s = kv.merge_rows([kv.append(kv.rotating(max_size=5, keep=1), *tokens(0, n)) for n in (2, 9)])
     cp = kv.checkpoint(s)
     assert not any(isinstance(getattr(cp, f.name), mx.array) for f in attrs.fields(type(cp)))
     assert cp.lengths == (2, 9)
@@ -324,8 +358,9 @@ def test_trim_then_append_equals_the_row_that_never_saw_the_tokens(ring, ns, cut
         s = kv.append(s, mx.array(k), mx.array(v))
         ref.append(k[0], v[0])
         assert_row(s, 0, ref)
-        np.testing.assert_allclose(np.array(kv.attend(s, mx.array(q), scale=SCALE))[0],
-                                   ref.attend(q[0], SCALE), atol=2e-5)
+        np.testing.assert_allclose(
+            np.array(kv.attend(s, mx.array(q), scale=SCALE))[0], ref.attend(q[0], SCALE), atol=2e-5
+        )
 
 
 # --- masks -------------------------------------------------------------------------------------
@@ -334,19 +369,24 @@ def test_trim_then_append_equals_the_row_that_never_saw_the_tokens(ring, ns, cut
 def np_block_mask(max_size, offset, n, stored):
     m = np.zeros(stored + n, bool)
     valid = min(offset, stored)
-    m[max(0, valid - (max_size - 1)):valid] = True
+    m[max(0, valid - (max_size - 1)) : valid] = True
     m[stored:] = True
     return m
 
 
-@given(max_size=st.integers(1, 9), offset=st.integers(0, 20), n=st.integers(0, 5),
-       stored=st.integers(0, 12))
+@given(
+    max_size=st.integers(1, 9),
+    offset=st.integers(0, 20),
+    n=st.integers(0, 5),
+    stored=st.integers(0, 12),
+)
 def test_rotating_block_mask_values(max_size, offset, n, stored):
     memo = kv.MaskMemo()
     with kv.rotating_block_mask(memo, max_size, offset, n, stored) as lease:
         assert lease.mask.shape == (1, 1, 1, stored + n) and lease.mask.dtype == mx.bool_
-        np.testing.assert_array_equal(np.array(lease.mask)[0, 0, 0],
-                                      np_block_mask(max_size, offset, n, stored))
+        np.testing.assert_array_equal(
+            np.array(lease.mask)[0, 0, 0], np_block_mask(max_size, offset, n, stored)
+        )
     assert memo.live == 0
 
 
@@ -359,8 +399,12 @@ def test_rotating_block_mask_memo_and_errors():
     assert memo.builds == 2 and a.mask is not c.mask and memo.live == 3
     for lease in (a, b, c):
         lease.release()
-    for args, arg in [((0, 1, 1, 1), "max_size"), ((4, -1, 1, 1), "offset"),
-                      ((4, 1, -1, 1), "n"), ((4, 1, 1, 1.5), "stored")]:
+    for args, arg in [
+        ((0, 1, 1, 1), "max_size"),
+        ((4, -1, 1, 1), "offset"),
+        ((4, 1, -1, 1), "n"),
+        ((4, 1, 1, 1.5), "stored"),
+    ]:
         with pytest.raises(kv.KVStateError, match=arg):
             kv.rotating_block_mask(memo, *args)
     with pytest.raises(kv.KVStateError, match="memo"):
@@ -384,18 +428,28 @@ def test_masks_need_no_array_in_the_common_cases():
     assert memo.live == 0
 
 
-@given(ring=rings, prefixes=st.lists(sizes, min_size=1, max_size=3), n=st.integers(1, 4),
-       window=st.sampled_from([None, 1, 2, 3, 7]), seed=st.integers(0, 2**16))
+@given(
+    ring=rings,
+    prefixes=st.lists(sizes, min_size=1, max_size=3),
+    n=st.integers(1, 4),
+    window=st.sampled_from([None, 1, 2, 3, 7]),
+    seed=st.integers(0, 2**16),
+)
 def test_next_mask_is_the_mask_attend_uses(ring, prefixes, n, window, seed):
     """``next_mask`` before an append + ``update_and_read`` after = ``attend``."""
     max_size, keep = ring
     rng = np.random.default_rng(seed)
-    s = kv.merge_rows([grow(kv.rotating(max_size=max_size, keep=keep), RefRing(max_size, keep),
-                            p, rng) for p in prefixes])
+    s = kv.merge_rows(
+        [
+            grow(kv.rotating(max_size=max_size, keep=keep), RefRing(max_size, keep), p, rng)
+            for p in prefixes
+        ]
+    )
     B = s.batch_size
     mask, held = kv.ops.next_mask(s, n, window=window)
-    s, keys, values = update_and_read(s, mx.array(rand(rng, B, H, n, D)),
-                                      mx.array(rand(rng, B, H, n, D)))
+    s, keys, values = update_and_read(
+        s, mx.array(rand(rng, B, H, n, D)), mx.array(rand(rng, B, H, n, D))
+    )
     assert keys.shape[2] == read_width(s) and read(s)[0] is keys or keys.shape == read(s)[0].shape
     q = mx.array(rand(rng, B, HQ, n, D))
     got = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE, mask=mask)
@@ -430,8 +484,9 @@ def test_from_temporal_rebuilds_what_fetch_shows(ring, prefixes, seed):
     max_size, keep = ring
     rng = np.random.default_rng(seed)
     refs = [RefRing(max_size, keep) for _ in prefixes]
-    s = kv.merge_rows([grow(kv.rotating(max_size=max_size, keep=keep), r, p, rng)
-                       for r, p in zip(refs, prefixes)])
+    s = kv.merge_rows(
+        [grow(kv.rotating(max_size=max_size, keep=keep), r, p, rng) for r, p in zip(refs, prefixes)]
+    )
     k, v = kv.fetch(s)
     r = from_temporal(k, v, lengths=s.lengths, held=s.held, max_size=max_size, keep=keep)
     for b, ref in enumerate(refs):
@@ -558,20 +613,29 @@ TestRingMachine = RingMachine.TestCase
 TestRingMachine.settings = settings(max_examples=25, stateful_step_count=12, deadline=None)
 
 
-@given(ring=rings, prefixes=st.lists(sizes, min_size=1, max_size=3), n=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
+@given(
+    ring=rings,
+    prefixes=st.lists(sizes, min_size=1, max_size=3),
+    n=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_array_bookkeeping_and_write_equal_append(ring, prefixes, n, seed):
     """``advance`` + ``ring_writer`` (positions as arrays, for compiled steps) = ``append``."""
     max_size, keep = ring
     rng = np.random.default_rng(seed)
-    s = kv.merge_rows([grow(kv.rotating(max_size=max_size, keep=keep), RefRing(max_size, keep),
-                            p, rng) for p in prefixes])
+    s = kv.merge_rows(
+        [
+            grow(kv.rotating(max_size=max_size, keep=keep), RefRing(max_size, keep), p, rng)
+            for p in prefixes
+        ]
+    )
     k = mx.array(rand(rng, s.batch_size, H, n, D))
     want = kv.append(s, k, k)
     lengths = mx.array(s.lengths, dtype=mx.int32)
     ln, hd = advance(lengths, mx.array(s.held, dtype=mx.int32), n, max_size=max_size, keep=keep)
     assert ln.tolist() == list(want.lengths) and hd.tolist() == list(want.held)
     if want.capacity == s.capacity:
+
         def write(p, x, ln):
             return ring_writer(ln, n, keep=keep, capacity=s.capacity)(p, x)
 
@@ -585,8 +649,7 @@ def test_row_moves_after_wrap_deterministic():
     rng = np.random.default_rng(7)
     plans = [[1] * 13, [5, 1, 1, 1, 1, 1, 1, 1, 1], [2, 1], [6, 4]]  # max_size 5, keep 2
     refs = [RefRing(5, 2) for _ in plans]
-    solos = [grow(kv.rotating(max_size=5, keep=2, step=2), r, p, rng)
-             for r, p in zip(refs, plans)]
+    solos = [grow(kv.rotating(max_size=5, keep=2, step=2), r, p, rng) for r, p in zip(refs, plans)]
     assert [s.lengths[0] > s.capacity for s in solos] == [True, True, False, True]
     s = kv.merge_rows(solos)
     for b, r in enumerate(refs):

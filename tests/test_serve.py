@@ -21,8 +21,12 @@ from kvstate.prefix_cache import PrefixCache  # noqa: E402
 from kvstate.serve import make_app  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-QUESTIONS = ["What is the capital of France?", "Name a primary color.",
-             "What is 2 + 2?", "What color is the sky on a clear day?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+    "What color is the sky on a clear day?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                             timeout=kw.pop("timeout", 120), **kw)
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key="none",
+            max_retries=0,
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
@@ -71,8 +80,10 @@ def messages(q):
 def greedy_reference(smollm, questions, max_tokens):
     """What `kvstate generate` (its engine) answers greedily, as text per question."""
     tok = smollm.tokenizer
-    reqs = [Request(i, tuple(tok.chat(messages(q))), max_tokens, stop=tok.eos_ids)
-            for i, q in enumerate(questions)]
+    reqs = [
+        Request(i, tuple(tok.chat(messages(q))), max_tokens, stop=tok.eos_ids)
+        for i, q in enumerate(questions)
+    ]
     done, _ = generate(KVStateEngine(smollm.model), reqs, batch_size=8)
     return [tok.decode(list(c.tokens)) for c in done]
 
@@ -81,23 +92,26 @@ def test_chat_and_completion_greedy_equal_kvstate_generate(server, smollm):
     client = server.client()
     want = greedy_reference(smollm, QUESTIONS[:2], 24)
     for q, w in zip(QUESTIONS[:2], want):
-        r = client.chat.completions.create(model="x", messages=messages(q), max_tokens=24,
-                                           temperature=0)
+        r = client.chat.completions.create(
+            model="x", messages=messages(q), max_tokens=24, temperature=0
+        )
         assert r.choices[0].message.content == w
         assert r.choices[0].finish_reason in ("stop", "length")
         assert r.usage.prompt_tokens == len(smollm.tokenizer.chat(messages(q)))
     assert "Paris" in want[0]
     # streaming gives the same text, in deltas
-    stream = client.chat.completions.create(model="x", messages=messages(QUESTIONS[0]),
-                                            max_tokens=24, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="x", messages=messages(QUESTIONS[0]), max_tokens=24, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream)
     assert text == want[0]
     # /v1/completions takes raw text (here: the chat prompt rendered by hand)
     prompt = smollm.tokenizer._render(messages(QUESTIONS[0]))
     r = client.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0)
     assert r.choices[0].text == want[0]
-    stream = client.completions.create(model="x", prompt=prompt, max_tokens=24, temperature=0,
-                                       stream=True)
+    stream = client.completions.create(
+        model="x", prompt=prompt, max_tokens=24, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == want[0]
 
 
@@ -108,16 +122,23 @@ def test_models_health_and_stop_strings(server, smollm):
         assert json.load(h)["status"] == "ok"
     full = greedy_reference(smollm, QUESTIONS[:1], 24)[0]
     cut = full.index("Paris")
-    r = server.client().chat.completions.create(model="x", messages=messages(QUESTIONS[0]),
-                                                max_tokens=24, temperature=0, stop=["Paris"])
+    r = server.client().chat.completions.create(
+        model="x", messages=messages(QUESTIONS[0]), max_tokens=24, temperature=0, stop=["Paris"]
+    )
     assert r.choices[0].message.content == full[:cut]
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_n_samples_share_the_prompt_and_seed_is_reproducible(server):
     client = server.client()
-    kw = dict(model="x", messages=messages("Tell me a short story."), max_tokens=12,
-              temperature=1.0, n=4, seed=5)
+    kw = dict(
+        model="x",
+        messages=messages("Tell me a short story."),
+        max_tokens=12,
+        temperature=1.0,
+        n=4,
+        seed=5,
+    )
     a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     texts = [c.message.content for c in a.choices]
     assert [c.index for c in a.choices] == [0, 1, 2, 3]
@@ -132,8 +153,8 @@ def test_16_concurrent_streaming_clients_get_their_own_text(server, smollm):
 
     def one(i):
         stream = server.client().chat.completions.create(
-            model="x", messages=messages(questions[i]), max_tokens=16, temperature=0,
-            stream=True)
+            model="x", messages=messages(questions[i]), max_tokens=16, temperature=0, stream=True
+        )
         got[i] = "".join(c.choices[0].delta.content or "" for c in stream)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
@@ -146,16 +167,25 @@ def test_16_concurrent_streaming_clients_get_their_own_text(server, smollm):
 
 def test_a_client_killed_mid_stream_frees_its_row_and_stalls_nobody(server, smollm):
     want = greedy_reference(smollm, QUESTIONS[:1], 16)[0]
-    body = json.dumps({"model": "x", "messages": messages("Write a long poem about the sea."),
-                       "max_tokens": 400, "temperature": 0, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": "x",
+            "messages": messages("Write a long poem about the sea."),
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-              b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
-              + body)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     assert s.recv(4096).startswith(b"HTTP/1.1 200")  # streaming has begun
     s.close()  # the client dies mid-stream
     r = server.client(timeout=120).chat.completions.create(
-        model="x", messages=messages(QUESTIONS[0]), max_tokens=16, temperature=0)
+        model="x", messages=messages(QUESTIONS[0]), max_tokens=16, temperature=0
+    )
     assert r.choices[0].message.content == want
     deadline = time.time() + 30
     while server.scheduler.active_rows and time.time() < deadline:
@@ -163,16 +193,22 @@ def test_a_client_killed_mid_stream_frees_its_row_and_stalls_nobody(server, smol
     assert server.scheduler.active_rows == 0  # the dead client's row left, long before 400
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
-    ({"messages": "hi"}, 400, "messages"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, 400, "temperature"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "messages"),
+    ],
+)
 def test_bad_requests_get_openai_style_4xx(server, body, status, param):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
-    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        server.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
     assert e.value.code == status
@@ -185,13 +221,19 @@ def test_bad_requests_get_openai_style_4xx(server, body, status, param):
 def test_a_full_queue_answers_429(smollm):
     s = Server(smollm, max_batch=1, max_queue=1)
     try:
-        slow = threading.Thread(target=lambda: s.client().chat.completions.create(
-            model="x", messages=messages("Write a long poem."), max_tokens=60, temperature=0))
+        slow = threading.Thread(
+            target=lambda: s.client().chat.completions.create(
+                model="x", messages=messages("Write a long poem."), max_tokens=60, temperature=0
+            )
+        )
         slow.start()
         while not s.scheduler.active_rows:
             time.sleep(0.02)
-        waiting = threading.Thread(target=lambda: s.client().chat.completions.create(
-            model="x", messages=messages("Hi"), max_tokens=2, temperature=0))
+        waiting = threading.Thread(
+            target=lambda: s.client().chat.completions.create(
+                model="x", messages=messages("Hi"), max_tokens=2, temperature=0
+            )
+        )
         waiting.start()
         while not s.scheduler.queued:
             time.sleep(0.02)
@@ -208,13 +250,16 @@ def test_greedy_rows_with_prompt_lookup_drafts_give_the_plain_text(smollm):
     from kvstate.drafts import Lookup
 
     want = greedy_reference(smollm, QUESTIONS, 16)
-    s = Server(smollm, max_batch=8, prefix_cache=PrefixCache(64 << 20), drafter=Lookup(),
-               num_draft=3)
+    s = Server(
+        smollm, max_batch=8, prefix_cache=PrefixCache(64 << 20), drafter=Lookup(), num_draft=3
+    )
     got = [None] * len(QUESTIONS)
     try:
+
         def one(i):
-            r = s.client().chat.completions.create(model="x", messages=messages(QUESTIONS[i]),
-                                                   max_tokens=16, temperature=0)
+            r = s.client().chat.completions.create(
+                model="x", messages=messages(QUESTIONS[i]), max_tokens=16, temperature=0
+            )
             got[i] = r.choices[0].message.content
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
@@ -235,9 +280,24 @@ def test_the_kvstate_serve_command(smollm):
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     want = greedy_reference(smollm, QUESTIONS[:1], 12)[0]
-    proc = subprocess.Popen([sys.executable, "-m", "kvstate", "serve", "--port", str(port),
-                             "--float32", "--draft", "ngram", "--num-draft", "3"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvstate",
+            "serve",
+            "--port",
+            str(port),
+            "--float32",
+            "--draft",
+            "ngram",
+            "--num-draft",
+            "3",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.time() + 180
         while True:
@@ -249,8 +309,9 @@ def test_the_kvstate_serve_command(smollm):
                 assert proc.poll() is None and time.time() < deadline
                 time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        r = client.chat.completions.create(model="x", max_tokens=12, temperature=0,
-                                           messages=messages(QUESTIONS[0]))
+        r = client.chat.completions.create(
+            model="x", max_tokens=12, temperature=0, messages=messages(QUESTIONS[0])
+        )
         assert r.choices[0].message.content == want
         assert "Paris" in want
     finally:

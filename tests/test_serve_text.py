@@ -28,8 +28,10 @@ def test_streamed_text_is_the_decoded_text(ids):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, len(PIECES) - 1), max_size=30),
-       st.lists(st.sampled_from(["STOP", "b a", "\n\n", "é", "ab"]), min_size=1, max_size=3))
+@given(
+    st.lists(st.integers(0, len(PIECES) - 1), max_size=30),
+    st.lists(st.sampled_from(["STOP", "b a", "\n\n", "é", "ab"]), min_size=1, max_size=3),
+)
 def test_stop_strings_cut_the_text_before_the_first_match(ids, stop):
     text, stopped = released(ids, tuple(stop))
     full = decode(ids)
@@ -37,9 +39,9 @@ def test_stop_strings_cut_the_text_before_the_first_match(ids, stop):
     if hits:
         # the first stop string to complete, at the earliest position among those
         assert stopped
-        assert text == full[:text.__len__()] and len(text) <= min(hits) + max(map(len, stop))
+        assert text == full[: text.__len__()] and len(text) <= min(hits) + max(map(len, stop))
         assert not any(s in text for s in stop)
-        assert any(full[len(text):].startswith(s) for s in stop)
+        assert any(full[len(text) :].startswith(s) for s in stop)
     else:
         assert not stopped and text == full
 
@@ -48,20 +50,23 @@ def _tok(messages=None, text=None):
     return [1, 2, 3] if messages is not None else list(range(len(text)))
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": 3}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
-    ({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, "seed"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 98}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 98}, "messages"),
+    ],
+)
 def test_bad_chat_requests_name_the_field(body, param):
     with pytest.raises(BadRequest) as e:
         parse(body, chat=True, tokenize=_tok, context=100)
@@ -78,11 +83,29 @@ def test_prompt_longer_than_the_context_is_refused_not_truncated():
 
 
 def test_a_good_request_parses():
-    p = parse({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-               "temperature": 0, "stop": "\n", "n": 2, "seed": 7, "stream": True},
-              chat=True, tokenize=_tok, context=100)
-    assert (p.prompt, p.max_tokens, p.temperature, p.stop, p.n, p.seed, p.stream) == \
-        ([1, 2, 3], 5, 0.0, ("\n",), 2, 7, True)
+    p = parse(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "stop": "\n",
+            "n": 2,
+            "seed": 7,
+            "stream": True,
+        },
+        chat=True,
+        tokenize=_tok,
+        context=100,
+    )
+    assert (p.prompt, p.max_tokens, p.temperature, p.stop, p.n, p.seed, p.stream) == (
+        [1, 2, 3],
+        5,
+        0.0,
+        ("\n",),
+        2,
+        7,
+        True,
+    )
 
 
 def test_a_held_back_tail_shorter_than_the_hold_releases_nothing():

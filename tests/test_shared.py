@@ -57,8 +57,11 @@ class SharedRows(RuleBasedStateMachine):
         super().__init__()
         self.rng = np.random.default_rng(0)
 
-    @initialize(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
-                row=st.integers(0, 2), n=st.integers(0, 3))
+    @initialize(
+        lengths=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+        row=st.integers(0, 2),
+        n=st.integers(0, 3),
+    )
     def start(self, lengths, row, n):
         rows = [(rand(self.rng, H, m, D), rand(self.rng, H, m, D)) for m in lengths]
         base = state_of_rows(rows, step=STEP)
@@ -80,8 +83,9 @@ class SharedRows(RuleBasedStateMachine):
     def trim(self, data):
         n = [data.draw(st.integers(0, k.shape[1])) for k, _ in self.rows]
         self.state = kv.trim(self.state, n)
-        self.rows = [(k[:, :k.shape[1] - m], v[:, :v.shape[1] - m])
-                     for (k, v), m in zip(self.rows, n)]
+        self.rows = [
+            (k[:, : k.shape[1] - m], v[:, : v.shape[1] - m]) for (k, v), m in zip(self.rows, n)
+        ]
         note(f"trim {n}")
 
     @rule(data=st.data())
@@ -118,8 +122,10 @@ class SharedRows(RuleBasedStateMachine):
         grown = kv.append(self.state, mx.array(k), mx.array(v))
         keep = [data.draw(st.integers(0, n)) for _ in range(B)]
         self.state = kv.rollback(grown, cp, keep)
-        self.rows = [(cat(rk, k[b, :, :m]), cat(rv, v[b, :, :m]))
-                     for b, ((rk, rv), m) in enumerate(zip(self.rows, keep))]
+        self.rows = [
+            (cat(rk, k[b, :, :m]), cat(rv, v[b, :, :m]))
+            for b, ((rk, rv), m) in enumerate(zip(self.rows, keep))
+        ]
         note(f"speculate {n} keep {keep}")
 
     @invariant()
@@ -196,7 +202,9 @@ def test_fork_memory_is_measured_not_assumed():
     assert unshared_growth >= 16 * base.nbytes
     # The target: at most 1/n + 10% of the unshared bytes.
     assert shared_growth + base.nbytes <= (1 / 17 + 0.1) * unshared_growth, (
-        shared_growth, unshared_growth)
+        shared_growth,
+        unshared_growth,
+    )
 
 
 # --- errors --------------------------------------------------------------------------
@@ -243,8 +251,9 @@ def test_cascade_compiles_without_a_retrace_per_token():
         sk = mx.put_along_axis(sk, ends[:, None, None, None], k, axis=2)
         sv = mx.put_along_axis(sv, ends[:, None, None, None], v, axis=2)
         mask = (mx.arange(C)[None] <= ends[:, None])[:, None, None, :]
-        out = shared.cascade_attention(q, prefix_kv, [g[2] for g in groups], s.shared,
-                                       (sk, sv), mask, scale=0.5)
+        out = shared.cascade_attention(
+            q, prefix_kv, [g[2] for g in groups], s.shared, (sk, sv), mask, scale=0.5
+        )
         return out, sk, sv, ends + 1
 
     fn = mx.compile(step)
@@ -273,8 +282,7 @@ def q_rows(state):
     if s.keys is None:
         return [None] * s.batch_size
     planes = [np_of(p) for p in (*s.keys, *s.values)]
-    return [tuple(p[b, :, a:e] for p in planes) for b, (a, e) in enumerate(zip(s.left_pad,
-                                                                                s.ends))]
+    return [tuple(p[b, :, a:e] for p in planes) for b, (a, e) in enumerate(zip(s.left_pad, s.ends))]
 
 
 class SharedQuantizedRows(RuleBasedStateMachine):
@@ -326,17 +334,22 @@ class SharedQuantizedRows(RuleBasedStateMachine):
                 np.testing.assert_array_equal(x, y, err_msg=f"row {b}")
 
 
-SharedQuantizedRows.TestCase.settings = settings(max_examples=15, stateful_step_count=6,
-                                                 deadline=None)
+SharedQuantizedRows.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=6, deadline=None
+)
 TestSharedQuantizedRows = SharedQuantizedRows.TestCase
 
 
 def test_a_shared_record_satisfies_its_invariants_or_is_refused():
     base = kv.append(kv.empty(1), mx.zeros((1, H, 3, D)), mx.zeros((1, H, 3, D)))
     good = kv.fork(base, 0, 1)
-    for change, arg in (({"shared": (3, 4)}, "shared"), ({"source": (0, 1)}, "source"),
-                        ({"prefix_row": (0, 1)}, "prefix_row"), ({"shared": (3,)}, "shared"),
-                        ({"suffix": kv.rotating(2, max_size=4)}, "suffix")):
+    for change, arg in (
+        ({"shared": (3, 4)}, "shared"),
+        ({"source": (0, 1)}, "source"),
+        ({"prefix_row": (0, 1)}, "prefix_row"),
+        ({"shared": (3,)}, "shared"),
+        ({"suffix": kv.rotating(2, max_size=4)}, "suffix"),
+    ):
         with pytest.raises(kv.KVStateError, match=arg):
             attrs.evolve(good, **change)
     # The first tokens of empty suffix rows must fit the prefix's geometry.

@@ -49,8 +49,9 @@ def test_forked_rows_decode_as_mlx_lm_alone(make_model, kv_bits):
     model = make_model()
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, VOCAB, 11).tolist()
-    _, states = bridge.forward(model, mx.array([prompt]),
-                               bridge.make_states(model, 1, kv_bits=kv_bits, kv_group_size=32))
+    _, states = bridge.forward(
+        model, mx.array([prompt]), bridge.make_states(model, 1, kv_bits=kv_bits, kv_group_size=32)
+    )
     forked = kv.fork(states, 0, 3)
     assert all(isinstance(s, kv.SharedState) for s in forked)
     assert sum(s.nbytes for s in forked) == sum(s.nbytes for s in states)
@@ -59,7 +60,7 @@ def test_forked_rows_decode_as_mlx_lm_alone(make_model, kv_bits):
     seen, toks, after = kv_run(model, forked, first, steps)
     for b, f in enumerate(first):
         want, want_toks = mlx_lm_run(model, prompt, [f], steps, kv_bits)
-        assert [t[b] for t in toks] == want_toks[:steps + 1]
+        assert [t[b] for t in toks] == want_toks[: steps + 1]
         for got, w in zip(seen, want[1:]):
             np.testing.assert_allclose(np.array(got[b]), np.array(w[0]), atol=2e-4, rtol=1e-4)
     # Rows 1 and 2 were given the same token: they still share the prefix record.
@@ -109,8 +110,7 @@ def test_cached_prefix_prefills_only_the_rest():
     _, toks, _ = kv_run(model, states, mx.argmax(logits, axis=-1).tolist(), 3)
     for r, p in enumerate(prompts):
         want = model(mx.array([p]), cache=make_prompt_cache(model))[:, -1, :]
-        np.testing.assert_allclose(np.array(logits[r]), np.array(want[0]), atol=2e-4,
-                                   rtol=1e-4)
+        np.testing.assert_allclose(np.array(logits[r]), np.array(want[0]), atol=2e-4, rtol=1e-4)
         _, want_toks = mlx_lm_run(model, p, [], 4)
         assert [t[r] for t in toks] == want_toks
     # Nothing is reused without a cache; chunked prefill gives the same logits.

@@ -52,7 +52,7 @@ def speculate(model, prompts, T, drafter, num_draft, forward=None, **make):
     while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T + 1:
         batch, r = sp.step(model, batch, drafter=drafter, forward=forward)
         rounds.append(r)
-    return [list(c[len(p):len(p) + T + 1]) for c, p in zip(batch.context, prompts)], rounds
+    return [list(c[len(p) : len(p) + T + 1]) for c, p in zip(batch.context, prompts)], rounds
 
 
 def repetitive(seed, n, period):
@@ -62,7 +62,8 @@ def repetitive(seed, n, period):
 
 prompt_sets = st.lists(
     st.tuples(st.integers(1, 14), st.integers(2, 5), st.integers(0, 10_000)),
-    min_size=1, max_size=3,
+    min_size=1,
+    max_size=3,
 ).map(lambda rows: [repetitive(s, n, p) for n, p, s in rows])
 
 
@@ -116,13 +117,12 @@ def test_greedy_rows_stay_exact_beside_sampled_rows(llama):
     prompts = [repetitive(13, 9, 3), repetitive(14, 12, 4), repetitive(15, 8, 2)]
     sampling = [kv.Sampling(), kv.Sampling(temperature=1.0), kv.Sampling()]
     draft = DraftModel(truncated(llama, 1))
-    spec = sp.start(llama, prompts, drafter=draft, num_draft=3, sampling=sampling,
-                    seeds=[1, 2, 3])
+    spec = sp.start(llama, prompts, drafter=draft, num_draft=3, sampling=sampling, seeds=[1, 2, 3])
     while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 11:
         spec, _ = sp.step(llama, spec, drafter=draft)
     want = plain(llama, prompts, 10)
     for b in (0, 2):
-        assert list(spec.context[b][len(prompts[b]):len(prompts[b]) + 11]) == want[b]
+        assert list(spec.context[b][len(prompts[b]) : len(prompts[b]) + 11]) == want[b]
 
 
 def test_greedy_equals_plain_compiled_verify(llama):
@@ -151,16 +151,28 @@ def test_greedy_equals_plain_compiled_verify_on_rings(gemma):
 
 
 @settings(max_examples=4)
-@given(rows=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 12), st.integers(2, 4),
-                               st.integers(1, 8), st.integers(1, 4), st.integers(0, 999)),
-                     min_size=2, max_size=4),
-       use_model=st.booleans())
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, 4),
+            st.integers(1, 12),
+            st.integers(2, 4),
+            st.integers(1, 8),
+            st.integers(1, 4),
+            st.integers(0, 999),
+        ),
+        min_size=2,
+        max_size=4,
+    ),
+    use_model=st.booleans(),
+)
 def test_rows_join_and_leave_mid_speculation(llama, rows, use_model):
     """Rows arrive at different rounds, each with its own draft limit, and leave
     when they have their tokens: every row equals its prompt decoded alone."""
     drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
-    reqs = [(arrive, repetitive(seed, n, period), new, k)
-            for arrive, n, period, new, k, seed in rows]
+    reqs = [
+        (arrive, repetitive(seed, n, period), new, k) for arrive, n, period, new, k, seed in rows
+    ]
     batch, live, done, t = None, [], {}, 0
     while len(done) < len(reqs):
         for i, (arrive, p, _, k) in enumerate(reqs):
@@ -174,7 +186,7 @@ def test_rows_join_and_leave_mid_speculation(llama, rows, use_model):
             for j, i in enumerate(live):
                 p, new = reqs[i][1], reqs[i][2]
                 if len(batch.context[j]) - len(p) >= new + 1:
-                    done[i] = list(batch.context[j][len(p):len(p) + new + 1])
+                    done[i] = list(batch.context[j][len(p) : len(p) + new + 1])
                 else:
                     stay.append(j)
             live = [live[j] for j in stay]
@@ -205,8 +217,14 @@ def test_lookup_takes_the_latest_longest_match():
 
 
 @settings(max_examples=30)
-@given(max_size=st.integers(3, 9), keep=st.integers(0, 2), prefix=st.integers(1, 30),
-       block=st.booleans(), draft=st.integers(1, 5), data=st.data())
+@given(
+    max_size=st.integers(3, 9),
+    keep=st.integers(0, 2),
+    prefix=st.integers(1, 30),
+    block=st.booleans(),
+    draft=st.integers(1, 5),
+    data=st.data(),
+)
 def test_ring_commit_equals_single_token_decoding(max_size, keep, prefix, block, draft, data):
     """After ``draft`` single-token appends (which evict), ``commit`` to any
     accepted count per row equals the anchor plus that many single-token
@@ -235,8 +253,8 @@ def test_ring_commit_equals_single_token_decoding(max_size, keep, prefix, block,
     got = kv.commit(after, anchor, accepted)
     for b in range(B):
         want = kv.extract_row(s, b)
-        for x in news[:accepted[b]]:
-            want = kv.append(want, x[b:b + 1], x[b:b + 1])
+        for x in news[: accepted[b]]:
+            want = kv.append(want, x[b : b + 1], x[b : b + 1])
         row = kv.extract_row(got, b)
         assert (row.lengths, row.held) == (want.lengths, want.held)
         for p, q in zip(kv.fetch(row), kv.fetch(want)):
@@ -306,9 +324,17 @@ def test_rejection_rule_emits_the_target_distribution(with_q):
 def _vocab6(seed, layers):
     mx.random.seed(seed)
     args = lm_llama.ModelArgs(
-        model_type="llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
-        vocab_size=6, tie_word_embeddings=False)
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=layers,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        vocab_size=6,
+        tie_word_embeddings=False,
+    )
     model = lm_llama.Model(args)
     model.update(tree_map(lambda w: w * 4 if w.ndim == 2 else w, model.parameters()))
     mx.eval(model.parameters())
@@ -330,13 +356,14 @@ def test_sampled_loop_matches_the_target_joint_distribution(drafter):
     if drafter == "model":
         _, d1 = br.prefill(draft, [prompt])
         dstates = kv.merge_rows([d1] * B)
-    batch = kv.Batch(states, [y] * B, keys=kv.row_keys(range(100, 100 + B)),
-                     sampling=kv.Sampling(temperature=T))
+    batch = kv.Batch(
+        states, [y] * B, keys=kv.row_keys(range(100, 100 + B)), sampling=kv.Sampling(temperature=T)
+    )
     spec = sp.Speculation(batch, [prompt + [y]] * B, (3,) * B, (3,) * B, dstates)
     while min(len(c) for c in spec.context) < len(prompt) + 3:
         spec, _ = sp.step(target, spec, drafter=use)
     batch = spec
-    pairs = np.array([c[len(prompt) + 1:len(prompt) + 3] for c in batch.context])
+    pairs = np.array([c[len(prompt) + 1 : len(prompt) + 3] for c in batch.context])
     counts = np.bincount(pairs[:, 0] * 6 + pairs[:, 1], minlength=36)
     logits = target(mx.array([prompt + [y]]))[0, -1]
     p1 = np.array(mx.softmax(logits / T))
@@ -374,9 +401,24 @@ def test_cli_speculative_generate_matches_mlx_lm(flags, capsys):
     leaving) gives mlx-lm's own batched tokens, request by request."""
     from kvstate import cli
 
-    argv = ["generate", "--model", "tiny", "--requests", "4", "--prompt-len", "6:12",
-            "--gen-len", "3:9", "--batch-size", "3", "--num-draft", "3", "--quiet",
-            "--compare", *flags]
+    argv = [
+        "generate",
+        "--model",
+        "tiny",
+        "--requests",
+        "4",
+        "--prompt-len",
+        "6:12",
+        "--gen-len",
+        "3:9",
+        "--batch-size",
+        "3",
+        "--num-draft",
+        "3",
+        "--quiet",
+        "--compare",
+        *flags,
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "token parity: 4/4 requests identical" in out

@@ -47,8 +47,10 @@ class DenseRows(RuleBasedStateMachine):
 
     def show(self, what):
         s = self.state
-        note(f"{what} -> lengths={s.lengths} left_pad={s.left_pad} width={s.width} "
-             f"capacity={s.capacity}")
+        note(
+            f"{what} -> lengths={s.lengths} left_pad={s.left_pad} width={s.width} "
+            f"capacity={s.capacity}"
+        )
 
     @initialize(lengths=st.lists(st.integers(0, 5), min_size=1, max_size=3))
     def start(self, lengths):
@@ -67,14 +69,17 @@ class DenseRows(RuleBasedStateMachine):
     @rule(data=st.data())
     def trim(self, data):
         if data.draw(st.booleans(), label="per row"):
-            n = [data.draw(st.integers(0, m), label=f"n[{b}]")
-                 for b, m in enumerate(self.state.lengths)]
+            n = [
+                data.draw(st.integers(0, m), label=f"n[{b}]")
+                for b, m in enumerate(self.state.lengths)
+            ]
         else:
             n = data.draw(st.integers(0, min(self.state.lengths)), label="n")
         self.state = kv.trim(self.state, n)
         per = n if isinstance(n, list) else [n] * len(self.rows)
-        self.rows = [(k[:, :k.shape[1] - t], v[:, :v.shape[1] - t])
-                     for (k, v), t in zip(self.rows, per)]
+        self.rows = [
+            (k[:, : k.shape[1] - t], v[:, : v.shape[1] - t]) for (k, v), t in zip(self.rows, per)
+        ]
         self.show(f"trim {n}")
 
     @rule(data=st.data(), n=st.integers(1, 4), seed=st.integers(0, 2**16))
@@ -87,8 +92,10 @@ class DenseRows(RuleBasedStateMachine):
         cp = kv.checkpoint(self.state)
         drafted = kv.append(self.state, mx.array(k), mx.array(v))
         self.state = kv.rollback(drafted, cp, keep)
-        self.rows = [(cat(rk, k[b, :, :keep[b]]), cat(rv, v[b, :, :keep[b]]))
-                     for b, (rk, rv) in enumerate(self.rows)]
+        self.rows = [
+            (cat(rk, k[b, :, : keep[b]]), cat(rv, v[b, :, : keep[b]]))
+            for b, (rk, rv) in enumerate(self.rows)
+        ]
         self.show(f"draft {n} keep {keep}")
 
     @precondition(lambda self: self.state.batch_size < 6)
@@ -116,8 +123,9 @@ class DenseRows(RuleBasedStateMachine):
     def extract(self, data):
         i = data.draw(st.integers(0, self.state.batch_size - 1), label="row")
         row = kv.extract_row(self.state, i)
-        assert row.left_pad == (0,) and row.capacity == (row.lengths[0] if row.keys is not None
-                                                         else 0)
+        assert row.left_pad == (0,) and row.capacity == (
+            row.lengths[0] if row.keys is not None else 0
+        )
         assert_rows_equal(visible(row), [self.rows[i]])
         if data.draw(st.booleans(), label="continue with the row alone"):
             self.state, self.rows = row, [self.rows[i]]
@@ -140,8 +148,7 @@ class DenseRows(RuleBasedStateMachine):
         for n, window in ((1, None), (min(2, min(s.lengths)), 2)):
             q = rand(self.rng, s.batch_size, 2 * H, n, D)
             got = kv.attend(s, mx.array(q), scale=0.5, window=window)
-            np.testing.assert_allclose(np_of(got), ref_attend(self.rows, q, 0.5, window),
-                                       atol=1e-5)
+            np.testing.assert_allclose(np_of(got), ref_attend(self.rows, q, 0.5, window), atol=1e-5)
 
 
 DenseRows.TestCase.settings = settings(stateful_step_count=12)

@@ -13,10 +13,19 @@ def llama_model(seed=0, layers=3, sliding_window=None):
         types = ["sliding_attention", "full_attention"] * ((layers + 1) // 2)
         types = types[:layers]
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5,
-        vocab_size=VOCAB, tie_word_embeddings=False, layer_types=types,
-        sliding_window=sliding_window)
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        layer_types=types,
+        sliding_window=sliding_window,
+    )
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -25,10 +34,19 @@ def llama_model(seed=0, layers=3, sliding_window=None):
 def qwen3_model(seed=1, layers=3):
     mx.random.seed(seed)
     args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-        vocab_size=VOCAB, max_position_embeddings=512, tie_word_embeddings=True,
-        rope_theta=10000.0)
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     model = qwen3.Model(args)
     mx.eval(model.parameters())
     return model
@@ -37,10 +55,18 @@ def qwen3_model(seed=1, layers=3):
 def gemma3_model(seed=2, layers=4, sliding_window=8):
     mx.random.seed(seed)
     args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=layers,
-        intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        vocab_size=VOCAB, sliding_window=sliding_window, sliding_window_pattern=2,
-        query_pre_attn_scalar=32)
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=VOCAB,
+        sliding_window=sliding_window,
+        sliding_window_pattern=2,
+        query_pre_attn_scalar=32,
+    )
     model = gemma3_text.Model(args)
     mx.eval(model.parameters())
     return model
