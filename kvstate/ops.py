@@ -11,9 +11,16 @@ registers its implementations of these generics (and those listed in
 from __future__ import annotations
 
 from functools import singledispatch
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import bad
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+# Any kvstate record kind, or a list/tuple of a model's layer records (kvstate.layers):
+# the generics dispatch on it, so no narrower static type fits every registration.
+Record = Any
 
 
 def _unsupported(name):
@@ -41,7 +48,7 @@ def refusing(name: str, expected: str, actual: str):
 
 
 @singledispatch
-def append(state, k, v):
+def append(state: Record, k: mx.array, v: mx.array) -> Record:
     """Write ``k`` ``[B, H, N, Dk]`` and ``v`` ``[B, H, N, Dv]`` at each row's end.
 
     Returns the new state; capacity grows to a multiple of ``step``. Drop the
@@ -51,13 +58,15 @@ def append(state, k, v):
 
 
 @singledispatch
-def fetch(state):
+def fetch(state: Record) -> tuple:
     """``(keys, values)`` over columns ``[0, width)``, as mlx-lm's ``update_and_fetch``."""
     return _unsupported("fetch")(state)
 
 
 @singledispatch
-def attend(state, q, *, scale: float, memo=None, window=None):
+def attend(
+    state: Record, q: mx.array, *, scale: float, memo: Any = None, window: int | None = None
+) -> mx.array:
     """Attention output ``[B, Hq, N, Dv]`` of ``q`` ``[B, Hq, N, Dk]`` over the rows.
 
     The ``N`` queries of row ``b`` are its last ``N`` positions (append them
@@ -68,7 +77,14 @@ def attend(state, q, *, scale: float, memo=None, window=None):
 
 
 @singledispatch
-def next_mask(state, n: int, *, memo=None, window=None, array: bool = False):
+def next_mask(
+    state: Record,
+    n: int,
+    *,
+    memo: Any = None,
+    window: int | None = None,
+    array: bool = False,
+) -> tuple:
     """The mask ``attend`` will use after ``n`` more tokens are appended.
 
     Returns ``(mask, lease)``: ``mask`` is ``None``, ``"causal"`` or a bool
@@ -97,25 +113,25 @@ def update_and_read(state, k, v, plans=None):
 
 
 @singledispatch
-def positions(state):
+def positions(state: Record) -> Any:
     """``None`` when aligned, else ``mx.array`` int32 ``[B]``: each row's next RoPE offset."""
     return _unsupported("positions")(state)
 
 
 @singledispatch
-def trim(state, n):
+def trim(state: Record, n: int | Sequence[int]) -> Record:
     """Drop the last ``n`` tokens of every row (``n``: int or one per row)."""
     return _unsupported("trim")(state)
 
 
 @singledispatch
-def checkpoint(state):
+def checkpoint(state: Record) -> Any:
     """A ``Checkpoint`` of the row lengths; it holds no arrays."""
     return _unsupported("checkpoint")(state)
 
 
 @singledispatch
-def rollback(state, checkpoint, keep=0):
+def rollback(state: Record, checkpoint: Any, keep: int | Sequence[int] = 0) -> Record:
     """Rows return to ``checkpoint`` plus ``keep`` accepted tokens (int or per row)."""
     return _unsupported("rollback")(state)
 
@@ -148,13 +164,13 @@ def commit(state, anchor, keep=0):
 
 
 @singledispatch
-def filter_rows(state, rows: Sequence[int]):
+def filter_rows(state: Record, rows: Sequence[int]) -> Record:
     """Keep ``rows`` in that order, then drop the padding columns every survivor shares."""
     return _unsupported("filter_rows")(state)
 
 
 @singledispatch
-def extract_row(state, row: int):
+def extract_row(state: Record, row: int) -> Record:
     """A one-row state with no padding owning a compact copy (it does not pin the batch)."""
     return _unsupported("extract_row")(state)
 
@@ -165,7 +181,7 @@ def merge_same_kind(first, states):
     return _unsupported("merge_rows")(first)
 
 
-def merge_rows(states):
+def merge_rows(states: Sequence[Record]) -> Record:
     """One state whose rows are the inputs' rows, in order.
 
     Narrower inputs are left-padded so that every row ends at the common width.
@@ -185,7 +201,7 @@ def merge_rows(states):
     return merge_same_kind(states[0], states)
 
 
-def extend(state, other):
+def extend(state: Record, other: Record) -> Record:
     """``merge_rows([state, other])``."""
     return merge_rows([state, other])
 
