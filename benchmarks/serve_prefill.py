@@ -51,7 +51,7 @@ def main():
 
     def old(p, c):
         hit = c.lookup(p)
-        logits, _ = bridge.forward(model, mx.array([p[hit.matched:]]), hit.states)
+        logits, _ = bridge.forward(model, mx.array([p[hit.matched :]]), hit.states)
         mx.eval(logits[:, -1, :])
 
     def new(p, c):
@@ -62,23 +62,30 @@ def main():
         logits, *_ = prefix_cache.prefill(model, ps, c)
         mx.eval(logits)
 
-    times = {"logits per token (before), per prompt": [], "prefix_cache.prefill, per prompt":
-             [], f"{args.batch} prompts in one call, per prompt": []}
+    times = {
+        "logits per token (before), per prompt": [],
+        "prefix_cache.prefill, per prompt": [],
+        f"{args.batch} prompts in one call, per prompt": [],
+    }
     names = list(times)
     for r in range(args.rounds + 1):
         p = chat(QUESTIONS[r % len(QUESTIONS)])
         ps = [chat(QUESTIONS[(r + i) % len(QUESTIONS)]) for i in range(args.batch)]
-        for name, f, div in ((names[0], lambda c: old(p, c), 1),
-                             (names[1], lambda c: new(p, c), 1),
-                             (names[2], lambda c: batched(ps, c), args.batch)):
+        for name, f, div in (
+            (names[0], lambda c, p=p: old(p, c), 1),
+            (names[1], lambda c, p=p: new(p, c), 1),
+            (names[2], lambda c, ps=ps: batched(ps, c), args.batch),
+        ):
             c = fresh_cache()  # (not timed)
             t0 = time.perf_counter()
             f(c)
             if r:  # round 0 warms up
                 times[name].append((time.perf_counter() - t0) / div)
     base = statistics.median(times[names[0]])
-    print(f"{args.rounds} rounds (median, min..max s); prompt {len(p)} tokens, system "
-          f"{len(system)} cached")
+    print(
+        f"{args.rounds} rounds (median, min..max s); prompt {len(p)} tokens, system "
+        f"{len(system)} cached"
+    )
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"| {name} | {m:.3f} | {min(ts):.3f}..{max(ts):.3f} | {base / m:.1f}x |")
