@@ -342,6 +342,8 @@ class Api:
             return _error(
                 BadRequest("the server is at capacity; retry later", code="queue_full", status=429)
             )
+        except BadRequest as exc:  # n larger than the batch (--max-batch)
+            return _error(exc)
         kind = "chat.completion" if chat else "text_completion"
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + job.id,

@@ -221,6 +221,10 @@ def test_bad_requests_get_openai_style_4xx(server, body, status, param):
 def test_a_full_queue_answers_429(smollm):
     s = Server(smollm, max_batch=1, max_queue=1)
     try:
+        with pytest.raises(openai.BadRequestError, match="at most 1"):  # n > the batch: 400
+            s.client().chat.completions.create(
+                model="x", messages=messages("Hi"), n=2, max_tokens=2
+            )
         slow = threading.Thread(
             target=lambda: s.client().chat.completions.create(
                 model="x", messages=messages("Write a long poem."), max_tokens=60, temperature=0
