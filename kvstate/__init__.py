@@ -14,6 +14,7 @@ bridge), ``kvstate.compiled`` (the compile boundary), ``kvstate.masks``,
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from . import ops as _ops
 from ._dense import empty as empty, from_arrays as from_arrays
 from ._quantized import quantized as quantized, to_quantized as to_quantized
 from ._ring import from_temporal as from_temporal, rotating as rotating
@@ -112,19 +113,10 @@ __all__ = [
     "recurrent_state",
     "chunked_state",
     "composite_state",
-    # pure functions
-    "append",
-    "fetch",
-    "attend",
-    "next_mask",
-    "positions",
-    "trim",
-    "checkpoint",
-    "rollback",
-    "merge_rows",
-    "filter_rows",
-    "extract_row",
-    "extend",
+]
+# the pure functions: kvstate.ops's operations (re-exported above), then the shared-prefix ones
+__all__ += _ops.__all__
+__all__ += [
     "fork",
     "materialize",
     # sampling

@@ -23,28 +23,41 @@ if TYPE_CHECKING:
 Record = Any
 
 
+def _refusal(name: str, expected: str, actual: str | None = None):
+    """An implementation named ``name`` that refuses any call (``actual``: the
+    state's type name when ``None``)."""
+
+    def impl(state, *args, **kwargs):
+        raise bad("state", expected, type(state).__name__ if actual is None else actual)
+
+    impl.__name__ = name
+    return impl
+
+
 def _unsupported(name):
-    def impl(state, *args, **kwargs):
-        raise bad(
-            "state",
-            "a kvstate record (CacheState, RotatingState, QuantizedState), "
-            "or a list or tuple of them (one per layer of a model)",
-            type(state).__name__,
-        )
-
-    impl.__name__ = name
-    return impl
+    return _refusal(
+        name,
+        "a kvstate record (CacheState, RotatingState, QuantizedState), "
+        "or a list or tuple of them (one per layer of a model)",
+    )
 
 
-def refusing(name: str, expected: str, actual: str):
-    """An implementation (named ``name``) that refuses any call: what a record
-    kind registers for an operation that does not apply to it."""
+def refuse(kind: type, generics: Sequence[Any], expected: str, actual: str, tag: str) -> None:
+    """Register, for each of ``generics``, an implementation for ``kind`` that
+    refuses any call: what a record kind does for an operation that does not
+    apply to it.
 
-    def impl(state, *args, **kwargs):
-        raise bad("state", expected, actual)
-
-    impl.__name__ = name
-    return impl
+    Args:
+        kind: the record class the implementations are registered for.
+        generics: the operations, e.g. ``(ops.append, ops.attend)``.
+        expected: what the call needed, as ``KVStateError`` says it; ``{op}``
+            stands for the operation's name.
+        actual: what it got.
+        tag: the implementations are named ``{op}_{tag}`` (for tracebacks).
+    """
+    for generic in generics:
+        op = generic.__name__
+        generic.register(kind)(_refusal(f"{op}_{tag}", expected.format(op=op), actual))
 
 
 @singledispatch
@@ -206,6 +219,9 @@ def extend(state: Record, other: Record) -> Record:
     return merge_rows([state, other])
 
 
+# The operations every record kind answers, re-exported by ``kvstate`` (whose
+# ``__all__`` takes this list). ``update_and_read``, ``merge_same_kind`` and
+# ``refuse`` are what a record kind registers or calls, not user operations.
 __all__ = [
     "append",
     "fetch",
@@ -221,6 +237,4 @@ __all__ = [
     "extract_row",
     "merge_rows",
     "extend",
-    "update_and_read",
-    "merge_same_kind",
 ]
