@@ -47,7 +47,7 @@ from .invariants import (
     validate,
 )
 from .masks import MaskKey, lease
-from .records import Checkpoint, RotatingState, derived, row_ids_of
+from .records import Checkpoint, RotatingState, derived, row_ids_of, rows_of
 
 
 # --- construction -------------------------------------------------------------
@@ -588,18 +588,11 @@ def commit_ring(state: RotatingState, anchor, keep=0):
 @ops.filter_rows.register
 def filter_rows_ring(state: RotatingState, rows):
     rows = row_list(rows, state.batch_size)
-    keys: Any = state.keys
-    values: Any = state.values
-    if keys is not None and rows != list(range(state.batch_size)):
-        idx = mx.array(rows, dtype=mx.int32)
-        keys, values = keys[idx], values[idx]
+    fields = ("lengths", "held", "keys", "values")
     return derived(
         state,
-        lengths=tuple(state.lengths[r] for r in rows),
-        held=tuple(state.held[r] for r in rows),
-        keys=keys,
-        values=values,
-        row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)),
+        **{f: rows_of(getattr(state, f), rows) for f in fields},
+        row_ids=distinct_row_ids(rows_of(row_ids_of(state), rows)),
     )
 
 

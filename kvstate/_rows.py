@@ -35,7 +35,7 @@ from .invariants import (
     distinct_row_ids,
 )
 from .masks import check_memo, lease, rows_key, rows_mask
-from .records import Checkpoint, _Rows, row_ids_of
+from .records import Checkpoint, _Rows, row_ids_of, rows_of
 
 
 def round_up(n: int, step: int) -> int:
@@ -530,21 +530,16 @@ def filter_rows_rows(state: _Rows, rows):
     rows = row_list(rows, state.batch_size)
     lp = [state.left_pad[r] for r in rows]
     shared = min(lp, default=0)
-    lengths = tuple(state.lengths[r] for r in rows)
-    planes = state.planes
-    if planes:
-        if rows != list(range(state.batch_size)):
-            idx = mx.array(rows, dtype=mx.int32)
-            planes = tuple(p[idx] for p in planes)
-        if shared:
-            # Padding that every survivor shares is dead weight: slice it off.
-            planes = tuple(p[:, :, shared:, :] for p in planes)
+    planes = tuple(rows_of(p, rows) for p in state.planes)
+    if shared:
+        # Padding that every survivor shares is dead weight: slice it off.
+        planes = tuple(p[:, :, shared:, :] for p in planes)
     return with_planes(
         state,
         planes,
-        lengths=lengths,
+        lengths=rows_of(state.lengths, rows),
         left_pad=tuple(p - shared for p in lp),
-        row_ids=distinct_row_ids(tuple(row_ids_of(state)[r] for r in rows)),
+        row_ids=distinct_row_ids(rows_of(row_ids_of(state), rows)),
     )
 
 

@@ -38,7 +38,7 @@ from . import ops
 from ._args import row_index, row_list
 from .errors import bad
 from .layers import _layers
-from .records import _RowsOfFirst
+from .records import _RowsOfFirst, rows_of
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
 from .shared import fork
 
@@ -155,12 +155,7 @@ def row_fields() -> list:
 
 def take_rows(b: Batch, rows: Sequence[int]) -> dict:
     """The per-row fields of rows ``rows`` (in that order), for ``attrs.evolve``."""
-    idx = mx.array(list(rows), mx.int32)
-    out: dict = {}
-    for name in row_fields():
-        value = getattr(b, name)
-        out[name] = value[idx] if isinstance(value, mx.array) else tuple(value[r] for r in rows)
-    return out
+    return {name: rows_of(getattr(b, name), rows) for name in row_fields()}
 
 
 def join_rows(batches: Sequence[Batch]) -> dict:

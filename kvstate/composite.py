@@ -40,14 +40,13 @@ def composite_state(parts: Sequence) -> CompositeState:
     return CompositeState(parts)
 
 
-for _name in ("append", "attend", "next_mask", "update_and_read"):
-    getattr(ops, _name).register(CompositeState)(
-        ops.refusing(
-            f"{_name}_composite",
-            f"one record ({_name} applies to one part: state.parts[i])",
-            "a CompositeState",
-        )
-    )
+ops.refuse(
+    CompositeState,
+    (ops.append, ops.attend, ops.next_mask, ops.update_and_read),
+    "one record ({op} applies to one part: state.parts[i])",
+    "a CompositeState",
+    "composite",
+)
 
 
 def of_parts(parts) -> CompositeState:

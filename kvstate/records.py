@@ -31,7 +31,8 @@ validation, mask keys and checkpoints never wait on the device.
 from __future__ import annotations
 
 import operator
-from typing import ClassVar, Optional
+from collections.abc import Sequence
+from typing import Any, ClassVar, Optional
 
 import attrs
 import mlx.core as mx
@@ -74,6 +75,27 @@ def row_ids_of(state) -> tuple:
     """``state.row_ids``: always a tuple once constructed (``_checked`` draws fresh
     ids where ``None`` was given), though the field's type admits ``None``."""
     return state.row_ids
+
+
+def forwarded(path: str, doc: str | None = None) -> Any:
+    """A read-only property answering ``self.<path>`` (a dotted path, e.g.
+    ``"suffix.step"``): a value that holds a record and answers for it."""
+    get = operator.attrgetter(path)
+    return property(get, doc=doc or f"``self.{path}``.")
+
+
+def rows_of(value, rows: Sequence[int]):
+    """``value``'s entries for ``rows``, in that order: an ``mx.array`` ``[B, ...]``
+    on its first axis (the array itself when ``rows`` is every row in order), a
+    tuple (one item per row) item by item, ``None`` stays ``None``. What every
+    ``filter_rows`` does to each per-row field."""
+    if value is None:
+        return None
+    if isinstance(value, mx.array):
+        if list(rows) == list(range(value.shape[0])):
+            return value
+        return value[mx.array(list(rows), dtype=mx.int32)]
+    return tuple(value[r] for r in rows)
 
 
 def _checked(self):

@@ -34,7 +34,7 @@ from . import compiled, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import MAX_POSITION, check_int, validate
-from .records import RecurrentCheckpoint, RecurrentState, derived
+from .records import RecurrentCheckpoint, RecurrentState, derived, rows_of
 
 __all__ = [
     "advance",
@@ -153,14 +153,13 @@ def finalize(state: RecurrentState) -> RecurrentState:
 # --- the generic functions -------------------------------------------------------------
 
 
-for _name in ("append", "attend", "next_mask", "update_and_read"):
-    getattr(ops, _name).register(RecurrentState)(
-        ops.refusing(
-            f"{_name}_recurrent",
-            f"a record holding keys and values ({_name} reads or writes them)",
-            "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)",
-        )
-    )
+ops.refuse(
+    RecurrentState,
+    (ops.append, ops.attend, ops.next_mask, ops.update_and_read),
+    "a record holding keys and values ({op} reads or writes them)",
+    "a RecurrentState (the model writes its slots: kvstate.recurrent.set_slot)",
+    "recurrent",
+)
 
 
 @ops.fetch.register(RecurrentState)
@@ -280,17 +279,11 @@ def rollback_recurrent(state, checkpoint, keep=0):
 @ops.filter_rows.register(RecurrentState)
 def filter_rows_recurrent(state, rows):
     rows = row_list(rows, state.batch_size)
-    arrays = state.arrays
-    if rows != list(range(state.batch_size)):
-        idx = mx.array(rows, dtype=mx.int32)
-        arrays = tuple(None if a is None else a[idx] for a in arrays)
-    until = None if state.until is None else tuple(state.until[r] for r in rows)
+    fields = ("lengths", "left_padding", "until")
     return derived(
         state,
-        lengths=tuple(state.lengths[r] for r in rows),
-        left_padding=tuple(state.left_padding[r] for r in rows),
-        until=until,
-        arrays=arrays,
+        **{f: rows_of(getattr(state, f), rows) for f in fields},
+        arrays=tuple(rows_of(a, rows) for a in state.arrays),
     )
 
 
