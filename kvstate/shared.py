@@ -53,7 +53,7 @@ from .records import (
     _tuple,
     _tuple_of_ints,
     derived,
-    row_ids_of,
+    forwarded,
 )
 
 __all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
@@ -80,28 +80,16 @@ class SharedState:
     shared: tuple = attrs.field(converter=_tuple_of_ints)
     suffix: Any = attrs.field()  # a dense record of the prefixes' kind (_Rows)
 
-    @property
-    def batch_size(self) -> int:
-        return self.suffix.batch_size
+    batch_size = forwarded("suffix.batch_size")
+    left_pad = forwarded("suffix.left_pad", "The suffix's padding (a Checkpoint compares it).")
+    row_ids = forwarded("suffix.row_ids", "The rows' identities: its suffix rows' (invariants).")
+    step = forwarded("suffix.step")
+    planes = forwarded("suffix.planes", "The suffix's planes (the arrays appends write).")
 
     @property
     def lengths(self) -> tuple:
         """Per row, the tokens it holds (prefix view plus suffix)."""
         return tuple(map(operator.add, self.shared, self.suffix.lengths))
-
-    @property
-    def left_pad(self) -> tuple:
-        """The suffix's padding (what a ``Checkpoint`` compares)."""
-        return self.suffix.left_pad
-
-    @property
-    def row_ids(self) -> tuple:
-        """The rows' identities: its suffix rows' (``kvstate.invariants``)."""
-        return row_ids_of(self.suffix)
-
-    @property
-    def step(self) -> int:
-        return self.suffix.step
 
     @property
     def aligned(self) -> bool:
@@ -112,11 +100,6 @@ class SharedState:
     def width(self) -> int:
         """Columns ``fetch`` returns (the materialized layout)."""
         return max(self.shared, default=0) + self.suffix.width
-
-    @property
-    def planes(self) -> tuple:
-        """The suffix's planes (the arrays appends write)."""
-        return self.suffix.planes
 
     @property
     def nbytes(self) -> int:

@@ -42,7 +42,7 @@ from .batch import Batch, sampling_arrays
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import per_row, row_list
 from .errors import bad, check
-from .records import _tuple
+from .records import _tuple, forwarded
 from .sampling import filter_logprobs, sample_arrays, split_keys
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
@@ -76,10 +76,7 @@ class Speculation:
     def batch_size(self) -> int:
         return len(self.context)
 
-    @property
-    def states(self) -> tuple:
-        """The target's records."""
-        return self.batch.states
+    states = forwarded("batch.states", "The target's records.")
 
 
 @attrs.frozen
