@@ -183,6 +183,26 @@ def _range(text: str):
     return lo, hi
 
 
+def _int_flag(p, flag: str, default: int, what: str, **kwargs) -> None:
+    """An int flag whose help ends with its default: ``what (default)``."""
+    p.add_argument(flag, type=int, default=default, help=f"{what} ({default})", **kwargs)
+
+
+def _model_flags(p) -> None:
+    """``--model`` and ``--float32`` (``generate`` and ``serve``: both load with ``load``)."""
+    p.add_argument(
+        "--model",
+        help="a llama-family .gguf file, an mlx-lm model directory, or "
+        "'tiny' (random weights and token ids); default: SmolLM2-135M-Instruct, "
+        "fetched on first use",
+    )
+    p.add_argument(
+        "--float32",
+        action="store_true",
+        help="dequantize a quantized model to float32 (parity tests use this)",
+    )
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog="kvstate",
@@ -198,12 +218,7 @@ def _parser():
         "then a table of requests, tokens, tokens/s, time to first token, peak "
         "memory and cache bytes per token.",
     )
-    g.add_argument(
-        "--model",
-        help="a llama-family .gguf file, an mlx-lm model directory, or "
-        "'tiny' (random weights and token ids); default: SmolLM2-135M-Instruct, "
-        "fetched on first use",
-    )
+    _model_flags(g)
     g.add_argument(
         "--prompt",
         action="append",
@@ -219,23 +234,12 @@ def _parser():
         "with prompt/messages and max_tokens/temperature/top_p/seed)",
     )
     g.add_argument("--raw", action="store_true", help="no chat template: the prompt text as is")
-    g.add_argument("--max-tokens", type=int, default=48, help="most tokens per completion (48)")
+    _int_flag(g, "--max-tokens", 48, "most tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
-    g.add_argument("--seed", type=int, default=0, help="request i: SEED + i; tiny: weights too (0)")
-    g.add_argument("--batch-size", type=int, default=8, help="most rows decoded at once (8)")
-    g.add_argument(
-        "--prefill-step-size",
-        type=int,
-        default=512,
-        metavar="N",
-        help="most prompt tokens per prefill forward (512)",
-    )
-    g.add_argument(
-        "--float32",
-        action="store_true",
-        help="dequantize a quantized model to float32 (parity tests use this)",
-    )
+    _int_flag(g, "--seed", 0, "request i: SEED + i; tiny: weights too")
+    _int_flag(g, "--batch-size", 8, "most rows decoded at once")
+    _int_flag(g, "--prefill-step-size", 512, "most prompt tokens per prefill forward", metavar="N")
     g.add_argument(
         "--json",
         action="store_true",
@@ -247,12 +251,12 @@ def _parser():
         help="also run mlx-lm's own batch caches; report token parity and speed",
     )
     g.add_argument("--compile", action="store_true", help="decode with a compiled step")
-    g.add_argument(
+    _int_flag(
+        g,
         "--samples",
-        type=int,
-        default=1,
-        help="completions per prompt, each with its own seed; with the prefix cache "
-        "they share the prompt's keys and values (1)",
+        1,
+        "completions per prompt, each with its own seed; with the prefix cache "
+        "they share the prompt's keys and values",
     )
     g.add_argument(
         "--no-prefix-cache",
@@ -260,19 +264,9 @@ def _parser():
         help="prefill every prompt whole (default: reuse cached prompt prefixes, "
         "shared without copies; off with --compile for now)",
     )
-    g.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=1024,
-        help="byte budget of the prefix cache, MiB (1024)",
-    )
+    _int_flag(g, "--prefix-cache-mb", 1024, "byte budget of the prefix cache, MiB")
     _draft_flags(g)
-    g.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="runs per engine, alternating engines; the fastest is reported (1)",
-    )
+    _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser(
         "serve",
@@ -282,27 +276,11 @@ def _parser():
         "batch, prompts reuse cached prefixes, n samples share the prompt's rows.",
     )
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    v.add_argument("--port", type=int, default=8080, help="port (8080)")
-    v.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file or an mlx-lm model directory "
-        "(default: SmolLM2-135M-Instruct, fetched on first use)",
-    )
-    v.add_argument("--float32", action="store_true", help="dequantize a quantized model")
-    v.add_argument("--max-batch", type=int, default=32, help="most rows decoding at once (32)")
-    v.add_argument(
-        "--max-queue",
-        type=int,
-        default=64,
-        help="most requests waiting; more are answered 429 (64)",
-    )
-    v.add_argument(
-        "--prefix-cache-mb",
-        type=int,
-        default=256,
-        help="byte budget of the prefix cache in MiB; 0 turns it off (256)",
-    )
+    _int_flag(v, "--port", 8080, "port")
+    _model_flags(v)
+    _int_flag(v, "--max-batch", 32, "most rows decoding at once")
+    _int_flag(v, "--max-queue", 64, "most requests waiting; more are answered 429")
+    _int_flag(v, "--prefix-cache-mb", 256, "byte budget of the prefix cache in MiB; 0 turns it off")
     v.add_argument(
         "--context",
         type=int,
@@ -312,7 +290,7 @@ def _parser():
     _draft_flags(v)
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
-    t.add_argument("--requests", type=int, default=16, help="number of requests (16)")
+    _int_flag(t, "--requests", 16, "number of requests")
     for flag, (lo, hi), what in (
         ("--prompt-len", (16, 64), "prompt lengths"),
         ("--gen-len", (8, 48), "tokens generated per request"),
@@ -324,9 +302,7 @@ def _parser():
             metavar="LO:HI",
             help=f"{what}, uniform ({lo}:{hi})",
         )
-    t.add_argument(
-        "--arrival-gap", type=int, default=2, help="mean decode steps between arrivals (2)"
-    )
+    _int_flag(t, "--arrival-gap", 2, "mean decode steps between arrivals")
     return p
 
 
@@ -378,9 +354,7 @@ def _draft_flags(g) -> None:
         metavar="PATH",
         help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
     )
-    g.add_argument(
-        "--num-draft", type=int, default=4, help="most draft tokens per row and round (4)"
-    )
+    _int_flag(g, "--num-draft", 4, "most draft tokens per row and round")
 
 
 def _drafter(args, err):
