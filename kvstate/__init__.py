@@ -12,7 +12,10 @@ bridge), ``kvstate.compiled`` (the compile boundary), ``kvstate.masks``,
 ``kvstate.kernels``, ``kvstate.cli``.
 """
 
+from __future__ import annotations
+
 from importlib.metadata import PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING, Any
 
 from . import ops as _ops
 from ._dense import empty as empty, from_arrays as from_arrays
@@ -69,13 +72,17 @@ from .sampling import (
 )
 from .shared import SharedState as SharedState, fork as fork, materialize as materialize
 
+if TYPE_CHECKING:
+    from ._decoder import Decoder
+    from ._shells import Model
+
 try:
     __version__ = _version("kvstate")
 except PackageNotFoundError:  # pragma: no cover (running from a source tree)
     __version__ = "0+unknown"
 
 
-def compiled_decoder(model, **options):
+def compiled_decoder(model: Model, **options: Any) -> Decoder:
     """``kvstate.mlx_lm.Decoder(model, **options)``: a compiled decode step for an
     mlx-lm model.
 

@@ -7,7 +7,18 @@ MLX call. Refusals are ``KVStateError``s built by ``errors.bad``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Union
+
 from .errors import bad
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import numpy as np
+
+# One int for every row, or one int per row: a list, a tuple or a 1-D integer
+# np.ndarray / mx.array (``per_row`` normalises it).
+PerRowInts = Union[int, Sequence[int], "np.ndarray", "mx.array"]
 
 
 def as_int(value, arg: str) -> int:

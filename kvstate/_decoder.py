@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
 from . import _buckets, _shells, compiled, kernels
+from ._shells import Model
 from .errors import bad, check
 from .records import CacheState, RotatingState
 
@@ -159,13 +162,13 @@ class Decoder:
 
     def __init__(
         self,
-        model,
+        model: Model,
         *,
         attention: str = "auto",
         write: str = "scatter",
         wait: bool = False,
-        batch_buckets=_buckets.BUCKETS,
-    ):
+        batch_buckets: str | Sequence[int] | None = _buckets.BUCKETS,
+    ) -> None:
         if attention not in ATTENTION:
             raise bad("attention", f"one of {ATTENTION}", repr(attention))
         if write not in ("scatter", "slice"):
@@ -184,7 +187,7 @@ class Decoder:
         self._fns: dict = {}
         self._mods = None
         self._pending = None
-        self._layers = None
+        self._layers: int | None = None
 
     def _compiled(self, key):
         fn = self._fns.get(key)
@@ -212,7 +215,7 @@ class Decoder:
             fn = self._fns[key] = mx.compile(step)
         return fn
 
-    def __call__(self, tokens, states):
+    def __call__(self, tokens: mx.array | list | tuple, states: Sequence) -> tuple[mx.array, list]:
         if not isinstance(tokens, mx.array):
             tokens = mx.array(tokens)
         if tokens.dtype != mx.int32 and mx.issubdtype(tokens.dtype, mx.integer):
@@ -280,7 +283,7 @@ class Decoder:
         return logits, new
 
 
-def compiled_decoder(model, **options) -> Decoder:
+def compiled_decoder(model: Model, **options: Any) -> Decoder:
     """A ``Decoder`` for ``model``: ``decode(tokens, states) -> (logits, states)``.
 
     ``options``: ``Decoder``'s (``attention``, ``write``, ``wait``, ``batch_buckets``).
@@ -288,21 +291,27 @@ def compiled_decoder(model, **options) -> Decoder:
     return Decoder(model, **options)
 
 
-def make_step(model, **options):
+class CompiledStep:
+    """``step(model, tokens, states) -> (logits [B, V], states)``, compiled: what
+    ``make_step`` returns. ``decoder`` is the ``Decoder`` it runs (its
+    ``traces`` count what was compiled)."""
+
+    def __init__(self, model: Model, decoder: Decoder) -> None:
+        self.model, self.decoder = model, decoder
+
+    def __call__(self, model: Model, tokens: mx.array | list | tuple, states: Sequence) -> tuple:
+        if model is not self.model:
+            raise bad("model", "the model this step was compiled for", type(model).__name__)
+        return self.decoder(tokens, states)
+
+
+def make_step(model: Model, **options: Any) -> CompiledStep:
     """``step(model, tokens, states) -> (logits [B, V], states)``, compiled.
 
     Same signature as ``kvstate.mlx_lm.step`` (what ``kvstate generate
     --compile`` calls); one ``Decoder(model, **options)`` per ``make_step`` call.
     """
-    decoder = Decoder(model, **options)
-
-    def step(model_, tokens, states):
-        if model_ is not model:
-            raise bad("model", "the model this step was compiled for", type(model_).__name__)
-        return decoder(tokens, states)
-
-    step.decoder = decoder
-    return step
+    return CompiledStep(model, Decoder(model, **options))
 
 
 __all__ = ["Decoder", "compiled_decoder", "make_step", "ATTENTION"]

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from . import _rows, ops
-from ._args import as_int, per_row
+from ._args import PerRowInts, as_int, per_row
 from .errors import bad, check
 from .invariants import check_float, check_plane, validate
 from .records import CacheState, derived
@@ -74,7 +74,12 @@ def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
 
 
 def from_arrays(
-    keys: mx.array, values: mx.array, *, lengths=None, left_pad=None, step: int = 256
+    keys: mx.array,
+    values: mx.array,
+    *,
+    lengths: PerRowInts | None = None,
+    left_pad: PerRowInts | None = None,
+    step: int = 256,
 ) -> CacheState:
     """Wrap existing ``[B, H, S, D]`` arrays; row ``b`` holds
     ``[left_pad[b], left_pad[b] + lengths[b])`` (defaults: no padding, full rows)."""

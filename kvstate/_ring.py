@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _rows, compiled, ops
-from ._args import as_int, per_row, row_index, row_list
+from ._args import PerRowInts, as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import (
     check_counts,
@@ -334,7 +334,14 @@ def fetch_ring(state: RotatingState):
 
 
 def from_temporal(
-    keys, values, *, lengths, max_size: int, keep: int = 0, held=None, step: int = 256
+    keys: mx.array,
+    values: mx.array,
+    *,
+    lengths: PerRowInts,
+    max_size: int,
+    keep: int = 0,
+    held: PerRowInts | None = None,
+    step: int = 256,
 ) -> RotatingState:
     """A ``RotatingState`` holding ``keys``/``values`` ``[B, H, S, D]`` given in temporal order.
 

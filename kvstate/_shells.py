@@ -29,6 +29,7 @@ from functools import singledispatch
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import _ring, compiled, ops
 from ._args import as_int
@@ -36,6 +37,10 @@ from ._rows import Plans
 from .errors import bad
 from .masks import MaskMemo
 from .records import QuantizedState, RotatingState
+
+# An mlx-lm model: an ``nn.Module`` called as ``model(tokens, cache=...)`` with
+# ``layers`` (and optionally ``make_cache``), what ``mlx_lm.load`` returns.
+Model = nn.Module
 
 
 class Eager:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from functools import singledispatch
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import mlx.core as mx
@@ -146,7 +146,7 @@ def spec_of(state) -> Spec:
     )
 
 
-def unflatten(spec: Spec, leaves):
+def unflatten(spec: Spec, leaves: Flat | tuple) -> Any:
     """The record ``spec`` and ``leaves`` stand for (``leaves``: a ``Flat``, or
     the planes alone, what a compiled step returns).
 
@@ -187,7 +187,7 @@ def validated(state):
     return validate(state)
 
 
-def flatten(state, *, room: int = 1, positions=None) -> tuple:
+def flatten(state: Any, *, room: int = 1, positions: tuple | None = None) -> tuple[Flat, Spec]:
     """``(Flat, Spec)`` of ``state``, in a bucket with room for ``room`` more tokens per row.
 
     Host-side: validates the record, moves it to its bucket (``prepare``) and

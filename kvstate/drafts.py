@@ -19,13 +19,16 @@ one forward (``kvstate.speculative``). Two sources:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from ._args import as_int
 from .errors import bad, check
+
+if TYPE_CHECKING:
+    from ._shells import Model
 
 
 @attrs.frozen
@@ -56,7 +59,7 @@ class DraftModel:
             ``kv_bits``, ``kv_group_size``).
     """
 
-    model: object = attrs.field(eq=False)
+    model: Model = attrs.field(eq=False)
     make: dict = attrs.field(factory=dict, eq=False)
 
 

@@ -257,7 +257,7 @@ class KVStateEngine:
         from . import mlx_lm as bridge
 
         self.model, self.bridge, self.prefill_step_size = model, bridge, prefill_step_size
-        self._step = bridge.step
+        self._step: Callable[..., tuple] = bridge.step  # or a compiled step, same call
         if compiled:
             self._step = bridge.make_step(model)  # step(model, tokens, states) -> (logits, states)
             self.name = "kvstate (compiled)"

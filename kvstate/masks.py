@@ -96,7 +96,7 @@ class MaskLease(Releasable):
 
     __slots__ = ("_memo", "_entry", "_key", "_released")
 
-    def __init__(self, memo: "MaskMemo", entry: _Entry):
+    def __init__(self, memo: "MaskMemo", entry: _Entry) -> None:
         self._memo, self._entry, self._key, self._released = memo, entry, entry.key, False
         entry.holds += 1
         memo._live += 1
@@ -133,7 +133,7 @@ class MaskMemo:
     layer; never share one through a module global.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._slots: dict = {}
         self._live = 0
         self.builds = 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from functools import singledispatch
-from typing import Any, Optional, Sequence, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -30,7 +30,8 @@ from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
 from . import _decoder, _hybrid, _rows, _shells, ops
-from ._args import as_int
+from ._args import PerRowInts, as_int
+from ._shells import Model
 from ._decoder import (
     Decoder as Decoder,
     compiled_decoder as compiled_decoder,
@@ -210,7 +211,7 @@ _CPU = mx.DeviceType.cpu
 _LAYERS: dict = {}  # id(model) -> records it reads; an entry leaves with its model
 
 
-def layer_count(model) -> int:
+def layer_count(model: Model) -> int:
     """How many records ``model`` reads: ``len(model.make_cache())`` when it has
     one (a model may share a cache between layers), else ``len(model.layers)``.
 
@@ -252,7 +253,7 @@ def vocab_size(model) -> Optional[int]:
     return n
 
 
-def token_ids(model, tokens, arg: str = "tokens"):
+def token_ids(model: Model, tokens: Any, arg: str = "tokens") -> tuple[mx.array, mx.array | None]:
     """``tokens`` as an integer ``mx.array`` ``[B, N]`` the model can embed.
 
     Ids from the host (lists, tuples, numpy arrays) are checked here: integers
@@ -294,7 +295,7 @@ def _host_ids(model, ids, arg: str, ndim: int) -> np.ndarray:
 
 
 def make_states(
-    model,
+    model: Model,
     batch_size: int = 1,
     *,
     max_kv_size: Optional[int] = None,
@@ -342,13 +343,13 @@ def make_states(
 
 
 def forward(
-    model,
-    tokens: mx.array,
+    model: Model,
+    tokens: mx.array | np.ndarray | Sequence[Sequence[int]],
     states: Sequence,
     *,
     memo: Optional[MaskMemo] = None,
     start_early: Optional[bool] = None,
-):
+) -> tuple[mx.array, list]:
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
 
     ``tokens``: an integer ``mx.array``, or host ids (a list of lists, a
@@ -431,12 +432,12 @@ extract_row = ops.extract_row
 
 
 def prefill(
-    model,
+    model: Model,
     prompts: Sequence[Sequence[int]],
     *,
     memo: Optional[MaskMemo] = None,
     prefill_step_size: int = 512,
-    **make,
+    **make: Any,
 ) -> tuple:
     """Prefill every prompt in one batch; ``(last logits [B, V], states)``.
 
@@ -547,8 +548,8 @@ def _prefill_rows(model, prompts, states, step_size, memo):
 
 
 def step(
-    model,
-    tokens,
+    model: Model,
+    tokens: mx.array | np.ndarray | Sequence[int],
     states: Sequence,
     *,
     memo: Optional[MaskMemo] = None,
@@ -575,16 +576,16 @@ def step(
 
 
 def admit(
-    model,
+    model: Model,
     prompts: Sequence[Sequence[int]],
     *,
-    sampling=None,
-    keys=None,
-    ids=None,
-    payload=None,
-    seeds=None,
+    sampling: kv.Sampling | Sequence[kv.Sampling] | None = None,
+    keys: mx.array | None = None,
+    ids: Sequence | None = None,
+    payload: Sequence | None = None,
+    seeds: Sequence[int] | None = None,
     memo: Optional[MaskMemo] = None,
-    **make,
+    **make: Any,
 ) -> Batch:
     """Prefill ``prompts`` and sample each row's first token: a ``kv.Batch`` ready to decode.
 
@@ -604,7 +605,7 @@ def admit(
     logits, states = prefill(model, prompts, memo=memo, **make)
     if keys is None and seeds is not None:
         keys = kv.row_keys(seeds)
-    given = {"sampling": sampling, "keys": keys, "ids": ids, "payload": payload}
+    given: dict[str, Any] = {"sampling": sampling, "keys": keys, "ids": ids, "payload": payload}
     pending = Batch(
         states,
         mx.zeros((len(prompts),), mx.uint32),
@@ -614,7 +615,13 @@ def admit(
     return attrs.evolve(pending, tokens=tokens, keys=keys)
 
 
-def advance(model, batch: Batch, *, step=None, memo: Optional[MaskMemo] = None) -> Batch:
+def advance(
+    model: Model,
+    batch: Batch,
+    *,
+    step: Callable[[mx.array, list], tuple] | None = None,
+    memo: Optional[MaskMemo] = None,
+) -> Batch:
     """One decode step of every row: feed the pending tokens, sample the next ones.
 
     Each row samples with its own ``kv.Sampling`` and PRNG key. Pure: ``batch``
@@ -638,7 +645,7 @@ def advance(model, batch: Batch, *, step=None, memo: Optional[MaskMemo] = None) 
 
 
 def feed(
-    model, batch: Batch, tokens: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None
+    model: Model, batch: Batch, tokens: Sequence[Sequence[int]], *, memo: Optional[MaskMemo] = None
 ) -> Batch:
     """Append each row's pending token and then ``tokens[b]`` (e.g. a new chat turn),
     and sample each row's next token: a resumed session continues with this.
@@ -676,7 +683,13 @@ def feed(
 
 
 def rollback(
-    model, states: Sequence, checkpoint, keep, tokens, *, memo: Optional[MaskMemo] = None
+    model: Model,
+    states: Sequence,
+    checkpoint: kv.ModelCheckpoint,
+    keep: PerRowInts,
+    tokens: mx.array,
+    *,
+    memo: Optional[MaskMemo] = None,
 ) -> list:
     """Every layer back at ``checkpoint`` plus ``keep`` accepted tokens per row, exactly,
     for every model family (recurrent rows that keep part of a block replay it).

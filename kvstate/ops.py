@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import singledispatch
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ._args import PerRowInts
 from .errors import bad
 
 if TYPE_CHECKING:
@@ -132,7 +133,7 @@ def positions(state: Record) -> Any:
 
 
 @singledispatch
-def trim(state: Record, n: int | Sequence[int]) -> Record:
+def trim(state: Record, n: PerRowInts) -> Record:
     """Drop the last ``n`` tokens of every row (``n``: int or one per row)."""
     return _unsupported("trim")(state)
 
@@ -144,13 +145,13 @@ def checkpoint(state: Record) -> Any:
 
 
 @singledispatch
-def rollback(state: Record, checkpoint: Any, keep: int | Sequence[int] = 0) -> Record:
+def rollback(state: Record, checkpoint: Any, keep: PerRowInts = 0) -> Record:
     """Rows return to ``checkpoint`` plus ``keep`` accepted tokens (int or per row)."""
     return _unsupported("rollback")(state)
 
 
 @singledispatch
-def anchor(state):
+def anchor(state: Record) -> Any:
     """What ``commit`` needs to bring ``state`` back after later appends.
 
     A ``Checkpoint`` (no arrays) for dense and quantized rows, whose rollback
@@ -161,7 +162,7 @@ def anchor(state):
 
 
 @singledispatch
-def commit(state, anchor, keep=0):
+def commit(state: Record, anchor: Any, keep: PerRowInts = 0) -> Record:
     """Rows return to ``anchor`` plus the first ``keep`` tokens appended since
     (int or per row), as appending those tokens one position at a time would
     have left them.

@@ -40,7 +40,8 @@ import os
 import struct
 import uuid
 from pathlib import Path
-from typing import Optional, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import attrs
 import mlx.core as mx
@@ -49,6 +50,9 @@ from . import _rows, compact, records
 from .batch import Batch
 from .errors import KVStateError, bad, check
 from .invariants import fresh_row_ids
+
+if TYPE_CHECKING:
+    from ._shells import Model
 
 FORMAT = "1"
 PREFIX = "kvstate."
@@ -249,7 +253,12 @@ def _check_path(path, arg="path") -> str:
 
 
 def save(
-    path, states, metadata: Optional[dict] = None, *, model_path=None, exact: bool = False
+    path: str | os.PathLike,
+    states: Sequence | Batch,
+    metadata: Optional[dict] = None,
+    *,
+    model_path: str | os.PathLike | None = None,
+    exact: bool = False,
 ) -> None:
     """Write ``states`` (a list of records, one per layer, or a ``kv.Batch``) to a
     ``.safetensors`` file.
@@ -352,7 +361,12 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def load(path, *, model=None, model_path=None):
+def load(
+    path: str | os.PathLike,
+    *,
+    model: Model | None = None,
+    model_path: str | os.PathLike | None = None,
+) -> tuple[Any, dict]:
     """Read a file written by ``save`` or by mlx-lm's ``save_prompt_cache``.
 
     Args:
@@ -396,12 +410,12 @@ def load(path, *, model=None, model_path=None):
     if model_path is not None:
         want = model_digest(model_path)
         have = user.get(DIGEST_KEY)
-        check(
-            have is not None,
-            "path",
-            f"a cache recording a model identity (for {model_path})",
-            "a file with no model identity (saved without model_path)",
-        )
+        if have is None:
+            raise bad(
+                "path",
+                f"a cache recording a model identity (for {model_path})",
+                "a file with no model identity (saved without model_path)",
+            )
         check(
             have == want,
             "path",

@@ -257,12 +257,12 @@ class PrefixCache:
         records, meta = persist.load(path)
         have = meta.get(persist.DIGEST_KEY)
         if identity is not None:
-            check(
-                have is not None,
-                "path",
-                "a prefix cache recording a model identity",
-                "a file with no model identity",
-            )
+            if have is None:
+                raise bad(
+                    "path",
+                    "a prefix cache recording a model identity",
+                    "a file with no model identity",
+                )
             check(
                 have == identity,
                 "path",

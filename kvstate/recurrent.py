@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import compiled, ops
-from ._args import as_int, per_row, row_index, row_list
+from ._args import PerRowInts, as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import MAX_POSITION, check_int, validate
 from .records import RecurrentCheckpoint, RecurrentState, derived, rows_of
@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 
-def recurrent_state(batch_size: int = 1, *, slots: int, left_padding=None) -> RecurrentState:
+def recurrent_state(
+    batch_size: int = 1, *, slots: int, left_padding: PerRowInts | None = None
+) -> RecurrentState:
     """An empty ``RecurrentState``: ``batch_size`` rows of ``slots`` unwritten slots.
 
     Args:

@@ -190,7 +190,7 @@ such block per row, whatever the prefix's own ``step``)."""
 
 
 @singledispatch
-def fork(state, row: int, n: int, *, step: int | None = None):
+def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
     """``state``'s rows followed by ``n`` new rows that start as copies of ``row``.
 
     No key or value is copied for a dense record: the result is a
@@ -469,7 +469,7 @@ def _gather_prefix(state: SharedState, plane_index: int, starts, width: int):
     return out
 
 
-def materialize(state: SharedState):
+def materialize(state: SharedState) -> CacheState | QuantizedState:
     """The same rows as a plain dense record (a per-row copy of each prefix view).
 
     Row ``b``'s suffix keeps its columns, shifted right by ``P = max(shared)``;
