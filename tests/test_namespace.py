@@ -1,11 +1,15 @@
 """The public namespace: ``kvstate.__all__``, module names, registration names, version."""
 
 import importlib
+import inspect
 import importlib.metadata
 import importlib.util
 import pkgutil
+import re
 import types
+from pathlib import Path
 
+import attrs
 import pytest
 
 import kvstate as kv
@@ -74,3 +78,50 @@ def test_every_registration_has_a_name():
 
 def test_one_version_string():
     assert kv.__version__ == importlib.metadata.version("kvstate")
+
+
+def _unannotated(module):
+    """``module.__all__``'s functions (and a class's own ``__init__``/``__call__``;
+    an attrs class's ``__init__`` is generated from its annotated fields) with a
+    parameter or the return left unannotated."""
+    out = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.isclass(obj):
+            fns = [
+                (f"{name}.{m}", vars(obj)[m])
+                for m in ("__init__", "__call__")
+                if m in vars(obj) and not (m == "__init__" and attrs.has(obj))
+            ]
+        elif callable(obj):
+            fns = [(name, obj)]
+        else:
+            continue
+        for label, fn in fns:
+            sig = inspect.signature(fn)
+            params = [p for p in sig.parameters.values() if p.name != "self"]
+            missing = [p.name for p in params if p.annotation is inspect.Parameter.empty]
+            if sig.return_annotation is inspect.Signature.empty:
+                missing.append("return")
+            if missing:
+                out.append(f"{module.__name__}.{label}: {missing}")
+    return out
+
+
+def test_public_functions_are_annotated():
+    """Every parameter and return of the public API has a type (what mypy checks)."""
+    import kvstate.mlx_lm as bridge
+
+    assert _unannotated(kv) == []
+    assert _unannotated(bridge) == []
+
+
+def test_readme_module_table_lists_every_file():
+    """README's "Where things live" table names each file of the package, and only those."""
+    root = Path(kv.__file__).parent
+    readme = (root.parent / "README.md").read_text()
+    table = readme.split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `kvstate/([^`]+)` \|", table, flags=re.M)
+    assert len(listed) == len(set(listed))
+    files = {p.name for p in root.iterdir() if p.is_file() and not p.name.endswith(".pyc")}
+    assert set(listed) == files
