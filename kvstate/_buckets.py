@@ -20,7 +20,7 @@ padded records are kept between calls: when the next call gets the very
 records the last one returned (a decode loop), it reuses them, so a steady
 batch is padded once, not every step (the old buffers are dropped before the
 step is evaluated, so its writes stay in place). Kinds with no ``blank_rows``
-(shared prefixes, hybrid records) run unpadded.
+(hybrid records) run unpadded.
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ def head_rows(state, B: int):
             changes[f.name] = tuple(x[:B] for x in v)
         elif isinstance(v, tuple) and len(v) == n and all(type(x) is int for x in v):
             changes[f.name] = v[:B]
+        elif attrs.has(type(v)) and getattr(v, "batch_size", None) == n:
+            changes[f.name] = head_rows(v, B)  # (a record's rows: a SharedState's suffix)
     return derived(state, **changes)  # (rows of a valid record: not validated again)
 
 

@@ -117,6 +117,38 @@ def _kernel_read(queries, keys, values, cache, scale, sinks):
     return None
 
 
+class _TracedReads:
+    """A traced step's attention router: a layer whose kind reads itself
+    (``compiled.traced_read``: shared-prefix rows) goes there; with
+    ``kernel``, dense and ring reads go to ``_kernel_read``; anything else
+    to the model's own SDPA. ``check`` raises when a self-reading layer was
+    not read through the router (a model bypassing mlx-lm's global would
+    otherwise attend over the suffix columns alone)."""
+
+    def __init__(self, ctx, kernel: bool):
+        self.ctx, self.kernel, self.read = ctx, kernel, 0
+
+    def __call__(self, queries, keys, values, cache, scale, sinks):
+        content = getattr(cache, "content", None)
+        if sinks is None and isinstance(content, compiled.Traced):
+            out = compiled.traced_read(content.proto, content, queries, scale, self.ctx)
+            if out is not None:
+                self.read += 1
+                return out
+        if self.kernel:
+            return _kernel_read(queries, keys, values, cache, scale, sinks)
+        return None
+
+    def check(self, own: int) -> None:
+        if self.read != own:
+            raise bad(
+                "model",
+                "attention that reads shared rows through mlx-lm's "
+                "scaled_dot_product_attention (the cascade read)",
+                f"{own - self.read} layer reads that bypassed it",
+            )
+
+
 ATTENTION = ("mask", "kernel", "auto")
 
 
@@ -193,21 +225,22 @@ class Decoder:
         fn = self._fns.get(key)
         if fn is None:
             keys, squeeze = key
-            if self.attention == "kernel" and self._mods is None:
+            kernel = self.attention == "kernel"
+            own = sum(compiled.reads_itself(k[0]) for k in keys)
+            if (kernel or own) and self._mods is None:
                 self._mods = _attention_modules(self.model)
-            routed = (
-                routed_attention(self._mods, _kernel_read) if self.attention == "kernel" else None
-            )
 
             def step(tokens, flats):
                 self.traces += 1  # Python runs only while tracing
                 ctx = _shells.Tracing(self.attention, self.write == "slice")
                 shells = [_shells.shell(compiled.Traced.of(f, k), ctx) for f, k in zip(flats, keys)]
-                if routed is None:
+                if not (kernel or own):
                     logits = self.model(tokens, cache=shells)
                 else:
-                    with routed:
+                    reader = _TracedReads(ctx, kernel)
+                    with routed_attention(self._mods, reader):
                         logits = self.model(tokens, cache=shells)
+                    reader.check(own)
                 if squeeze:
                     logits = logits[:, -1, :]
                 return logits, [sh.content.planes for sh in shells]

@@ -125,6 +125,8 @@ class Tracing(compiled.TraceContext):
             ``kvstate.kernels.ragged_attention`` while tracing).
     """
 
+    route = None  # (eager forwards route shared rows; a traced step routes in the decoder)
+
     def __init__(self, attention: str, same_end_slice: bool = False):
         super().__init__(same_end_slice)
         self.attention = attention

@@ -114,15 +114,17 @@ class Spec:
 
 
 class Flat(NamedTuple):
-    """The array half of a flattened record: ``(planes, positions)``.
+    """The array half of a flattened record: ``(planes, positions, held)``.
 
     ``planes``: every stored array, each ``[B, H, C, *]``. ``positions``:
-    int32 ``[B]`` arrays (``host_positions``). A ``NamedTuple`` is a tuple to
-    ``mx.compile``.
+    int32 ``[B]`` arrays (``host_positions``). ``held``: arrays the step
+    reads but never writes nor returns (``held_planes``: a shared prefix's
+    planes). A ``NamedTuple`` is a tuple to ``mx.compile``.
     """
 
     planes: tuple
     positions: tuple
+    held: tuple = ()
 
 
 @singledispatch
@@ -197,7 +199,7 @@ def flatten(state: Any, *, room: int = 1, positions: tuple | None = None) -> tup
     state = prepare(state, room)
     if positions is None:
         positions = position_arrays(state)
-    return Flat(state.planes, tuple(positions)), spec_of(state)
+    return Flat(state.planes, tuple(positions), held_planes(state)), spec_of(state)
 
 
 def position_arrays(state) -> tuple:
@@ -206,6 +208,13 @@ def position_arrays(state) -> tuple:
 
 
 # --- host-side, per kind ------------------------------------------------------------
+
+
+@singledispatch
+def held_planes(state) -> tuple:
+    """Arrays a compiled step reads from ``state`` but never writes (``Flat.held``):
+    none, unless the kind registers them (a ``SharedState``'s prefix planes)."""
+    return ()
 
 
 @singledispatch
@@ -285,12 +294,14 @@ class Traced:
     planes: tuple
     positions: tuple
     same_end: bool = False
+    held: tuple = ()
 
     @classmethod
     def of(cls, flat, key: tuple) -> "Traced":
         """The view of ``flat`` for a record whose ``Spec.key`` is ``key``."""
         kind, static, same_end = key
-        return cls(proto_of(kind, static), tuple(flat[0]), tuple(flat[1]), same_end)
+        held = tuple(flat[2]) if len(flat) > 2 else ()
+        return cls(proto_of(kind, static), tuple(flat[0]), tuple(flat[1]), same_end, held)
 
     @property
     def capacity(self) -> int:
@@ -340,6 +351,21 @@ def traced_mask(proto, view: Traced, n: int, window, ctx: TraceContext):
     raise bad("state", "a kvstate record kind", type(proto).__name__)
 
 
+@singledispatch
+def traced_read(proto, view: Traced, q, scale: float, ctx: TraceContext):
+    """The attention read of ``q`` ``[B, Hq, N, D]`` over ``view`` after its
+    write, for kinds that read themselves (a ``SharedState``'s cascade):
+    the compiled decoder routes the model's attention call here. ``None``
+    (the default): the model's own read of the columns ``traced_update``
+    returned."""
+    return None
+
+
+def reads_itself(kind: type) -> bool:
+    """Whether ``kind`` registers ``traced_read`` (its layers must be routed)."""
+    return traced_read.dispatch(kind) is not traced_read.dispatch(object)
+
+
 __all__ = [
     "Spec",
     "Flat",
@@ -358,4 +384,7 @@ __all__ = [
     "traced_offset",
     "traced_update",
     "traced_mask",
+    "traced_read",
+    "reads_itself",
+    "held_planes",
 ]

@@ -45,9 +45,9 @@ from .invariants import share_row_ids
 from .records import CacheState, QuantizedState
 from .shared import (
     SharedState,
-    prefix_groups as shared_prefix_groups,
     read as shared_read,
     update_suffix as shared_update_suffix,
+    view_arrays as shared_view_arrays,
 )
 
 __all__ = [
@@ -161,27 +161,23 @@ class _cascade:
     def __init__(self, model, ctx):
         self.mods, self.ctx = _decoder._attention_modules(model), ctx
         self.pending = {}
-        self.groups = {}
+        self.views = {}
 
-    def _groups(self, record):
-        key = (record.source, record.prefix_row, record.shared)
-        g = self.groups.get(key)
-        if g is None:
-            g = self.groups[key] = shared_prefix_groups(record)
-        return g
+    def _views(self, record):
+        """The row map's arrays, once per layout per forward (every layer shares it)."""
+        key = (record.source, record.prefix_row, record.shared, tuple(map(id, record.prefixes)))
+        got = self.views.get(key)
+        if got is None:
+            got = self.views[key] = (shared_view_arrays(record), record.prefixes)  # (ids held)
+        return got[0]
 
     def _read(self, queries, keys, values, cache, scale, sinks):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
             return None
-        suffix_kv = self.pending.pop(id(cache))
+        del self.pending[id(cache)]
         record = cache.record
         return shared_read(
-            record,
-            queries,
-            scale=scale,
-            memo=self.ctx.memo,
-            groups=self._groups(record),
-            suffix_kv=suffix_kv,
+            record, queries, scale=scale, memo=self.ctx.memo, views=self._views(record)
         )
 
     def __enter__(self):

@@ -40,7 +40,7 @@ from functools import singledispatch
 import attrs
 import mlx.core as mx
 
-from . import _rows, compiled, ops
+from . import _buckets, _rows, compiled, kernels, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import validate
@@ -52,11 +52,12 @@ from .records import (
     _Rows,
     _tuple,
     _tuple_of_ints,
+    built,
     derived,
     forwarded,
 )
 
-__all__ = ["SharedState", "cascade_attention", "fork", "materialize", "prefix_groups"]
+__all__ = ["SharedState", "cascade_attention", "fork", "materialize", "views_of", "view_arrays"]
 
 
 @attrs.frozen
@@ -85,6 +86,7 @@ class SharedState:
     row_ids = forwarded("suffix.row_ids", "The rows' identities: its suffix rows' (invariants).")
     step = forwarded("suffix.step")
     planes = forwarded("suffix.planes", "The suffix's planes (the arrays appends write).")
+    capacity = forwarded("suffix.capacity", "The suffix's capacity (a compiled step's buckets).")
 
     @property
     def lengths(self) -> tuple:
@@ -536,16 +538,21 @@ def next_mask_shared(state: SharedState, n, *, memo=None, window=None, array=Fal
 # --- the cascade read ---------------------------------------------------------------------------
 
 
-def prefix_groups(state: SharedState) -> tuple:
-    """The rows reading each prefix row: ``((source, prefix_row, rows), ...)`` in
-    first-use order, rows that read no prefix token left out. Host data: the
-    static part of a cascade read (it changes on fork, filter and merge, never
-    on a decode step)."""
-    groups: dict = {}
-    for b, (s, r, n) in enumerate(zip(state.source, state.prefix_row, state.shared)):
-        if n:
-            groups.setdefault((s, r), []).append(b)
-    return tuple((s, r, tuple(rows)) for (s, r), rows in groups.items())
+def views_of(state: SharedState) -> tuple:
+    """Per row, ``(source, prefix_row, start, shared)``: the prefix record it reads,
+    that record's row, the row's first column there (its ``left_pad``) and how
+    many columns it reads. Host ints; the cascade takes them as int32 ``[B]``
+    arrays (``view_arrays``), so a new layout (a fork, a filter, an admission)
+    changes no shape and no compiled trace."""
+    starts = tuple(
+        state.prefixes[s].left_pad[r] for s, r in zip(state.source, state.prefix_row)
+    )
+    return (state.source, state.prefix_row, starts, state.shared)
+
+
+def view_arrays(state: SharedState) -> tuple:
+    """``views_of(state)`` as four int32 ``[B]`` arrays."""
+    return tuple(mx.array(v, dtype=mx.int32) for v in views_of(state))
 
 
 def _partial(q, k, v, mask, scale):
@@ -567,74 +574,69 @@ def _partial(q, k, v, mask, scale):
     return p @ v.astype(mx.float32), m, mx.sum(p, axis=-1, keepdims=True)
 
 
-def cascade_attention(q, prefix_kv, groups, shared, suffix_kv, suffix_mask, *, scale):
+def _merge(a, b):
+    """Two partial softmaxes ``(o, m, l)`` of the same queries as one (log-sum-exp)."""
+    (o1, m1, l1), (o2, m2, l2) = a, b
+    top = mx.maximum(m1, m2)
+    safe = mx.where(top == -mx.inf, 0.0, top)
+    c1, c2 = mx.exp(m1 - safe), mx.exp(m2 - safe)
+    return o1 * c1 + o2 * c2, top, l1 * c1 + l2 * c2
+
+
+def cascade_attention(q, prefix_kv, views, suffix_kv, suffix_mask, *, scale):
     """Attention of ``q`` ``[B, Hq, N, D]`` over each row's prefix view then its suffix.
 
     Args:
         q: the queries; row ``b``'s ``N`` queries stand after its prefix view.
-        prefix_kv: per group, ``(keys, values)`` ``[1, H, S_g, D]``: the prefix
-            row's first ``S_g`` tokens (``S_g``: the longest view in the group).
-        groups: per group, the rows reading it (host ints, static).
-        shared: per row, the prefix tokens it reads (host ints, static).
+        prefix_kv: per prefix record, its ``(keys, values)`` planes
+            ``[P, H, Cp, D]`` (whole: never copied or cut).
+        views: int32 ``[B]`` arrays ``(source, prefix_row, start, shared)``
+            (``view_arrays``): row ``b`` reads columns ``[start, start +
+            shared)`` of row ``prefix_row`` of record ``source``.
         suffix_kv: ``(keys, values)`` ``[B, H, W, D]`` of the suffix rows.
-        suffix_mask: bool ``[B, 1, N, W]`` (or broadcastable), True where a
-            query may read a suffix column.
+        suffix_mask: bool ``[B|1, 1, N, W]``, True where a query may read a
+            suffix column (or ``None``: every column).
         scale: the softmax scale.
 
-    Each group's queries are folded into one matmul against its keys, so a
-    prefix shared by many rows is read once. Traceable (``mx.compile``):
-    everything host-side is static.
+    A one-row prefix record (a forked prompt, a prefix cache entry) is read
+    once for every row: the queries of all rows (and of the query heads
+    sharing a KV head) are folded into one ``[1, H, B*rep*N, D]`` matmul
+    against it, each row masked to its own view (rows of other records see
+    nothing there). A record of ``P > 1`` rows is read per row
+    (``take`` of the row each reads: a per-row copy of that record). The
+    partial softmaxes are merged by their log-sum-exp. Only the number of
+    prefix records and the arrays' shapes are static: traceable
+    (``mx.compile``) with one trace for every layout of the rows.
     """
     B, Hq, N, D = q.shape
     H = suffix_kv[0].shape[1]
     rep = Hq // H
-    qf = q.reshape(B, H, rep * N, D)
-    o, m, total = _partial(
+    R = rep * N
+    qf = q.reshape(B, H, R, D)
+    acc = _partial(
         qf, *suffix_kv, None if suffix_mask is None else _fold_mask(suffix_mask, rep), scale
     )
-    if groups:
-        parts, order = [], []
-        for (k, v), rows in zip(prefix_kv, groups):
-            R = len(rows)
-            idx = mx.array(rows, dtype=mx.int32) if R < B or rows != tuple(range(B)) else None
-            qg = qf if idx is None else qf[idx]
-            qg = qg.transpose(1, 0, 2, 3).reshape(1, H, R * rep * N, D)
-            S = k.shape[2]
-            views = [shared[b] for b in rows]
-            mask = None
-            if min(views) < S:  # rows of the group reading fewer prefix tokens
-                lim = mx.array(views, dtype=mx.int32).reshape(R, 1, 1)
-                mask = mx.arange(S, dtype=mx.int32) < lim
-                mask = mx.broadcast_to(mask, (R, rep * N, S)).reshape(1, 1, R * rep * N, S)
-            po, pm, pl = _partial(qg, k, v, mask, scale)
-            parts.append(
-                tuple(x.reshape(H, R, rep * N, -1).transpose(1, 0, 2, 3) for x in (po, pm, pl))
+    source, rows, start, shared = views
+    lo = start[:, None]
+    for s, (k, v) in enumerate(prefix_kv):
+        P, _, C, _ = k.shape
+        cols = mx.arange(C, dtype=mx.int32)[None]
+        visible = (cols >= lo) & (cols < lo + shared[:, None])  # [B, C]
+        if len(prefix_kv) > 1:
+            visible = visible & (source == s)[:, None]
+        if P == 1:
+            qg = qf.transpose(1, 0, 2, 3).reshape(1, H, B * R, D)
+            mask = mx.broadcast_to(visible[:, None, :], (B, R, C)).reshape(1, 1, B * R, C)
+            part = tuple(
+                x.reshape(H, B, R, -1).transpose(1, 0, 2, 3)
+                for x in _partial(qg, k, v, mask, scale)
             )
-            order += rows
-        po, pm, pl = (
-            mx.concatenate([p[i] for p in parts], axis=0) if len(parts) > 1 else parts[0][i]
-            for i in range(3)
-        )
-        if len(order) < B:  # rows reading no prefix: nothing to merge
-            fill = [0.0, -mx.inf, 0.0]
-            missing = B - len(order)
-            po, pm, pl = (
-                mx.concatenate([x, mx.full((missing, *x.shape[1:]), f, x.dtype)])
-                for x, f in zip((po, pm, pl), fill)
-            )
-            order += [b for b in range(B) if b not in set(order)]
-        if order != list(range(B)):
-            inverse = [0] * B
-            for i, b in enumerate(order):
-                inverse[b] = i
-            inv = mx.array(inverse, dtype=mx.int32)
-            po, pm, pl = po[inv], pm[inv], pl[inv]
-        top = mx.maximum(m, pm)
-        top = mx.where(top == -mx.inf, 0.0, top)
-        a, c = mx.exp(m - top), mx.exp(pm - top)
-        o, total = o * a + po * c, total * a + pl * c
-    out = o / total
-    return out.reshape(B, Hq, N, -1).astype(q.dtype)
+        else:
+            idx = mx.clip(rows, 0, P - 1)  # (rows reading another record: masked out)
+            part = _partial(qf, k[idx], v[idx], visible[:, None, None, :], scale)
+        acc = _merge(acc, part)
+    o, _, total = acc
+    return (o / total).reshape(B, Hq, N, -1).astype(q.dtype)
 
 
 def _fold_mask(mask, rep):
@@ -645,17 +647,29 @@ def _fold_mask(mask, rep):
     return mx.broadcast_to(mask[:, :, None], (Bm, 1, rep, N, W)).reshape(Bm, 1, rep * N, W)
 
 
-def group_kv(state: SharedState, groups) -> list:
-    """Per group, the prefix row's ``(keys, values)`` over its longest view ``[1, H, S, D]``."""
-    out = []
-    for s, r, rows in groups:
-        p = state.prefixes[s]
-        start = p.left_pad[r]
-        S = max(state.shared[b] for b in rows)
-        out.append(
-            (p.keys[r : r + 1, :, start : start + S], p.values[r : r + 1, :, start : start + S])
+def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix_mask=None):
+    """The shared rows' read of ``q`` (the suffix already holds the queries' tokens).
+
+    ``left_pad``/``ends``: int32 ``[B]`` arrays of the suffix rows (after the
+    write). Where ``kvstate.kernels`` has its split-K kernel with a prefix
+    source (``kernels.PREFIX_READ``: MLX's CUDA backend, shapes it covers)
+    and the rows read one prefix record, one ``ragged_attention`` call reads
+    prefix and suffix (the unshared read's launches); otherwise
+    ``cascade_attention`` with ``suffix_mask`` (built from ``left_pad`` and
+    ``ends`` when not given). Traceable.
+    """
+    if (
+        len(prefix_kv) == 1
+        and getattr(kernels, "PREFIX_READ", False)
+        and kernels.decode_read(q.shape[2], q, suffix_kv[0]) == "kernel"
+    ):
+        _, rows, start, shared = views
+        return kernels.ragged_attention(
+            q, *suffix_kv, left_pad, ends, scale=scale, prefix=(*prefix_kv[0], rows, start, shared)
         )
-    return out
+    if suffix_mask is None:
+        suffix_mask = rows_mask(q.shape[2], left_pad, ends, suffix_kv[0].shape[2])
+    return cascade_attention(q, prefix_kv, views, suffix_kv, suffix_mask, scale=scale)
 
 
 @ops.attend.register
@@ -679,48 +693,72 @@ def attend_shared(state: SharedState, q, *, scale: float, memo=None, window=None
     return read(state, q, scale=scale, memo=memo)
 
 
-def read(state: SharedState, q, *, scale: float, memo=None, groups=None, suffix_kv=None):
+_TRACES = [0]
+
+
+def traces() -> int:
+    """How many times the compiled read (``read``) has been traced in this process."""
+    return _TRACES[0]
+
+
+def read(state: SharedState, q, *, scale: float, memo=None, views=None):
     """The cascade read behind ``attend``, without its argument checks (the
     bridge calls it with the model's own queries).
 
     The suffix is read over its whole capacity with a per-row mask, and the
-    read runs as one ``mx.compile``'d function per static layout (the prefix
-    groups, the views, the scale), so its shapes change only when the suffix
-    grows a block: the elementwise work of the merge fuses, and a decode
-    loop traces once per capacity bucket.
+    read runs as one ``mx.compile``'d function per scale: the rows' layout
+    (which prefix row each reads, from which column, how many tokens) goes
+    in as int32 arrays (``view_arrays``), so the trace depends only on the
+    shapes (batch, suffix capacity bucket, the prefix records' shapes) and
+    the number of prefix records: a decode loop traces once per capacity
+    bucket, and a fork, filter or admission that keeps those shapes traces
+    nothing (measured: ``notes/prefix.md``).
 
-    ``groups``: ``prefix_groups(state)`` when already known (equal for every
-    layer of a forward); ``suffix_kv``: ignored (kept for callers that
-    fetched the suffix already).
+    ``views``: ``view_arrays(state)`` when already built (equal for every
+    layer of a forward).
     """
     n = q.shape[2]
-    if groups is None:
-        groups = prefix_groups(state)
     suffix = state.suffix
     C = suffix.capacity
     left_pad, ends = suffix.left_pad, suffix.ends
+    if views is None:
+        views = view_arrays(state)
     key = MaskKey("shared-suffix", (n, left_pad, ends, C))
     held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, C))
     try:
-        fn = _compiled_read(tuple(g[2] for g in groups), state.shared, float(scale))
+        fn = _compiled_read(float(scale))
         return fn(
             q,
             suffix.keys,
             suffix.values,
             held.mask,
-            *[x for kv_ in group_kv(state, groups) for x in kv_],
+            mx.array(left_pad, dtype=mx.int32),
+            mx.array(ends, dtype=mx.int32),
+            *views,
+            *[x for p in state.prefixes for x in (p.keys, p.values)],
         )
     finally:
         held.release()
 
 
-@functools.lru_cache(maxsize=64)
-def _compiled_read(groups: tuple, shared: tuple, scale: float):
-    """The cascade for one static layout, compiled (a bounded cache of them)."""
+@functools.lru_cache(maxsize=16)
+def _compiled_read(scale: float):
+    """The shared read for one softmax scale, compiled (shapes and the number of
+    prefix records are what it traces again for)."""
 
-    def fn(q, suffix_k, suffix_v, mask, *prefix):
+    def fn(q, suffix_k, suffix_v, mask, left_pad, ends, source, rows, start, shared, *prefix):
+        _TRACES[0] += 1  # Python runs only while tracing
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
-        return cascade_attention(q, pairs, groups, shared, (suffix_k, suffix_v), mask, scale=scale)
+        return prefix_read(
+            q,
+            (suffix_k, suffix_v),
+            left_pad,
+            ends,
+            pairs,
+            (source, rows, start, shared),
+            scale=scale,
+            suffix_mask=mask,
+        )
 
     return mx.compile(fn)
 
@@ -731,13 +769,144 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
     return ops.attend(materialize(state), q, scale=scale)
 
 
+# --- the compile boundary (kvstate.compiled): the suffix is written, the prefixes are held -----
+
+
+@attrs.frozen
+class SharedSpec(compiled.Spec):
+    """The static half of a ``SharedState``: the suffix's ``Spec``, the prefix
+    records themselves (host objects, never traced: rebuilt rows keep reading
+    the very same records) and the row map.
+
+    Its ``key`` holds the suffix's key and, per prefix record, its kind and
+    plane count; never the row map (its int32 arrays are positions) nor the
+    records' shapes (``mx.compile`` keys on shapes itself).
+    """
+
+    suffix: Any = None
+    prefixes: tuple = attrs.field(default=(), eq=False)
+    rows: tuple = ()
+
+    @property
+    def static(self) -> tuple:
+        return (
+            ("suffix", self.suffix.key),
+            ("prefixes", tuple((type(p), len(p.planes)) for p in self.prefixes)),
+        )
+
+    def replace(self, suffix=None, **fields) -> "SharedSpec":
+        check(not fields, "fields", "suffix (the suffix's host fields)", sorted(fields))
+        return attrs.evolve(self, suffix=self.suffix.replace(**(suffix or {})))
+
+    def rebuild(self, planes: tuple, *, trusted: bool = False) -> SharedState:
+        suffix = self.suffix.rebuild(planes, trusted=trusted)
+        source, prefix_row, shared = self.rows
+        if trusted:
+            return built(
+                SharedState,
+                {
+                    "prefixes": self.prefixes,
+                    "source": source,
+                    "prefix_row": prefix_row,
+                    "shared": shared,
+                    "suffix": suffix,
+                },
+            )
+        return SharedState(self.prefixes, source, prefix_row, shared, suffix)
+
+
+@compiled.spec_of.register(SharedState)
+def spec_of_shared(state):
+    suffix = compiled.spec_of(state.suffix)
+    return SharedSpec(
+        SharedState,
+        (),
+        (("suffix", sum(c or 1 for _, c in suffix.arrays)),),
+        same_end=suffix.same_end,
+        suffix=suffix,
+        prefixes=state.prefixes,
+        rows=(state.source, state.prefix_row, state.shared),
+    )
+
+
+@compiled.host_positions.register(SharedState)
+def host_positions_shared(state):
+    # the suffix's (ends, left_pad), then the row map: (source, prefix_row, start, shared)
+    return compiled.host_positions(state.suffix) + views_of(state)
+
+
+@compiled.held_planes.register(SharedState)
+def held_planes_shared(state):
+    return tuple(x for p in state.prefixes for x in p.planes)
+
+
 @compiled.prepare.register(SharedState)
 def prepare_shared(state, n: int = 1):
-    # A record holding records (its prefixes and suffix) does not flatten
-    # through the attrs-derived boundary yet: refused by name (notes/prefix.md).
-    raise bad(
+    """The suffix in its bucket (a suffix holding no planes yet, e.g. just
+    forked, gets zero planes of the prefixes' geometry and one bucket)."""
+    check(
+        type(state.suffix) is CacheState,
         "state",
-        "a record kind the compiled step supports",
-        "SharedState (decode shared rows with kvstate.mlx_lm.forward/step: their "
-        "cascade read is compiled per layout there)",
+        "a SharedState of CacheState rows (quantized shared rows: kvstate.mlx_lm.forward/step)",
+        f"{type(state.suffix).__name__} rows",
     )
+    suffix = state.suffix
+    if not suffix.planes:
+        geo = _rows.geometry(state)
+        check(geo is not None, "state", "a state holding keys (append first)", "an empty state")
+        H, Dk, Dv, dtype = geo
+        B, C = suffix.batch_size, _rows.round_up(max(as_int(n, "n"), 1), suffix.step)
+        planes = (mx.zeros((B, H, C, Dk), dtype), mx.zeros((B, H, C, Dv), dtype))
+        suffix = _rows.with_planes(suffix, planes)
+    return with_suffix(state, compiled.prepare(suffix, n))
+
+
+@compiled.advanced.register(SharedState)
+def advanced_shared(state, n: int = 1) -> dict:
+    return {"suffix": compiled.advanced(state.suffix, n)}
+
+
+def _suffix_view(view: compiled.Traced) -> compiled.Traced:
+    return compiled.Traced.of((view.planes, view.positions[:2]), view.proto.suffix)
+
+
+@compiled.traced_offset.register(SharedState)
+def traced_offset_shared(proto, view: compiled.Traced, ctx: compiled.TraceContext):
+    ends, lp, *_, shared = view.positions
+    return ctx.shared(("shared-offset",), (ends, lp, shared), lambda: ends - lp + shared)
+
+
+@compiled.traced_update.register(SharedState)
+def traced_update_shared(proto, view: compiled.Traced, k, v, ctx: compiled.TraceContext):
+    sview = _suffix_view(view)
+    new, keys, values = compiled.traced_update(sview.proto, sview, k, v, ctx)
+    out = attrs.evolve(view, planes=new.planes, positions=new.positions + view.positions[2:])
+    return out, keys, values
+
+
+@compiled.traced_mask.register(SharedState)
+def traced_mask_shared(proto, view, n: int, window, ctx):
+    return None  # the read (traced_read) builds its own suffix mask
+
+
+@compiled.traced_read.register(SharedState)
+def traced_read_shared(proto, view: compiled.Traced, q, scale, ctx: compiled.TraceContext):
+    ends, lp, source, rows, start, shared = view.positions  # (after the write)
+    N, C = q.shape[2], view.capacity
+    pairs, i = [], 0
+    for _, count in proto.prefixes:
+        pairs.append((view.held[i], view.held[i + 1]))
+        i += count
+    mask = ctx.shared(("shared-mask", N, C), (ends, lp), lambda: rows_mask(N, lp, ends, C))
+    return prefix_read(
+        q, view.planes, lp, ends, pairs, (source, rows, start, shared), scale=scale, suffix_mask=mask
+    )
+
+
+@_buckets.blank_rows.register(SharedState)
+def blank_rows_shared(state, n: int):
+    """``n`` rows reading no prefix token, with empty suffix rows (batch padding)."""
+    suffix = _buckets.blank_rows(state.suffix, n)
+    if suffix is None:
+        return None
+    return SharedState(state.prefixes[:1], (0,) * n, (0,) * n, (0,) * n, suffix)

@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvstate as kv
 from kvstate import shared
+from kvstate.masks import rows_mask
 
 H, D = 2, 4
 HQ = 4
@@ -235,42 +236,40 @@ def test_fork_of_a_layer_list_gives_a_list():
 # --- mx.compile: one trace for a whole decode loop ------------------------------------------
 
 
-def test_cascade_compiles_without_a_retrace_per_token():
+def test_cascade_compiles_without_a_retrace_per_token_or_layout():
+    """The compiled read traces once for a decode loop whose row map changes
+    between steps (rows trimmed into their prefix view): the map goes in as
+    arrays. Both prefix reads are exercised: a 2-row record (per row) and a
+    1-row one (every row's queries folded against it)."""
     rng = np.random.default_rng(3)
     rows = [(rand(rng, H, n, D), rand(rng, H, n, D)) for n in (7, 4)]
     base = state_of_rows(rows, step=STEP)
-    s = kv.trim(kv.fork(base, 0, 2), [0, 0, 0, 3])  # row 3 reads 4 of row 0's tokens
-    s = kv.append(s, mx.zeros((4, H, 1, D)), mx.zeros((4, H, 1, D)))
+    one = state_of_rows([(rand(rng, H, 5, D), rand(rng, H, 5, D))], step=STEP)
+    s = kv.merge_rows([kv.fork(base, 0, 2, step=64), kv.fork(one, 0, 1, step=64)])
     traces = []
-    groups = shared.prefix_groups(s)
-    prefix_kv = shared.group_kv(s, groups)
-    C = 64
 
-    def step(q, k, v, sk, sv, ends):
-        traces.append(1)
-        sk = mx.put_along_axis(sk, ends[:, None, None, None], k, axis=2)
-        sv = mx.put_along_axis(sv, ends[:, None, None, None], v, axis=2)
-        mask = (mx.arange(C)[None] <= ends[:, None])[:, None, None, :]
-        out = shared.cascade_attention(
-            q, prefix_kv, [g[2] for g in groups], s.shared, (sk, sv), mask, scale=0.5
-        )
-        return out, sk, sv, ends + 1
+    def read(q, sk, sv, mask, source, prow, start, view, *prefix):
+        traces.append(1)  # Python runs only while tracing
+        pairs = [prefix[i : i + 2] for i in range(0, len(prefix), 2)]
+        views = (source, prow, start, view)
+        return shared.cascade_attention(q, pairs, views, (sk, sv), mask, scale=0.5)
 
-    fn = mx.compile(step)
-    sk = mx.zeros((4, H, C, D))
-    sv = mx.zeros((4, H, C, D))
-    ends = mx.zeros((4,), dtype=mx.int32)
-    ref = s
-    for t in range(5):
-        q = mx.array(rand(rng, 4, HQ, 1, D))
-        k, v = mx.array(rand(rng, 4, H, 1, D)), mx.array(rand(rng, 4, H, 1, D))
-        ref = kv.append(ref, k, v) if t else kv.trim(ref, [1, 1, 1, 1])
-        if t == 0:
-            ref = kv.append(ref, k, v)
-        out, sk, sv, ends = fn(q, k, v, sk, sv, ends)
-        want = kv.attend(ref, q, scale=0.5)
+    fn = mx.compile(read)
+    prefix = [x for p in s.prefixes for x in (p.keys, p.values)]
+    seen = set()
+    for t in range(6):
+        if t == 3:  # rows 3 and 5 now read fewer prefix tokens: a new layout
+            s = kv.trim(s, [0, 0, 0, 3 + 3, 0, 3 + 2])
+        k, v = mx.array(rand(rng, 6, H, 1, D)), mx.array(rand(rng, 6, H, 1, D))
+        s = kv.append(s, k, v)
+        seen.add(s.shared)
+        q = mx.array(rand(rng, 6, HQ, 1, D))
+        sx = s.suffix
+        mask = rows_mask(1, sx.left_pad, sx.ends, sx.capacity)
+        out = fn(q, sx.keys, sx.values, mask, *shared.view_arrays(s), *prefix)
+        want = kv.attend(kv.materialize(s), q, scale=0.5)
         np.testing.assert_allclose(np_of(out), np_of(want), atol=2e-5, rtol=1e-4)
-    assert len(traces) == 1
+    assert len(seen) == 2 and len(traces) == 1
 
 
 # --- quantized rows: the shared record against the same rows stored unshared ----------------

@@ -194,8 +194,9 @@ def test_bridge_cascade_traces_once_per_bucket_not_per_token(monkeypatch):
     assert len(traces) == 1
 
 
-def test_the_compiled_decoder_refuses_shared_rows_by_name():
+def test_the_compiled_decoder_refuses_quantized_shared_rows_by_name():
     model = llama_model(layers=2)
-    _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
-    with pytest.raises(kv.KVStateError, match="SharedState"):
+    states = bridge.make_states(model, 1, kv_bits=8, kv_group_size=32)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3]]), states)
+    with pytest.raises(kv.KVStateError, match="QuantizedState rows"):
         kv.compiled_decoder(model)(mx.array([1, 2]), kv.fork(states, 0, 1))

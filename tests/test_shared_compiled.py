@@ -1,0 +1,123 @@
+"""Shared-prefix rows through the compiled decoder (``kv.compiled_decoder``):
+the same logits and greedy tokens as the eager bridge on the same shared rows
+and as the compiled decoder on the same rows stored unshared (float32, CPU);
+one trace per capacity bucket, none per token, none when rows join and leave
+reading the same prefix records."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import VOCAB, llama_model, qwen3_model
+
+import kvstate as kv
+from kvstate import _decoder, shared
+from kvstate import mlx_lm as bridge
+
+ATOL = 5e-5
+
+
+def prompts_and_rows(model, rng, step=64):
+    """Six shared rows over two prefix records: three forks of a one-row prompt
+    (one trimmed into its prefix view) and a 2-row batch with one fork."""
+    p1 = rng.integers(0, VOCAB, 11).tolist()
+    p2 = rng.integers(0, VOCAB, 7).tolist()
+    _, one = bridge.forward(model, mx.array([p1]), bridge.make_states(model, 1))
+    _, two = bridge.forward(model, mx.array([p2, p2[::-1]]), bridge.make_states(model, 2))
+    a = [kv.trim(s, [0, 0, 4]) for s in kv.fork(one, 0, 2, step=step)]
+    b = kv.fork(two, 1, 1, step=step)
+    return one, [kv.merge_rows([x, y]) for x, y in zip(a, b)]
+
+
+def run(decode, model, first, states, steps):
+    """Greedy decode from ``first`` tokens: (logits per step, tokens, states)."""
+    seen, toks, tok = [], [], mx.array(first)
+    for _ in range(steps):
+        logits, states = decode(model, tok, states)
+        tok = mx.argmax(logits, axis=-1)
+        seen.append(logits)
+        toks.append(tok.tolist())
+    return seen, toks, states
+
+
+@pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
+def test_compiled_shared_decode_equals_eager_and_dense(make_model):
+    model = make_model()
+    rng = np.random.default_rng(1)
+    _, rows = prompts_and_rows(model, rng)
+    dense = [kv.materialize(s) for s in rows]
+    first = [5, 17, 17, 90, 3, 4]  # B = 6: padded to the bucket of 8 (blank shared rows)
+    dec_shared = _decoder.make_step(model)
+    dec_dense = _decoder.make_step(model)
+    got, got_toks, out = run(dec_shared, model, first, rows, 5)
+    eager, eager_toks, eager_out = run(bridge.step, model, first, rows, 5)
+    unshared, unshared_toks, _ = run(dec_dense, model, first, dense, 5)
+    for g, e, u in zip(got, eager, unshared):
+        np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.array(g), np.array(u), atol=ATOL, rtol=1e-5)
+    assert got_toks == eager_toks == unshared_toks
+    # The rows stay shared, rebuilt around the very same prefix records.
+    assert all(isinstance(s, kv.SharedState) for s in out)
+    assert all(a is b for s, r in zip(out, rows) for a, b in zip(s.prefixes, r.prefixes))
+    assert [s.lengths for s in out] == [s.lengths for s in eager_out]
+    assert dec_shared.decoder.traces == 1
+
+
+def test_no_retrace_per_token_and_none_when_rows_join_and_leave():
+    """Across suffix buckets: one trace per bucket. Rows leaving and fresh forks
+    of the same prompt joining (the batch within its bucket, the suffix within
+    its capacity): no trace, in the compiled decoder or the eager read."""
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(2)
+    one, rows = prompts_and_rows(model, rng, step=4)
+    decoder = kv.compiled_decoder(model, batch_buckets=(8,))
+    tok = mx.array([1, 2, 3, 4, 5, 6])
+    for _ in range(9):  # suffix rows of 1..9 tokens: capacity buckets 4, 8, 12
+        logits, rows = decoder(tok, rows)
+        tok = mx.argmax(logits, axis=-1)
+    assert decoder.traces == 3
+    assert all("new capacity bucket" in r for r in decoder.trace_reasons[1:])
+    bridge.step(model, tok, rows)  # (the eager read's trace for this shape)
+    eager_traces = shared.traces()
+    for joined in range(3):  # a row leaves, a new fork of the prompt joins
+        rows = [kv.filter_rows(s, [0, 2, 3, 4, 5]) for s in rows]
+        rows = [kv.merge_rows([s, f]) for s, f in zip(rows, kv.fork(one, 0, 0, step=4))]
+        assert rows[0].shared[-1] == 11 and rows[0].suffix.lengths[-1] == 0
+        tok = mx.concatenate([tok[:1], tok[2:], mx.array([7 + joined])])
+        logits, new = decoder(tok, rows)
+        want, _ = bridge.step(model, tok, rows)
+        np.testing.assert_allclose(np.array(logits), np.array(want), atol=ATOL, rtol=1e-5)
+        rows, tok = new, mx.argmax(logits, axis=-1)
+    assert decoder.traces == 3
+    assert shared.traces() == eager_traces
+
+
+def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
+    model = llama_model(layers=2)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
+    monkeypatch.setattr(_decoder, "_attention_modules", lambda model: set())
+    with pytest.raises(kv.KVStateError, match="bypassed"):
+        kv.compiled_decoder(model)(mx.array([4, 5]), kv.fork(states, 0, 1))
+
+
+
+@pytest.mark.slow
+def test_real_model_compiled_shared_decode_equals_eager_and_dense():
+    """SmolLM2-135M (float32, 30 layers): 4 forks of one prompt, 3 greedy steps (~15 s)."""
+    from kvstate import models
+
+    loaded = models.load_model(None, dequantize=True)
+    model = loaded.model
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    _, states = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
+    rows = kv.fork(states, 0, 3)
+    first = [1, 2, 3, 4]
+    got, got_toks, _ = run(_decoder.make_step(model), model, first, rows, 3)
+    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
+    dense = [kv.materialize(s) for s in rows]
+    unshared, unshared_toks, _ = run(_decoder.make_step(model), model, first, dense, 3)
+    for g, e, u in zip(got, eager, unshared):
+        np.testing.assert_allclose(np.array(g), np.array(e), atol=2e-3, rtol=1e-4)
+        np.testing.assert_allclose(np.array(g), np.array(u), atol=2e-3, rtol=1e-4)
+    assert got_toks == eager_toks == unshared_toks
