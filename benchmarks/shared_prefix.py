@@ -13,11 +13,22 @@ head dim 64), three ways: the rows stored unshared (``kv.attend`` on a
 loader): n samples of one prompt (peak KV bytes, time to first token, decode
 step), and R requests sharing a system prompt (prefill tokens, time to first
 token, peak KV bytes), with sharing on and off, and mlx-lm's
-``LRUPromptCache`` path for the shared system prompt.
+``LRUPromptCache`` path for the shared system prompt. With ``--compiled``
+each side's rows are also decoded by the compiled decoder
+(``kv.compiled_decoder``, one per side, kept across rounds) from the same
+rows and sampling keys: compiled shared against compiled unshared.
 
     python benchmarks/shared_prefix.py --part attention --rounds 7
-    python benchmarks/shared_prefix.py --part model --rounds 5
+    python benchmarks/shared_prefix.py --part model --rounds 5 --compiled
     python benchmarks/shared_prefix.py --part bytes     # peak KV bytes only, no forward
+    python benchmarks/shared_prefix.py --part traces --tiny  # traces of the shared read under churn
+
+``--part traces``: a server's churn over rows sharing one prompt: every
+step one row leaves and a new one joins, reading a different number of the
+prompt's tokens (as requests whose prompts match more or less of a cached
+prefix); counts the traces of the shared read (``shared.cascade_attention``
+calls: Python runs only while tracing) through the eager bridge and, where
+the compiled decoder takes shared rows, through it.
 """
 
 from __future__ import annotations
@@ -95,7 +106,9 @@ def attention_part(args):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["attention", "model", "bytes"], default="attention")
+    ap.add_argument(
+        "--part", choices=["attention", "model", "bytes", "traces"], default="attention"
+    )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
@@ -122,11 +135,18 @@ def main(argv=None):
     ap.add_argument("--user", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also decode each side's rows with the compiled decoder (model part)",
+    )
     args = ap.parse_args(argv)
     if args.part == "attention":
         attention_part(args)
     elif args.part == "bytes":
         bytes_part(args)
+    elif args.part == "traces":
+        traces_part(args)
     else:
         model_part(args)
 
@@ -155,29 +175,39 @@ def lm_bytes(caches) -> int:
     return sum(c.nbytes for c in caches)
 
 
-def decode(model, logits, states, steps, key):
-    """``steps`` sampled decode steps (temperature 0.8); returns the median step
-    time, the states and the peak KV bytes held."""
+def decode(model, logits, states, steps, key, step=None):
+    """``steps`` sampled decode steps (temperature 0.8) by ``step`` (default the
+    eager bridge's); returns the median step time, the states and the peak KV
+    bytes held."""
     from kvstate import mlx_lm as bridge
     from kvstate.shared import held_bytes
 
+    step = step or bridge.step
     times, peak = [], held_bytes(states)
     for _ in range(steps):
         key, k = mx.random.split(key)
         tok = mx.random.categorical(logits * (1 / 0.8), key=k)
         t = time.perf_counter()
-        logits, states = bridge.step(model, tok, states)
+        logits, states = step(model, tok, states)
         mx.eval(logits)
         times.append(time.perf_counter() - t)
         peak = max(peak, held_bytes(states))
     return statistics.median(times), states, peak
 
 
-def samples_round(model, prompt, ns, steps, seed):
+def compiled_decode(model, logits, states, steps, seed, compiled):
+    """The median compiled step time (``nan`` without ``compiled``: {side: step})."""
+    if compiled is None:
+        return float("nan")
+    return decode(model, logits, states, steps, mx.random.key(seed), compiled)[0]
+
+
+def samples_round(model, prompt, ns, steps, seed, compiled=None):
     """n samples of one prompt, for each n in ``ns``, three ways; each side
     prefills the prompt once per round (timed) and serves every n from it:
     TTFT = that prefill + the side's own fork or copies and first token.
-    Returns {(n, side): (ttft, step, peak bytes)}."""
+    ``compiled``: {side: compiled step}, each side's rows also decoded by it.
+    Returns {(n, side): (ttft, step, peak bytes, compiled step)}."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import LRUPromptCache
 
@@ -203,6 +233,7 @@ def samples_round(model, prompt, ns, steps, seed):
                     prefill_s + time.perf_counter() - t,
                     float("nan"),
                     lm_bytes(cache) + sum(lm_bytes(r) for r in rows),
+                    float("nan"),
                 )
                 del rows
             continue
@@ -220,15 +251,19 @@ def samples_round(model, prompt, ns, steps, seed):
             first = mx.argmax(rows, axis=-1)
             mx.eval(first, [p for s in states for p in s.planes])
             ttft = prefill_s + time.perf_counter() - t
+            cstep = compiled_decode(
+                model, rows, states, steps, seed, compiled and compiled[side]
+            )
             step, states, peak = decode(model, rows, states, steps, mx.random.key(seed))
-            out[(n, side)] = (ttft, step, peak)
+            out[(n, side)] = (ttft, step, peak, cstep)
             del states
     return out
 
 
-def system_round(model, system, users, steps, seed):
+def system_round(model, system, users, steps, seed, compiled=None):
     """R requests sharing a system prompt, served one after another then decoded
-    together. Returns {side: (mean ttft, prefill tokens, step, peak bytes)}."""
+    together. Returns {side: (mean ttft, prefill tokens, step, peak bytes,
+    compiled step)}."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import LRUPromptCache
 
@@ -257,7 +292,7 @@ def system_round(model, system, users, steps, seed):
                 lru.insert_cache("m", p, copy.deepcopy(cache))
                 running.append(cache)
             peak = sum(lm_bytes(r) for r in running) + lru.nbytes
-            out[side] = (statistics.mean(ttfts), ran, float("nan"), peak)
+            out[side] = (statistics.mean(ttfts), ran, float("nan"), peak, float("nan"))
             continue
         cache = PrefixCache(1 << 34) if side == "shared" else None
         rows, last, leases = [], [], []
@@ -277,12 +312,59 @@ def system_round(model, system, users, steps, seed):
         logits = mx.concatenate(last, axis=0)
         extra = [] if cache is None else cache.records()
         peak0 = held_bytes(list(states) + extra)
+        cstep = compiled_decode(model, logits, states, steps, seed, compiled and compiled[side])
         step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
         peak = max(peak0, peak + (held_bytes(list(states) + extra) - held_bytes(states)))
         for lease in leases:
             lease.release()
-        out[side] = (statistics.mean(ttfts), ran, step, peak)
+        out[side] = (statistics.mean(ttfts), ran, step, peak, cstep)
     return out
+
+
+def traces_part(args):
+    """Traces of the shared read while rows join and leave (see the module)."""
+    from kvstate import mlx_lm as bridge
+    from kvstate import shared
+
+    model, name = load(args)
+    real, count = shared.cascade_attention, [0]
+
+    def counted(*a, **k):
+        count[0] += 1  # Python runs only while tracing
+        return real(*a, **k)
+
+    shared.cascade_attention = counted
+    rng = np.random.default_rng(0)
+    prompt = tokens(rng, args.system, model.args.vocab_size)
+    _, base = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
+    B, steps = args.batch, args.steps
+    print(f"# traces: {name}, B={B}, prompt {args.system}, {steps} steps, one row in and out each")
+    sides = [("eager", bridge.step)]
+    try:
+        from kvstate._decoder import make_step
+
+        sides.append(("compiled", make_step(model)))
+    except ImportError:
+        pass
+    for side, step in sides:
+        count[0] = 0
+        rows = kv.fork(base, 0, B - 1)
+        tok = mx.array(tokens(rng, B, model.args.vocab_size))
+        try:
+            for t in range(steps):
+                logits, rows = step(model, tok, rows)
+                tok = mx.argmax(logits, axis=-1)
+                view = int(rng.integers(1, args.system + 1))  # the new row reads `view` tokens
+                new = [kv.trim(s, [args.system - view]) for s in kv.fork(base, 0, 0)]
+                keep = [r for r in range(B) if r != t % B]
+                rows = [kv.merge_rows([kv.filter_rows(s, keep), n]) for s, n in zip(rows, new)]
+                tok = mx.concatenate([tok[mx.array(keep)], tok[:1]])
+            mx.eval(tok)
+            d = getattr(step, "decoder", None)
+            why = "" if d is None else f"; decoder traces {d.traces}: {'; '.join(d.trace_reasons)}"
+            print(f"{side:9s} shared-read traces (layer calls): {count[0]} over {steps} steps{why}")
+        except kv.KVStateError as e:
+            print(f"{side:9s} refused: {e}")
 
 
 def bytes_part(args):
@@ -390,28 +472,34 @@ def model_part(args):
         f"# model: {name}, device={mx.default_device()}, rounds={args.rounds}, "
         f"decode steps={args.steps}"
     )
+    compiled = None
+    if args.compiled:
+        from kvstate._decoder import make_step
+
+        compiled = {side: make_step(model) for side in ("shared", "unshared")}
     res = {}
     for r in range(args.rounds):
-        for (n, side), v in samples_round(model, prompt, args.samples, args.steps, r).items():
+        got = samples_round(model, prompt, args.samples, args.steps, r, compiled)
+        for (n, side), v in got.items():
             res.setdefault(("samples", n, side), []).append(v)
         if args.requests:
-            for side, v in system_round(model, system, users, args.steps, r).items():
+            for side, v in system_round(model, system, users, args.steps, r, compiled).items():
                 res.setdefault(("system", args.requests, side), []).append(v)
         print(f"# round {r} done", flush=True)
     print(f"\n## n samples of one {args.prompt}-token prompt")
-    print("| n | side | peak KV bytes | / unshared | TTFT ms | decode step ms | step / unshared |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| n | side | peak KV bytes | / unshared | TTFT ms | decode step ms | step / unshared "
+        "| compiled step ms | compiled / unshared compiled |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in args.samples:
         base = res[("samples", n, "unshared")]
         for side in ("shared", "unshared", "mlx-lm LRU"):
             v = res[("samples", n, side)]
             peak = v[0][2]
-            steps = [x[1] for x in v]
-            sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[1] for x in base])
-            st = "-" if side == "mlx-lm LRU" else spread(steps)
             print(
                 f"| {n} | {side} | {peak} | {peak / base[0][2]:.3f} | "
-                f"{spread([x[0] for x in v])} | {st} | {sr} |"
+                f"{spread([x[0] for x in v])} | {steps_cells(side, v, base, 1, compiled)} |"
             )
     if args.requests:
         print(
@@ -420,19 +508,33 @@ def model_part(args):
         )
         print(
             "| side | tokens prefilled | peak KV bytes | / unshared | mean TTFT ms | "
-            "decode step ms | step / unshared |"
+            "decode step ms | step / unshared | compiled step ms | compiled / unshared compiled |"
         )
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         base = res[("system", args.requests, "unshared")]
         for side in ("shared", "unshared", "mlx-lm LRU"):
             v = res[("system", args.requests, side)]
-            steps = [x[2] for x in v]
-            sr = "-" if side == "mlx-lm LRU" else ratio_spread(steps, [x[2] for x in base])
-            st = "-" if side == "mlx-lm LRU" else spread(steps)
             print(
                 f"| {side} | {v[0][1]} | {v[0][3]} | {v[0][3] / base[0][3]:.3f} | "
-                f"{spread([x[0] for x in v])} | {st} | {sr} |"
+                f"{spread([x[0] for x in v])} | {steps_cells(side, v, base, 2, compiled)} |"
             )
+    if compiled:
+        for side, fn in compiled.items():
+            d = fn.decoder
+            print(f"# compiled {side}: {d.traces} traces: {'; '.join(d.trace_reasons)}")
+
+
+def steps_cells(side, v, base, i, compiled) -> str:
+    """The eager and compiled decode step cells of one table row (``i``: the
+    eager step's index in the row's tuple; the compiled step is the last)."""
+    cells = []
+    for j in (i, -1):
+        if side == "mlx-lm LRU" or (j == -1 and not compiled):
+            cells += ["-", "-"]
+            continue
+        steps = [x[j] for x in v]
+        cells += [spread(steps), ratio_spread(steps, [x[j] for x in base])]
+    return " | ".join(cells)
 
 
 if __name__ == "__main__":
