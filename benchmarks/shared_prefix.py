@@ -251,9 +251,7 @@ def samples_round(model, prompt, ns, steps, seed, compiled=None):
             first = mx.argmax(rows, axis=-1)
             mx.eval(first, [p for s in states for p in s.planes])
             ttft = prefill_s + time.perf_counter() - t
-            cstep = compiled_decode(
-                model, rows, states, steps, seed, compiled and compiled[side]
-            )
+            cstep = compiled_decode(model, rows, states, steps, seed, compiled and compiled[side])
             step, states, peak = decode(model, rows, states, steps, mx.random.key(seed))
             out[(n, side)] = (ttft, step, peak, cstep)
             del states

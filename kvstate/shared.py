@@ -544,9 +544,7 @@ def views_of(state: SharedState) -> tuple:
     many columns it reads. Host ints; the cascade takes them as int32 ``[B]``
     arrays (``view_arrays``), so a new layout (a fork, a filter, an admission)
     changes no shape and no compiled trace."""
-    starts = tuple(
-        state.prefixes[s].left_pad[r] for s, r in zip(state.source, state.prefix_row)
-    )
+    starts = tuple(state.prefixes[s].left_pad[r] for s, r in zip(state.source, state.prefix_row))
     return (state.source, state.prefix_row, starts, state.shared)
 
 
@@ -746,19 +744,12 @@ def _compiled_read(scale: float):
     """The shared read for one softmax scale, compiled (shapes and the number of
     prefix records are what it traces again for)."""
 
-    def fn(q, suffix_k, suffix_v, mask, left_pad, ends, source, rows, start, shared, *prefix):
+    def fn(q, suffix_k, suffix_v, mask, left_pad, ends, *arrays):
         _TRACES[0] += 1  # Python runs only while tracing
+        views, prefix = arrays[:4], arrays[4:]
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
-        return prefix_read(
-            q,
-            (suffix_k, suffix_v),
-            left_pad,
-            ends,
-            pairs,
-            (source, rows, start, shared),
-            scale=scale,
-            suffix_mask=mask,
-        )
+        suffix = (suffix_k, suffix_v)
+        return prefix_read(q, suffix, left_pad, ends, pairs, views, scale=scale, suffix_mask=mask)
 
     return mx.compile(fn)
 
@@ -867,7 +858,9 @@ def advanced_shared(state, n: int = 1) -> dict:
 
 
 def _suffix_view(view: compiled.Traced) -> compiled.Traced:
-    return compiled.Traced.of((view.planes, view.positions[:2]), view.proto.suffix)
+    """The suffix's own view (its proto's ``suffix`` is the suffix's ``Spec.key``)."""
+    proto: Any = view.proto
+    return compiled.Traced.of((view.planes, view.positions[:2]), proto.suffix)
 
 
 @compiled.traced_offset.register(SharedState)
@@ -898,9 +891,8 @@ def traced_read_shared(proto, view: compiled.Traced, q, scale, ctx: compiled.Tra
         pairs.append((view.held[i], view.held[i + 1]))
         i += count
     mask = ctx.shared(("shared-mask", N, C), (ends, lp), lambda: rows_mask(N, lp, ends, C))
-    return prefix_read(
-        q, view.planes, lp, ends, pairs, (source, rows, start, shared), scale=scale, suffix_mask=mask
-    )
+    views = (source, rows, start, shared)
+    return prefix_read(q, view.planes, lp, ends, pairs, views, scale=scale, suffix_mask=mask)
 
 
 @_buckets.blank_rows.register(SharedState)

@@ -101,7 +101,6 @@ def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
         kv.compiled_decoder(model)(mx.array([4, 5]), kv.fork(states, 0, 1))
 
 
-
 @pytest.mark.slow
 def test_real_model_compiled_shared_decode_equals_eager_and_dense():
     """SmolLM2-135M (float32, 30 layers): 4 forks of one prompt, 3 greedy steps (~15 s)."""
