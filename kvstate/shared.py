@@ -538,14 +538,29 @@ def next_mask_shared(state: SharedState, n, *, memo=None, window=None, array=Fal
 # --- the cascade read ---------------------------------------------------------------------------
 
 
+def readable(state: SharedState) -> tuple:
+    """The prefix records holding keys: what a read takes (an empty record is
+    read by no row: its rows' ``shared`` is 0)."""
+    return tuple(p for p in state.prefixes if p.planes)
+
+
 def views_of(state: SharedState) -> tuple:
-    """Per row, ``(source, prefix_row, start, shared)``: the prefix record it reads,
-    that record's row, the row's first column there (its ``left_pad``) and how
-    many columns it reads. Host ints; the cascade takes them as int32 ``[B]``
-    arrays (``view_arrays``), so a new layout (a fork, a filter, an admission)
-    changes no shape and no compiled trace."""
-    starts = tuple(state.prefixes[s].left_pad[r] for s, r in zip(state.source, state.prefix_row))
-    return (state.source, state.prefix_row, starts, state.shared)
+    """Per row, ``(source, prefix_row, start, shared)``: the record it reads (its
+    index in ``readable(state)``; -1, row 0, for an empty record), that
+    record's row, the row's first column there (its ``left_pad``) and how
+    many columns it reads. Host ints; the cascade takes them as int32
+    ``[B]`` arrays (``view_arrays``), so a new layout (a fork, a filter, an
+    admission) changes no shape and no compiled trace."""
+    index, i = [], 0
+    for p in state.prefixes:
+        index.append(i if p.planes else -1)
+        i += bool(p.planes)
+    source = tuple(index[s] for s in state.source)
+    rows = tuple(0 if s < 0 else r for s, r in zip(source, state.prefix_row))
+    starts = tuple(
+        0 if s < 0 else state.prefixes[t].left_pad[r] for s, t, r in zip(source, state.source, rows)
+    )
+    return (source, rows, starts, state.shared)
 
 
 def view_arrays(state: SharedState) -> tuple:
@@ -733,7 +748,7 @@ def read(state: SharedState, q, *, scale: float, memo=None, views=None):
             mx.array(left_pad, dtype=mx.int32),
             mx.array(ends, dtype=mx.int32),
             *views,
-            *[x for p in state.prefixes for x in (p.keys, p.values)],
+            *[x for p in readable(state) for x in (p.keys, p.values)],
         )
     finally:
         held.release()
@@ -782,7 +797,7 @@ class SharedSpec(compiled.Spec):
     def static(self) -> tuple:
         return (
             ("suffix", self.suffix.key),
-            ("prefixes", tuple((type(p), len(p.planes)) for p in self.prefixes)),
+            ("prefixes", tuple((type(p), len(p.planes)) for p in self.prefixes if p.planes)),
         )
 
     def replace(self, suffix=None, **fields) -> "SharedSpec":
@@ -828,7 +843,7 @@ def host_positions_shared(state):
 
 @compiled.held_planes.register(SharedState)
 def held_planes_shared(state):
-    return tuple(x for p in state.prefixes for x in p.planes)
+    return tuple(x for p in readable(state) for x in p.planes)
 
 
 @compiled.prepare.register(SharedState)

@@ -120,3 +120,24 @@ def test_real_model_compiled_shared_decode_equals_eager_and_dense():
         np.testing.assert_allclose(np.array(g), np.array(e), atol=2e-3, rtol=1e-4)
         np.testing.assert_allclose(np.array(g), np.array(u), atol=2e-3, rtol=1e-4)
     assert got_toks == eager_toks == unshared_toks
+
+
+def test_rows_reading_an_empty_prefix_record_decode_as_unshared():
+    """A row forked from an empty record (no tokens yet) beside rows reading a
+    prompt: it reads only its suffix, in both reads."""
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(4)
+    one, rows = prompts_and_rows(model, rng)
+    empty = kv.fork(bridge.make_states(model, 1), 0, 0)
+    rows = [kv.merge_rows([s, e]) for s, e in zip(rows, empty)]
+    assert len(rows[0].prefixes) == 3 and rows[0].shared[-1] == 0
+    first = [5, 17, 17, 90, 3, 4, 8]
+    got, got_toks, _ = run(_decoder.make_step(model), model, first, rows, 3)
+    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
+    for g, e in zip(got, eager):
+        np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
+    assert got_toks == eager_toks
+    # the row alone, through mlx-lm's own cache: the same logits
+    cache = bridge.make_states(model, 1)
+    alone, _ = bridge.step(model, mx.array([8]), cache)
+    np.testing.assert_allclose(np.array(got[0][-1]), np.array(alone[0]), atol=ATOL, rtol=1e-5)
