@@ -290,7 +290,8 @@ class Decoder:
             if lay not in layouts:
                 layouts[lay] = compiled.position_arrays(s)
             flat, spec = compiled.flatten(s, room=N, positions=layouts[lay])
-            flats.append(flat)
+            held = compiled.held_planes(s)  # (read, never written: a shared prefix)
+            flats.append((*flat, held) if held else flat)
             specs.append(spec)
             prepared.append(s)
         keys = tuple(sp.key for sp in specs)

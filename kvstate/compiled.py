@@ -114,17 +114,16 @@ class Spec:
 
 
 class Flat(NamedTuple):
-    """The array half of a flattened record: ``(planes, positions, held)``.
+    """The array half of a flattened record: ``(planes, positions)``.
 
     ``planes``: every stored array, each ``[B, H, C, *]``. ``positions``:
-    int32 ``[B]`` arrays (``host_positions``). ``held``: arrays the step
-    reads but never writes nor returns (``held_planes``: a shared prefix's
-    planes). A ``NamedTuple`` is a tuple to ``mx.compile``.
+    int32 ``[B]`` arrays (``host_positions``). A ``NamedTuple`` is a tuple to
+    ``mx.compile``. (Arrays a step reads but never writes, ``held_planes``,
+    travel beside it: ``Traced.of`` takes ``(planes, positions, held)``.)
     """
 
     planes: tuple
     positions: tuple
-    held: tuple = ()
 
 
 @singledispatch
@@ -199,7 +198,7 @@ def flatten(state: Any, *, room: int = 1, positions: tuple | None = None) -> tup
     state = prepare(state, room)
     if positions is None:
         positions = position_arrays(state)
-    return Flat(state.planes, tuple(positions), held_planes(state)), spec_of(state)
+    return Flat(state.planes, tuple(positions)), spec_of(state)
 
 
 def position_arrays(state) -> tuple:
@@ -212,8 +211,9 @@ def position_arrays(state) -> tuple:
 
 @singledispatch
 def held_planes(state) -> tuple:
-    """Arrays a compiled step reads from ``state`` but never writes (``Flat.held``):
-    none, unless the kind registers them (a ``SharedState``'s prefix planes)."""
+    """Arrays a compiled step reads from ``state`` but never writes nor returns
+    (the third item ``Traced.of`` takes): none, unless the kind registers
+    them (a ``SharedState``'s prefix planes)."""
     return ()
 
 
@@ -298,7 +298,8 @@ class Traced:
 
     @classmethod
     def of(cls, flat, key: tuple) -> "Traced":
-        """The view of ``flat`` for a record whose ``Spec.key`` is ``key``."""
+        """The view of ``flat`` (``(planes, positions)``, or ``(planes, positions,
+        held)``) for a record whose ``Spec.key`` is ``key``."""
         kind, static, same_end = key
         held = tuple(flat[2]) if len(flat) > 2 else ()
         return cls(proto_of(kind, static), tuple(flat[0]), tuple(flat[1]), same_end, held)
