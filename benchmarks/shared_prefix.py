@@ -63,7 +63,21 @@ def ratio_spread(a, b):
 
 
 def attention_part(args):
-    B, P, S, H, HQ, D = args.batch, args.prefix, args.suffix, args.kv_heads, args.heads, 64
+    for B in args.batch:
+        attention_read(args, B)
+
+
+def attention_read(args, B):
+    """One decode read of ``B`` rows sharing a prefix, five ways (see the module;
+    ``ragged``: ``kernels.ragged_attention`` over the unshared rows, what the
+    compiled decoder reads dense rows with on CUDA, the masked SDPA elsewhere;
+    ``shared read``: ``kv.attend`` on the ``SharedState``, which takes the
+    split-K kernel with a prefix source where it runs (``kernels.PREFIX_READ``
+    on CUDA), else the cascade; ``cascade``: the portable cascade alone)."""
+    from kvstate import kernels, shared
+    from kvstate.masks import rows_mask
+
+    P, S, H, HQ, D = args.prefix, args.suffix, args.kv_heads, args.heads, 64
     dtype = getattr(mx, args.dtype)
     rng = np.random.default_rng(0)
 
@@ -73,32 +87,50 @@ def attention_part(args):
     pk, pv = arr(1, H, P, D), arr(1, H, P, D)
     base = kv.append(kv.empty(1), pk, pv)
     sk, sv = arr(B, H, S, D), arr(B, H, S, D)
-    shared = kv.append(kv.fork(base, 0, B - 1), sk, sv)
+    forked = kv.append(kv.fork(base, 0, B - 1), sk, sv)
     unshared = kv.append(kv.filter_rows(base, [0] * B), sk, sv)
-    mx.eval(shared.suffix.planes, unshared.planes)
+    mx.eval(forked.suffix.planes, unshared.planes)
     q = arr(B, HQ, 1, D)
     scale = D**-0.5
+    sx = forked.suffix
+    lp, ends = (mx.array(x, dtype=mx.int32) for x in (unshared.left_pad, unshared.ends))
+    views = shared.view_arrays(forked)
+    mask = rows_mask(1, sx.left_pad, sx.ends, sx.capacity)
+    cascade = mx.compile(
+        lambda q, k, v, m, *a: shared.cascade_attention(
+            q, [(a[4], a[5])], a[:4], (k, v), m, scale=scale
+        )
+    )
     sides = {
         "unshared": lambda: kv.attend(unshared, q, scale=scale),
-        "cascade": lambda: kv.attend(shared, q, scale=scale),
-        "materialize": lambda: kv.attend(kv.materialize(shared), q, scale=scale),
+        "ragged": lambda: kernels.ragged_attention(
+            q, unshared.keys, unshared.values, lp, ends, scale=scale
+        ),
+        "shared read": lambda: kv.attend(forked, q, scale=scale),
+        "cascade": lambda: cascade(q, sx.keys, sx.values, mask, *views, pk, pv),
+        "materialize": lambda: kv.attend(kv.materialize(forked), q, scale=scale),
     }
-    np.testing.assert_allclose(
-        np.array(sides["cascade"]().astype(mx.float32)),
-        np.array(sides["unshared"]().astype(mx.float32)),
-        atol=2e-2 if dtype != mx.float32 else 1e-5,
-    )
-    times = {k: [] for k in sides}
+    want = np.array(sides["unshared"]().astype(mx.float32))
+    for k in sides:
+        np.testing.assert_allclose(
+            np.array(sides[k]().astype(mx.float32)),
+            want,
+            atol=2e-2 if dtype != mx.float32 else 1e-5,
+            err_msg=k,
+        )
+    times: dict = {k: [] for k in sides}
     for _ in range(args.rounds):
         for k, fn in sides.items():
             times[k].append(timed(fn, args.reps))
+    prefix_kernel = getattr(kernels, "PREFIX_READ", False) and kernels.kernel_available()
     print(
         f"# attention read, B={B} prefix={P} suffix={S} H={H} Hq={HQ} D={D} {args.dtype} "
-        f"device={mx.default_device()} rounds={args.rounds} reps={args.reps}"
+        f"device={mx.default_device()} rounds={args.rounds} reps={args.reps} "
+        f"shared read={'split-K kernel with a prefix source' if prefix_kernel else 'cascade'}"
     )
     print(
-        f"# KV bytes: unshared {unshared.nbytes}, shared {shared.nbytes} "
-        f"({shared.nbytes / unshared.nbytes:.3f} of unshared)"
+        f"# KV bytes: unshared {unshared.nbytes}, shared {forked.nbytes} "
+        f"({forked.nbytes / unshared.nbytes:.3f} of unshared)"
     )
     for k, xs in times.items():
         print(f"{k:12s} {spread(xs)}  / unshared {ratio_spread(xs, times['unshared'])}")
@@ -111,7 +143,7 @@ def main(argv=None):
     )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, nargs="+", default=[32])
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--suffix", type=int, default=32)
     ap.add_argument("--heads", type=int, default=9)
@@ -335,7 +367,7 @@ def traces_part(args):
     rng = np.random.default_rng(0)
     prompt = tokens(rng, args.system, model.args.vocab_size)
     _, base = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
-    B, steps = args.batch, args.steps
+    B, steps = args.batch[0], args.steps
     print(f"# traces: {name}, B={B}, prompt {args.system}, {steps} steps, one row in and out each")
     sides = [("eager", bridge.step)]
     try:
