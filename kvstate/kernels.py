@@ -15,33 +15,45 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .errors import check
 from .masks import rows_mask
 
 
-_KERNEL_SRC = r"""
-    constexpr int NT = 128;
+# The split pass. One block of NT threads per (split, row x KV head, query); LPK lanes
+# read one key row with 16-byte loads, so G = NT / LPK keys per group step, U steps
+# loaded before any is used (bytes in flight). A row is a *virtual* run of columns:
+# with a prefix (PFX), its first plen[b] columns are columns [pstart[b], +plen[b]) of
+# row prow[b] of the prefix planes pk/pv, then its own columns [lp[b], en[b]) of k/v.
+# Without one, just the latter. Query n of NQ stands at the run's column hi - 1.
+# The online softmax is updated once per U keys (one rescale per step, not per key).
+# EPILOGUE: the S partial results (po, pm, pl) for the merge, or with S == 1 the
+# normalised output itself (one launch).
+_SPLIT_BODY = r"""
     constexpr int ELEMS = 16 / sizeof(T);
     constexpr int LPK = D / ELEMS;
     constexpr int G = NT / LPK;
-    constexpr int U = 2;
     __shared__ float sm_m[G][REP];
     __shared__ float sm_l[G][REP];
     __shared__ float sm_o[G][REP][D];
 
     const int split = blockIdx.x;
     const int bh = blockIdx.y;
-    const int n = blockIdx.z;  // query n of the row's NQ (query NQ-1 is the newest)
+    const int n = blockIdx.z;
     const int b = bh / HKV;
     const int h = bh % HKV;
     const int tid = threadIdx.x;
     const int g = tid / LPK;
     const int lane = tid % LPK;
-    const int hi = en[b] - (NQ - 1 - n);  // one past the last column query n sees
-    const int lo = W > 0 ? max(lp[b], hi - W) : lp[b];
+    const int sl = lp[b];
+    const int plen_b = PLEN_B;
+    const int hi = plen_b + (en[b] - sl) - (NQ - 1 - n);  // one past query n's last column
+    const int lo = W > 0 ? max(0, hi - W) : 0;
     const int chunk = (hi - lo + S - 1) / S;
     const int start = lo + split * chunk;
     const int stop = min(start + chunk, hi);
     const float qs = scale[0];
+    // fast exp for 16-bit types; exact expf in float32 (the float32 tests compare at 1e-5)
+    auto ex = [](float x) { return sizeof(T) == 4 ? expf(x) : __expf(x); };
     float qf[REP][ELEMS];
     float m[REP], l[REP], o[REP][ELEMS];
     #pragma unroll
@@ -54,53 +66,61 @@ _KERNEL_SRC = r"""
         m[r] = -1e30f;
         l[r] = 0.f;
     }
-    const T* kb = k + (size_t)bh * CAP * D + lane * ELEMS;
-    const T* vb = v + (size_t)bh * CAP * D + lane * ELEMS;
-    // U keys per group per iteration: all loads first, for more bytes in flight.
-    for (int base = start; base < stop; base += U * G) {
-        float kf[U][ELEMS], vf[U][ELEMS];
-        bool ok[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = base + u * G + g;
-            ok[u] = j < stop;
-            if (ok[u]) {
-                uint4 rk = *reinterpret_cast<const uint4*>(kb + (size_t)j * D);
-                uint4 rv = *reinterpret_cast<const uint4*>(vb + (size_t)j * D);
-                const T* tk = reinterpret_cast<const T*>(&rk);
-                const T* tv = reinterpret_cast<const T*>(&rv);
-                #pragma unroll
-                for (int e = 0; e < ELEMS; ++e) {
-                    kf[u][e] = static_cast<float>(tk[e]);
-                    vf[u][e] = static_cast<float>(tv[e]);
+    // Columns [a, z) of the run, where run column j is row column j + off of kp/vp.
+    auto run = [&](const T* kp, const T* vp, int off, int a, int z) {
+        for (int base = a; base < z; base += U * G) {
+            uint4 rk[U], rv[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = base + u * G + g;
+                if (j < z) {
+                    rk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * D);
+                    rv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * D);
+                } else {
+                    rk[u] = make_uint4(0, 0, 0, 0);
+                    rv[u] = rk[u];
                 }
-            } else {
-                #pragma unroll
-                for (int e = 0; e < ELEMS; ++e) { kf[u][e] = 0.f; vf[u][e] = 0.f; }
             }
-        }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
+            float s[U][REP];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const T* tk = reinterpret_cast<const T*>(&rk[u]);
+                const bool ok = base + u * G + g < z;
+                #pragma unroll
+                for (int r = 0; r < REP; ++r) {
+                    float acc = 0.f;
+                    #pragma unroll
+                    for (int e = 0; e < ELEMS; ++e) acc += qf[r][e] * static_cast<float>(tk[e]);
+                    #pragma unroll
+                    for (int sh = LPK / 2; sh > 0; sh >>= 1)
+                        acc += __shfl_xor_sync(0xffffffff, acc, sh, LPK);
+                    s[u][r] = ok ? acc : __int_as_float(0xff800000);  // -inf
+                }
+            }
             #pragma unroll
             for (int r = 0; r < REP; ++r) {
-                float s = 0.f;
+                float mn = m[r];
                 #pragma unroll
-                for (int e = 0; e < ELEMS; ++e) s += qf[r][e] * kf[u][e];
+                for (int u = 0; u < U; ++u) mn = fmaxf(mn, s[u][r]);
+                const float a_ = ex(m[r] - mn);
+                l[r] *= a_;
                 #pragma unroll
-                for (int off = LPK / 2; off > 0; off >>= 1)
-                    s += __shfl_xor_sync(0xffffffff, s, off, LPK);
-                if (ok[u]) {
-                    const float mn = fmaxf(m[r], s);
-                    const float a = expf(m[r] - mn);
-                    const float p = expf(s - mn);
-                    l[r] = l[r] * a + p;
+                for (int e = 0; e < ELEMS; ++e) o[r][e] *= a_;
+                #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const float p = ex(s[u][r] - mn);
+                    const T* tv = reinterpret_cast<const T*>(&rv[u]);
+                    l[r] += p;
                     #pragma unroll
-                    for (int e = 0; e < ELEMS; ++e) o[r][e] = o[r][e] * a + p * vf[u][e];
-                    m[r] = mn;
+                    for (int e = 0; e < ELEMS; ++e) o[r][e] += p * static_cast<float>(tv[e]);
                 }
+                m[r] = mn;
             }
         }
-    }
+    };
+    PREFIX_RUN
+    run(k + (size_t)bh * CAP * D + lane * ELEMS, v + (size_t)bh * CAP * D + lane * ELEMS,
+        sl - plen_b, max(start, plen_b), stop);
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
         if (lane == 0) { sm_m[g][r] = m[r]; sm_l[g][r] = l[r]; }
@@ -115,15 +135,38 @@ _KERNEL_SRC = r"""
         for (int gg = 0; gg < G; ++gg) M = fmaxf(M, sm_m[gg][r]);
         float L = 0.f, O = 0.f;
         for (int gg = 0; gg < G; ++gg) {
-            const float w = expf(sm_m[gg][r] - M);
+            const float w = ex(sm_m[gg][r] - M);
             L += w * sm_l[gg][r];
             O += w * sm_o[gg][r][d];
         }
-        const size_t row = (((size_t)(b * HKV + h) * REP + r) * NQ + n) * S + split;
-        po[row * D + d] = O;
-        if (d == 0) { pm[row] = M; pl[row] = L; }
+        const size_t qrow = ((size_t)(b * HKV + h) * REP + r) * NQ + n;
+        EPILOGUE
     }
 """
+
+_PREFIX_RUN = r"""
+    if (start < plen_b) {
+        const size_t pbase = ((size_t)prow[b] * HKV + h) * PCAP * D + lane * ELEMS;
+        run(pk + pbase, pv + pbase, pstart[b], start, min(stop, plen_b));
+    }
+"""
+
+_EPILOGUE_SPLIT = r"""
+        const size_t row = qrow * S + split;
+        po[row * D + d] = O;
+        if (d == 0) { pm[row] = M; pl[row] = L; }
+"""
+
+_EPILOGUE_DIRECT = r"""
+        out[qrow * D + d] = static_cast<T>(O / L);
+"""
+
+
+def _split_source(prefix: bool, direct: bool) -> str:
+    src = _SPLIT_BODY.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
+    src = src.replace("PLEN_B", "plen[b]" if prefix else "0")
+    return src.replace("EPILOGUE", _EPILOGUE_DIRECT if direct else _EPILOGUE_SPLIT)
+
 
 _MERGE_SRC = r"""
     const int row = blockIdx.y;
@@ -144,21 +187,32 @@ _MERGE_SRC = r"""
 _kernels: dict = {}
 
 
-def _get_kernels():
-    if not _kernels:
-        _kernels["split"] = mx.fast.cuda_kernel(
-            name="kvstate_ragged_decode",
-            input_names=["q", "k", "v", "lp", "en", "scale"],
-            output_names=["po", "pm", "pl"],
-            source=_KERNEL_SRC,
+def _split_kernel(prefix: bool, direct: bool):
+    """The split pass (with a prefix source or not; partial results or, with one
+    split, the output itself), built once per variant."""
+    key = ("split", prefix, direct)
+    if key not in _kernels:
+        inputs = ["q", "k", "v", "lp", "en", "scale"]
+        if prefix:
+            inputs += ["pk", "pv", "prow", "pstart", "plen"]
+        _kernels[key] = mx.fast.cuda_kernel(
+            name="kvstate_ragged_decode" + ("_prefix" if prefix else "") + ("_1" if direct else ""),
+            input_names=inputs,
+            output_names=["out"] if direct else ["po", "pm", "pl"],
+            source=_split_source(prefix, direct),
         )
+    return _kernels[key]
+
+
+def _merge_kernel():
+    if "merge" not in _kernels:
         _kernels["merge"] = mx.fast.cuda_kernel(
             name="kvstate_ragged_merge",
             input_names=["po", "pm", "pl"],
             output_names=["out"],
             source=_MERGE_SRC,
         )
-    return _kernels
+    return _kernels["merge"]
 
 
 #: Most queries per row the kernel takes (a verify window); more go to the stock read.
@@ -171,19 +225,27 @@ TARGET_BLOCKS = 512
 MIN_SPLITS = 16
 #: Fewest columns a split reads (below this the merge costs more than the split saves).
 MIN_SPLIT = 64
+#: Threads per block of the split pass.
+THREADS = 128
+#: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL).
+UNROLL = 4
+#: Shared memory the split pass may use for its in-block combine (static limit).
+_SMEM = 48 * 1024
 
 
 def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
     """Key splits per (row, KV head, query): from the rows' longest span of
     columns ``span`` (the capacity bucket in a compiled step, which is within
-    one ``step`` of the longest row) and the blocks the other axes give.
+    one ``step`` of the longest row, plus a prefix's columns) and the blocks
+    the other axes give.
 
     ``B * H * N * S`` aims at ``TARGET_BLOCKS`` with at least ``MIN_SPLITS``
     splits (so one row at B=1 is spread over 64 splits per head, and B=32
     still gets 16), and no split reads fewer than ``MIN_SPLIT`` columns of
     the span. Inside the kernel each row divides its own length, so a short
-    row's splits are short. The constants come from the split sweep in
-    ``benchmarks/suite.py --micro`` (``notes/gpu.md``).
+    row's splits are short. One split is read in one launch (no merge). The
+    constants come from the split sweep in ``benchmarks/suite.py --micro``
+    (``notes/gpu.md``).
     """
     want = max(MIN_SPLITS, TARGET_BLOCKS // max(1, B * H * N))
     return max(1, min(256, want, span // MIN_SPLIT))
@@ -215,9 +277,10 @@ def kernel_fits(q, k) -> bool:
 
 def decode_read(N: int, q=None, k=None) -> str:
     """THE choice of attention read over a fixed-capacity buffer (a compiled
-    decode or verify step), in one place: ``"kernel"`` (``ragged_attention``'s
-    split-K kernel: only the valid columns, no mask) or ``"masked"`` (the
-    stock fused SDPA with a per-row bool mask over the capacity).
+    decode or verify step, or shared-prefix rows), in one place: ``"kernel"``
+    (``ragged_attention``'s split-K kernel: only the valid columns, no mask)
+    or ``"masked"`` (the stock fused SDPA with a per-row bool mask over the
+    capacity; with a prefix, over the gathered prefix columns too).
 
     The stock fused SDPA *without* a mask (mlx-lm's read of aligned rows, and
     the eager bridge's: its fetch cuts aligned rows to their exact width, so
@@ -236,7 +299,49 @@ def decode_read(N: int, q=None, k=None) -> str:
     return "kernel" if kernel_available() and fits else "masked"
 
 
-def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0, splits: int = 0):
+def _prefix_fits(prefix, k) -> bool:
+    pk, pv = prefix[0], prefix[1]
+    return (
+        pk.dtype == k.dtype
+        and pk.shape == pv.shape
+        and pk.ndim == 4
+        and pk.shape[1] == k.shape[1]
+        and pk.shape[3] == k.shape[3]
+    )
+
+
+def _prefix_reference(q, k, v, left_pad, ends, prefix, scale):
+    """``ragged_attention`` with a prefix by the stock path: each row's prefix
+    columns gathered in front of its own buffer, one masked fused SDPA."""
+    pk, pv, rows, starts, lens = prefix
+    B, N = q.shape[0], q.shape[2]
+    H, Cp, D = pk.shape[1], pk.shape[2], pk.shape[3]
+    cols = mx.clip(starts[:, None] + mx.arange(Cp, dtype=mx.int32)[None], 0, Cp - 1)
+    index = mx.broadcast_to(cols[:, None, :, None], (B, H, Cp, D))
+    gk = mx.take_along_axis(pk[rows], index, axis=2)
+    gv = mx.take_along_axis(pv[rows], index, axis=2)
+    seen = mx.arange(Cp, dtype=mx.int32)[None] < lens[:, None]  # [B, Cp]
+    seen = mx.broadcast_to(seen[:, None, None, :], (B, 1, N, Cp))
+    mask = mx.concatenate([seen, rows_mask(N, left_pad, ends, k.shape[2])], axis=-1)
+    keys = mx.concatenate([gk, k], axis=2)
+    values = mx.concatenate([gv, v], axis=2)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def ragged_attention(
+    q,
+    k,
+    v,
+    left_pad,
+    ends,
+    *,
+    scale: float,
+    window: int = 0,
+    splits: int = 0,
+    prefix=None,
+    threads: int = 0,
+    unroll: int = 0,
+):
     """Attention of each row's last ``N`` positions over its own columns.
 
     ``q`` ``[B, Hq, N, D]`` (``N`` <= ``MAX_QUERIES``), ``k``/``v`` ``[B, H, C, D]``
@@ -249,36 +354,71 @@ def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0, 
     row whose held entries fill columns ``[0, held)`` reads with
     ``left_pad=0, ends=held`` (one query). The caller guarantees
     ``0 <= left_pad <= ends - N`` and ``ends <= C``.
-    ``splits`` overrides ``splits_for`` (for measurements).
+
+    Args:
+        prefix: shared-prefix rows (``kvstate.shared``): ``(pk, pv, rows,
+            starts, lens)``, ``pk``/``pv`` ``[P, H, Cp, D]`` one prefix
+            record's planes (``k``'s dtype, never written), ``rows``,
+            ``starts``, ``lens`` int32 ``[B]``: row ``b`` first reads columns
+            ``[starts[b], starts[b] + lens[b])`` of prefix row ``rows[b]``
+            (``lens`` may be 0), all visible to every query, then its own
+            columns as above, in the same launches: the split pass divides
+            each row's whole run, so the prefix is read from one buffer
+            (hot in L2 for the rows that share it). ``window`` must be 0;
+            the queries stand in the row's own columns (``N <= ends -
+            left_pad``). Off CUDA, the gathered columns and one masked SDPA.
+        splits: overrides ``splits_for`` (for measurements); 1 is one launch.
+        threads, unroll: override ``THREADS`` / ``UNROLL`` (for measurements).
     """
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
-    if decode_read(N, q, k) != "kernel":
+    if prefix is not None:
+        check(window == 0, "window", "0 with a prefix (no windowed shared read)", window)
+        check(len(prefix) == 5, "prefix", "(pk, pv, rows, starts, lens)", len(prefix))
+    if decode_read(N, q, k) != "kernel" or (prefix is not None and not _prefix_fits(prefix, k)):
+        if prefix is not None:
+            return _prefix_reference(q, k, v, left_pad, ends, prefix, scale)
         mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     rep = Hq // H
-    S = splits or splits_for(B, H, C, N)
-    kern = _get_kernels()
+    span = C + (prefix[0].shape[2] if prefix is not None else 0)
+    S = splits or splits_for(B, H, span, N)
+    NT = threads or THREADS
+    lanes = D * k.dtype.size // 16
+    if (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
+        NT = THREADS
     if q.dtype != k.dtype:
         q = q.astype(k.dtype)
-    po, pm, pl = kern["split"](
-        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32)],
-        template=[
-            ("T", k.dtype),
-            ("D", D),
-            ("REP", rep),
-            ("HKV", H),
-            ("S", S),
-            ("CAP", C),
-            ("NQ", N),
-            ("W", int(window)),
-        ],
-        grid=(128 * S, B * H, N),
-        threadgroup=(128, 1, 1),
+    inputs = [q, k, v, left_pad, ends, mx.array([scale], mx.float32)]
+    template = [
+        ("T", k.dtype),
+        ("D", D),
+        ("REP", rep),
+        ("HKV", H),
+        ("S", S),
+        ("CAP", C),
+        ("NQ", N),
+        ("W", int(window)),
+        ("NT", NT),
+        ("U", unroll or UNROLL),
+    ]
+    if prefix is not None:
+        pk, pv, rows, starts, lens = prefix
+        inputs += [pk, pv, rows, starts, lens]
+        template.append(("PCAP", pk.shape[2]))
+    launch = dict(inputs=inputs, template=template, grid=(NT * S, B * H, N))
+    launch["threadgroup"] = (NT, 1, 1)
+    if S == 1:  # one split: the split pass writes the output (one launch)
+        (out,) = _split_kernel(prefix is not None, True)(
+            **launch, output_shapes=[(B, Hq, N, D)], output_dtypes=[k.dtype]
+        )
+        return out
+    po, pm, pl = _split_kernel(prefix is not None, False)(
+        **launch,
         output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    (out,) = kern["merge"](
+    (out,) = _merge_kernel()(
         inputs=[po, pm, pl],
         template=[("T", k.dtype), ("D", D), ("S", S)],
         grid=(D, B * Hq * N, 1),
@@ -287,6 +427,10 @@ def ragged_attention(q, k, v, left_pad, ends, *, scale: float, window: int = 0, 
         output_dtypes=[k.dtype],
     )
     return out
+
+
+#: ``ragged_attention`` takes ``prefix=`` (shared-prefix rows; ``kvstate.shared`` checks it).
+PREFIX_READ = True
 
 
 def folded_attention(q, k, v, scale: float, mask=None):

@@ -71,12 +71,23 @@ def test_kernel_equals_masked_sdpa(rows, gqa, D, N, window):
     assert _rel(got, want) < BF16_RTOL
 
 
-@pytest.mark.parametrize("splits", [1, 3, 64])
-def test_kernel_in_float32_is_exact_for_any_split(splits):
+@pytest.mark.parametrize(
+    "splits,threads,unroll", [(1, 128, 4), (3, 128, 2), (64, 128, 4), (1, 256, 8), (5, 256, 1)]
+)
+def test_kernel_in_float32_is_exact_for_any_split(splits, threads, unroll):
+    """Any split count (one split: the single-launch read), block size and unroll."""
     lp, en = ROWS["ragged"]
     q, k, v = _data(4, 8, 2, 160, 64, 3, mx.float32, seed=splits)
     got = kernels.ragged_attention(
-        q, k, v, mx.array(lp, mx.int32), mx.array(en, mx.int32), scale=0.125, splits=splits
+        q,
+        k,
+        v,
+        mx.array(lp, mx.int32),
+        mx.array(en, mx.int32),
+        scale=0.125,
+        splits=splits,
+        threads=threads,
+        unroll=unroll,
     )
     # the reference in float64 on the host (MLX CUDA's masked SDPA uses TF32 matmuls)
     qn, kn, vn = (np.array(x, dtype=np.float64) for x in (q, k, v))
