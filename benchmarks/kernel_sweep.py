@@ -77,128 +77,134 @@ def report(title, res, kv_bytes, bw):
 
 
 def shape_part(args, bw):
-    Hq, H, D, dt = 32, 8, 64, mx.bfloat16
     for B in args.batch:
         for ctx in args.context:
             for layout in ("aligned", "ragged"):
-                C = ctx + 256
-                q = mx.random.normal((B, Hq, 1, D)).astype(dt)
-                k = mx.random.normal((B, H, C, D)).astype(dt)
-                v = mx.random.normal((B, H, C, D)).astype(dt)
-                lens = (
-                    [ctx] * B
-                    if layout == "aligned"
-                    else [ctx - (ctx // 4) * i // max(1, B - 1) for i in range(B)]
-                )
-                lp = mx.array([ctx - n for n in lens], mx.int32)
-                en = mx.array([ctx] * B, mx.int32)
-                kw, vw = k[:, :, :ctx], v[:, :, :ctx]
-                mx.eval(q, k, v, kw, vw)
-                s = D**-0.5
-                cases = {}
-                if layout == "aligned":
-                    cases["sdpa, no mask, exact width"] = lambda: (
-                        mx.fast.scaled_dot_product_attention(q, kw, vw, scale=s)
-                    )
-                else:
-                    m = rows_mask(1, lp, en, ctx)
-                    mx.eval(m)
-                    cases["sdpa, bool mask, exact width"] = lambda: (
-                        mx.fast.scaled_dot_product_attention(q, kw, vw, scale=s, mask=m)
-                    )
-                auto = kernels.splits_for(B, H, C)
-                variants = [(auto, 0, 0)] + [
-                    (S, nt, u)
-                    for S in sorted({auto, *args.splits})
-                    for nt in args.threads
-                    for u in args.unroll
-                    if (S, nt, u) != (auto, kernels.THREADS, kernels.UNROLL)
-                ]
-                for S, nt, u in variants:
-                    name = (
-                        f"kernel auto (S={S} NT={kernels.THREADS} U={kernels.UNROLL})"
-                        if nt == 0
-                        else f"kernel S={S} NT={nt} U={u}"
-                    )
-                    cases[name] = (
-                        lambda S=S, nt=nt, u=u: kernels.ragged_attention(
-                            q, k, v, lp, en, scale=s, splits=S, threads=nt, unroll=u
-                        )
-                    )
-                res = interleaved(cases, args.rounds, args.reps)
-                report(f"B={B} ctx={ctx} {layout}", res, sum(lens) * H * D * 2 * 2, bw)
+                shape_case(args, bw, B, ctx, layout)
+
+
+def shape_case(args, bw, B, ctx, layout):
+    Hq, H, D, dt = 32, 8, 64, mx.bfloat16
+    C = ctx + 256
+    q = mx.random.normal((B, Hq, 1, D)).astype(dt)
+    k = mx.random.normal((B, H, C, D)).astype(dt)
+    v = mx.random.normal((B, H, C, D)).astype(dt)
+    lens = (
+        [ctx] * B
+        if layout == "aligned"
+        else [ctx - (ctx // 4) * i // max(1, B - 1) for i in range(B)]
+    )
+    lp = mx.array([ctx - n for n in lens], mx.int32)
+    en = mx.array([ctx] * B, mx.int32)
+    kw, vw = k[:, :, :ctx], v[:, :, :ctx]
+    mx.eval(q, k, v, kw, vw)
+    s = D**-0.5
+    cases = {}
+    if layout == "aligned":
+        cases["sdpa, no mask, exact width"] = lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s
+        )
+    else:
+        m = rows_mask(1, lp, en, ctx)
+        mx.eval(m)
+        cases["sdpa, bool mask, exact width"] = lambda: mx.fast.scaled_dot_product_attention(
+            q, kw, vw, scale=s, mask=m
+        )
+    auto = kernels.splits_for(B, H, C)
+    variants = [(auto, 0, 0)] + [
+        (S, nt, u)
+        for S in sorted({auto, *args.splits})
+        for nt in args.threads
+        for u in args.unroll
+        if (S, nt, u) != (auto, kernels.THREADS, kernels.UNROLL)
+    ]
+    for S, nt, u in variants:
+        name = (
+            f"kernel auto (S={S} NT={kernels.THREADS} U={kernels.UNROLL})"
+            if nt == 0
+            else f"kernel S={S} NT={nt} U={u}"
+        )
+        cases[name] = lambda S=S, nt=nt, u=u: kernels.ragged_attention(
+            q, k, v, lp, en, scale=s, splits=S, threads=nt, unroll=u
+        )
+    res = interleaved(cases, args.rounds, args.reps)
+    report(f"B={B} ctx={ctx} {layout}", res, sum(lens) * H * D * 2 * 2, bw)
 
 
 def prefix_part(args, bw):
+    for B in args.batch:
+        prefix_case(args, bw, B)
+
+
+def prefix_case(args, bw, B):
     Hq, H, D, dt = args.heads, args.kv_heads, 64, mx.bfloat16
     P, Sx = args.prefix, args.suffix
-    for B in args.batch:
-        pk = mx.random.normal((1, H, P, D)).astype(dt)
-        pv = mx.random.normal((1, H, P, D)).astype(dt)
-        base = kv.append(kv.empty(1), pk, pv)
-        sk = mx.random.normal((B, H, Sx, D)).astype(dt)
-        sv = mx.random.normal((B, H, Sx, D)).astype(dt)
-        st = kv.append(kv.fork(base, 0, B - 1), sk, sv)
-        un = kv.append(kv.filter_rows(base, [0] * B), sk, sv)
-        q = mx.random.normal((B, Hq, 1, D)).astype(dt)
-        s = D**-0.5
-        p = st.prefixes[0]
-        sx = st.suffix
-        i32 = mx.int32
-        prefix = (
-            p.keys,
-            p.values,
-            mx.array(st.prefix_row, i32),
-            mx.array([p.left_pad[r] for r in st.prefix_row], i32),
-            mx.array(st.shared, i32),
+    pk = mx.random.normal((1, H, P, D)).astype(dt)
+    pv = mx.random.normal((1, H, P, D)).astype(dt)
+    base = kv.append(kv.empty(1), pk, pv)
+    sk = mx.random.normal((B, H, Sx, D)).astype(dt)
+    sv = mx.random.normal((B, H, Sx, D)).astype(dt)
+    st = kv.append(kv.fork(base, 0, B - 1), sk, sv)
+    un = kv.append(kv.filter_rows(base, [0] * B), sk, sv)
+    q = mx.random.normal((B, Hq, 1, D)).astype(dt)
+    s = D**-0.5
+    p = st.prefixes[0]
+    sx = st.suffix
+    i32 = mx.int32
+    prefix = (
+        p.keys,
+        p.values,
+        mx.array(st.prefix_row, i32),
+        mx.array([p.left_pad[r] for r in st.prefix_row], i32),
+        mx.array(st.shared, i32),
+    )
+    slp, sen = mx.array(sx.left_pad, i32), mx.array(sx.ends, i32)
+    ulp, uen = mx.array(un.left_pad, i32), mx.array(un.ends, i32)
+    uk, uv = un.keys[:, :, : P + Sx], un.values[:, :, : P + Sx]
+    groups = shared.prefix_groups(st)
+    pairs = shared.group_kv(st, groups)
+    smask = rows_mask(1, sx.left_pad, sx.ends, sx.capacity)
+    mx.eval(q, sx.keys, sx.values, un.keys, un.values, uk, uv, smask, *prefix)
+    cascade = mx.compile(
+        lambda q, a, b, m, *kv_: shared.cascade_attention(
+            q,
+            [(kv_[i], kv_[i + 1]) for i in range(0, len(kv_), 2)],
+            tuple(g[2] for g in groups),
+            st.shared,
+            (a, b),
+            m,
+            scale=s,
         )
-        slp, sen = mx.array(sx.left_pad, i32), mx.array(sx.ends, i32)
-        ulp, uen = mx.array(un.left_pad, i32), mx.array(un.ends, i32)
-        uk, uv = un.keys[:, :, : P + Sx], un.values[:, :, : P + Sx]
-        groups = shared.prefix_groups(st)
-        pairs = shared.group_kv(st, groups)
-        smask = rows_mask(1, sx.left_pad, sx.ends, sx.capacity)
-        mx.eval(q, sx.keys, sx.values, un.keys, un.values, uk, uv, smask, *prefix)
-        cascade = mx.compile(
-            lambda q, a, b, m, *kv_: shared.cascade_attention(
-                q,
-                [(kv_[i], kv_[i + 1]) for i in range(0, len(kv_), 2)],
-                tuple(g[2] for g in groups),
-                st.shared,
-                (a, b),
-                m,
-                scale=s,
-            )
-        )
-        flat = [x for pair in pairs for x in pair]
-        cases = {
-            "unshared: sdpa, no mask, exact width": lambda: mx.fast.scaled_dot_product_attention(
-                q, uk, uv, scale=s
-            ),
-            "unshared: kernel": lambda: kernels.ragged_attention(
-                q, un.keys, un.values, ulp, uen, scale=s
-            ),
-            "shared: cascade (compiled)": lambda: cascade(q, sx.keys, sx.values, smask, *flat),
-            "shared: kernel with prefix": lambda: kernels.ragged_attention(
-                q, sx.keys, sx.values, slp, sen, scale=s, prefix=prefix
-            ),
-            "shared: kernel with prefix, 1 split": lambda: kernels.ragged_attention(
-                q, sx.keys, sx.values, slp, sen, scale=s, prefix=prefix, splits=1
-            ),
-            "shared: materialize + sdpa": lambda: kv.attend(kv.materialize(st), q, scale=s),
-        }
-        want = cases["unshared: sdpa, no mask, exact width"]().astype(mx.float32)
-        for name in ("shared: cascade (compiled)", "shared: kernel with prefix"):
-            err = mx.abs(cases[name]().astype(mx.float32) - want).max().item()
-            print(f"# B={B} {name}: max |diff| vs unshared sdpa {err:.2e}")
-        res = interleaved(cases, args.rounds, args.reps)
-        report(
-            f"prefix B={B} P={P} suffix={Sx} Hq={Hq} H={H} D={D} bf16 "
-            f"(S auto {kernels.splits_for(B, H, P + sx.capacity)})",
-            res,
-            B * (P + Sx) * H * D * 2 * 2,
-            bw,
-        )
+    )
+    flat = [x for pair in pairs for x in pair]
+    cases = {
+        "unshared: sdpa, no mask, exact width": lambda: mx.fast.scaled_dot_product_attention(
+            q, uk, uv, scale=s
+        ),
+        "unshared: kernel": lambda: kernels.ragged_attention(
+            q, un.keys, un.values, ulp, uen, scale=s
+        ),
+        "shared: cascade (compiled)": lambda: cascade(q, sx.keys, sx.values, smask, *flat),
+        "shared: kernel with prefix": lambda: kernels.ragged_attention(
+            q, sx.keys, sx.values, slp, sen, scale=s, prefix=prefix
+        ),
+        "shared: kernel with prefix, 1 split": lambda: kernels.ragged_attention(
+            q, sx.keys, sx.values, slp, sen, scale=s, prefix=prefix, splits=1
+        ),
+        "shared: materialize + sdpa": lambda: kv.attend(kv.materialize(st), q, scale=s),
+    }
+    want = cases["unshared: sdpa, no mask, exact width"]().astype(mx.float32)
+    for name in ("shared: cascade (compiled)", "shared: kernel with prefix"):
+        err = mx.abs(cases[name]().astype(mx.float32) - want).max().item()
+        print(f"# B={B} {name}: max |diff| vs unshared sdpa {err:.2e}")
+    res = interleaved(cases, args.rounds, args.reps)
+    report(
+        f"prefix B={B} P={P} suffix={Sx} Hq={Hq} H={H} D={D} bf16 "
+        f"(S auto {kernels.splits_for(B, H, P + sx.capacity)})",
+        res,
+        B * (P + Sx) * H * D * 2 * 2,
+        bw,
+    )
 
 
 def main(argv=None):

@@ -285,7 +285,7 @@ def kernel_check(model, dtype, B=8, ctx=2048):
     return out
 
 
-def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(16, 64, 256)):
+def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(1, 16, 64)):
     """Per-layer attention read at B rows x ctx (``layout`` rows): microseconds per
     call of each candidate read, and the valid KV bytes it must read."""
     a = model.args

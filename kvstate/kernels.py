@@ -217,18 +217,23 @@ def _merge_kernel():
 
 #: Most queries per row the kernel takes (a verify window); more go to the stock read.
 MAX_QUERIES = 8
-#: Blocks a read aims for (B * H * N * S): measured on the H200 (``notes/gpu.md``), about
-#: 512 blocks of 128 threads beat 4096: a split's merge costs more than the extra waves save.
+#: Blocks a split read aims for (B * H * N * S): measured on the H200 (``notes/gpu.md``),
+#: about 512 blocks beat 4096: a split's merge costs more than the extra waves save.
 TARGET_BLOCKS = 512
-#: Fewest splits per (row, head, query) when the span allows them (measured: 16 was the best
-#: of 16/64/256 at B=8 and B=32 for 2K-32K columns).
-MIN_SPLITS = 16
+#: (row, KV head, query) blocks from which one split per block fills the GPU: one launch,
+#: no merge (measured: B=32 x 8 heads read 8K columns in 176-184 us at one split, 203-215
+#: at 16; ``notes/gpu.md``).
+SINGLE_ROWS = 128
+#: Longest span read in one split whatever the batch (measured: one row of 2K columns per
+#: head reads in 33-39 us in one launch against 39-44 us split 36 ways; 8K needs splits).
+SINGLE_SPAN = 2560
 #: Fewest columns a split reads (below this the merge costs more than the split saves).
 MIN_SPLIT = 64
-#: Threads per block of the split pass.
-THREADS = 128
-#: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL).
-UNROLL = 4
+#: Threads per block of the split pass (measured: 256 beat 128 at every shape swept).
+THREADS = 256
+#: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL;
+#: measured: 2 beat 1, 4 and 8 at 256 threads).
+UNROLL = 2
 #: Shared memory the split pass may use for its in-block combine (static limit).
 _SMEM = 48 * 1024
 
@@ -239,16 +244,18 @@ def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
     one ``step`` of the longest row, plus a prefix's columns) and the blocks
     the other axes give.
 
-    ``B * H * N * S`` aims at ``TARGET_BLOCKS`` with at least ``MIN_SPLITS``
-    splits (so one row at B=1 is spread over 64 splits per head, and B=32
-    still gets 16), and no split reads fewer than ``MIN_SPLIT`` columns of
-    the span. Inside the kernel each row divides its own length, so a short
-    row's splits are short. One split is read in one launch (no merge). The
-    constants come from the split sweep in ``benchmarks/suite.py --micro``
-    (``notes/gpu.md``).
+    One split (one launch, no merge) when ``B * H * N`` blocks fill the GPU
+    (``SINGLE_ROWS``) or the span is short (``SINGLE_SPAN``); otherwise
+    ``B * H * N * S`` aims at ``TARGET_BLOCKS`` (so one row of 8K columns at
+    B=1 is spread over 64 splits per head), at least 2, and no split reads
+    fewer than ``MIN_SPLIT`` columns. Inside the kernel each row divides its
+    own length, so a short row's splits are short. The constants come from
+    the sweeps of ``benchmarks/kernel_sweep.py`` on the H200 (``notes/gpu.md``).
     """
-    want = max(MIN_SPLITS, TARGET_BLOCKS // max(1, B * H * N))
-    return max(1, min(256, want, span // MIN_SPLIT))
+    rows = max(1, B * H * N)
+    if rows >= SINGLE_ROWS or span <= SINGLE_SPAN:
+        return 1
+    return max(1, min(256, max(2, TARGET_BLOCKS // rows), span // MIN_SPLIT))
 
 
 def kernel_available(dtype=None) -> bool:

@@ -54,21 +54,25 @@ ROWS = {  # name -> (left_pad, ends) for B=4 rows in a capacity of 160
 }
 
 
-@pytest.mark.parametrize("rows", sorted(ROWS))
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("N", [1, 2, 5, 8])
-@pytest.mark.parametrize("window", [0, 24])
-def test_kernel_equals_masked_sdpa(rows, gqa, D, N, window):
-    lp, en = ROWS[rows]
+@pytest.mark.parametrize("window,splits", [(0, 0), (24, 0), (0, 4)])
+def test_kernel_equals_masked_sdpa(gqa, D, N, window, splits):
+    """Ragged, padded and spare-column rows; one launch (the split count these
+    shapes get) and split + merge (4 splits)."""
     H, C = 2, 160
-    q, k, v = _data(len(en), H * gqa, H, C, D, N, mx.bfloat16, seed=gqa * 100 + D + N)
-    lp_a, en_a = mx.array(lp, mx.int32), mx.array(en, mx.int32)
+    q, k, v = _data(4, H * gqa, H, C, D, N, mx.bfloat16, seed=gqa * 100 + D + N)
     scale = D**-0.5
-    got = kernels.ragged_attention(q, k, v, lp_a, en_a, scale=scale, window=window)
-    want = _masked(q, k, v, rows_mask(N, lp, en, C, window=window or None), scale)
-    assert got.shape == q.shape and got.dtype == mx.bfloat16
-    assert _rel(got, want) < BF16_RTOL
+    for rows in sorted(ROWS):
+        lp, en = ROWS[rows]
+        lp_a, en_a = mx.array(lp, mx.int32), mx.array(en, mx.int32)
+        got = kernels.ragged_attention(
+            q, k, v, lp_a, en_a, scale=scale, window=window, splits=splits
+        )
+        want = _masked(q, k, v, rows_mask(N, lp, en, C, window=window or None), scale)
+        assert got.shape == q.shape and got.dtype == mx.bfloat16, rows
+        assert _rel(got, want) < BF16_RTOL, rows
 
 
 @pytest.mark.parametrize(
@@ -114,10 +118,11 @@ def test_kernel_reads_ring_rows(gqa, D):
 
 
 def test_splits_fill_the_gpu_at_any_batch():
-    assert kernels.splits_for(1, 8, 2304) >= 32  # one row spread over many blocks
-    assert kernels.splits_for(1, 8, 32768) == 64  # the measured best at B=1
-    assert kernels.splits_for(32, 8, 8192) == 16  # the measured best at B=32
-    assert kernels.splits_for(32, 8, 64) == 1  # never a split under MIN_SPLIT columns
+    assert kernels.splits_for(1, 8, 8448) == 64  # one long row spread over many blocks
+    assert kernels.splits_for(1, 8, 2304) == 1  # a short one: one launch (measured)
+    assert kernels.splits_for(32, 8, 8192) == 1  # B x H blocks fill the GPU (measured)
+    assert kernels.splits_for(8, 2, 33024) == 32  # TARGET_BLOCKS
+    assert kernels.splits_for(1, 1, 2600) == 40  # never a split under MIN_SPLIT columns
 
 
 def _bytes(a):
