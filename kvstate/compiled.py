@@ -127,7 +127,7 @@ class Flat(NamedTuple):
 
 
 @singledispatch
-def spec_of(state) -> Spec:
+def spec_of(state: Any) -> Spec:
     """The static half of ``state`` (derived from its ``attrs`` fields)."""
     if not attrs.has(type(state)):
         raise bad("state", "a kvstate record", type(state).__name__)
@@ -175,7 +175,7 @@ def _planes_of(spec, leaves, rebuild_):
 
 
 @singledispatch
-def validated(state):
+def validated(state: Any) -> Any:
     """``state`` if it satisfies its kind's invariants (``invariants.validate``:
     numbers and planes agree), else ``KVStateError`` (every record
     ``unflatten`` rebuilds passes here). The planes are taken as they are,
@@ -201,7 +201,7 @@ def flatten(state: Any, *, room: int = 1, positions: tuple | None = None) -> tup
     return Flat(state.planes, tuple(positions)), spec_of(state)
 
 
-def position_arrays(state) -> tuple:
+def position_arrays(state: Any) -> tuple:
     """The int32 ``[B]`` arrays of ``host_positions(state)`` (``Flat.positions``)."""
     return tuple(mx.array(p, dtype=mx.int32) for p in host_positions(state))
 
@@ -210,7 +210,7 @@ def position_arrays(state) -> tuple:
 
 
 @singledispatch
-def held_planes(state) -> tuple:
+def held_planes(state: Any) -> tuple:
     """Arrays a compiled step reads from ``state`` but never writes nor returns
     (the third item ``Traced.of`` takes): none, unless the kind registers
     them (a ``SharedState``'s prefix planes)."""
@@ -218,13 +218,13 @@ def held_planes(state) -> tuple:
 
 
 @singledispatch
-def host_positions(state) -> tuple:
+def host_positions(state: Any) -> tuple:
     """The per-row host tuples a compiled step gets as int32 arrays."""
     raise bad("state", "a kvstate record", type(state).__name__)
 
 
 @singledispatch
-def with_capacity(state, capacity: int):
+def with_capacity(state: Any, capacity: int) -> Any:
     """``state`` with planes of exactly ``capacity`` columns (host side, never traced).
 
     Padded rows grow by zero columns (or drop spare columns past ``width``);
@@ -241,7 +241,7 @@ def check_capacity(state, capacity):
 
 
 @singledispatch
-def prepare(state, n: int = 1):
+def prepare(state: Any, n: int = 1) -> Any:
     """``state`` laid out in the bucket a compiled step writing ``n`` tokens uses.
 
     Padded rows keep their capacity when every row has room for ``n`` more,
@@ -262,7 +262,7 @@ def check_room(state, n):
 
 
 @singledispatch
-def advanced(state, n: int = 1) -> dict:
+def advanced(state: Any, n: int = 1) -> dict:
     """Host fields of ``state`` after a compiled step appended ``n`` tokens per row."""
     raise bad("state", "a kvstate record", type(state).__name__)
 
@@ -271,7 +271,7 @@ def advanced(state, n: int = 1) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def proto_of(kind: type, static: tuple):
+def proto_of(kind: type, static: tuple) -> Any:
     """A row-less record of ``kind`` with the scalar fields ``static``: what the
     kind's traced functions dispatch on and read static fields from (its row
     tuples are empty, so nothing per row can be frozen into a trace)."""
@@ -319,7 +319,7 @@ class TraceContext:
             ``slice_update`` instead of a scatter.
     """
 
-    def __init__(self, same_end_slice: bool = False):
+    def __init__(self, same_end_slice: bool = False) -> None:
         self.same_end_slice = same_end_slice
         self._memo: dict = {}
 
@@ -333,13 +333,15 @@ class TraceContext:
 
 
 @singledispatch
-def traced_offset(proto, view: Traced, ctx: TraceContext):
+def traced_offset(proto: Any, view: Traced, ctx: TraceContext) -> mx.array:
     """Per-row RoPE offsets of the next token, int32 ``[B]`` (mlx-lm's ``offset``)."""
     raise bad("state", "a kvstate record kind", type(proto).__name__)
 
 
 @singledispatch
-def traced_update(proto, view: Traced, k, v, ctx: TraceContext):
+def traced_update(
+    proto: Any, view: Traced, k: mx.array, v: mx.array, ctx: TraceContext
+) -> tuple[Traced, mx.array, mx.array]:
     """Write ``k``, ``v`` ``[B, H, N, D]``: ``(new_view, keys, values)``, where
     ``keys, values`` is what mlx-lm's ``update_and_fetch`` returns (every
     column of the fixed capacity; ``traced_mask`` hides the rest)."""
@@ -347,7 +349,9 @@ def traced_update(proto, view: Traced, k, v, ctx: TraceContext):
 
 
 @singledispatch
-def traced_mask(proto, view: Traced, n: int, window, ctx: TraceContext):
+def traced_mask(
+    proto: Any, view: Traced, n: int, window: int | None, ctx: TraceContext
+) -> mx.array:
     """The bool mask ``[B, 1, n, C]`` for ``n`` tokens about to be written."""
     raise bad("state", "a kvstate record kind", type(proto).__name__)
 

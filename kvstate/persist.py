@@ -611,7 +611,7 @@ def _record_geometry(state):
         return None
 
 
-def model_geometry(model) -> list:
+def model_geometry(model: Model) -> list:
     """Per layer, what a record must fit to serve an mlx-lm model's cache.
 
     A KV layer gives ``(H, Dk, Dv, dtype, window)`` (``window``: the ring
@@ -653,7 +653,7 @@ def _cache_geometry(name, c):
     return (keys.shape[1], keys.shape[3], values.shape[3], keys.dtype, window)
 
 
-def check_model(states, model) -> None:
+def check_model(states: Sequence, model: Model) -> None:
     """Refuse (``KVStateError``) ``states`` that do not fit ``model``.
 
     One record per layer, each with the model's KV heads, head dims and
@@ -757,7 +757,7 @@ def file_digest(path: str) -> str:
     return digest
 
 
-def model_digest(model_path) -> str:
+def model_digest(model_path: str | os.PathLike) -> str:
     """The identity of a model directory: one SHA-256 over its ``*.safetensors``
     files (name and content digest of each, sorted by name)."""
     if not isinstance(model_path, (str, os.PathLike)):
