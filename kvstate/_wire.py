@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import singledispatch
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -67,7 +68,7 @@ def _geometry(state):
     return out or None
 
 
-def signature(state) -> dict:
+def signature(state: Any) -> dict:
     """What rows need to agree on to share a batch, JSON-ready: the record
     kind, its geometry (``_geometry``), its layer fields (the host fields that
     are not per-row tuples: ``group_size``/``bits``, ``max_size``/``keep``,

@@ -19,6 +19,8 @@ trim and row moves are the dense code, with ``start`` carried along.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 from . import _dense, _rows, compiled, ops
@@ -106,7 +108,9 @@ def _bounds(n: int, left_pad, ends, offsets, chunk_size: int):
     return tuple(lo), tuple(hi)
 
 
-def chunk_mask(n: int, left_pad, ends, offsets, chunk_size: int) -> mx.array:
+def chunk_mask(
+    n: int, left_pad: Sequence[int], ends: Sequence[int], offsets: Sequence[int], chunk_size: int
+) -> mx.array:
     """The bool mask ``[B, 1, n, max(ends)]`` of the chunk rule.
 
     Query ``i`` of row ``b`` stands at column ``ends[b] - n + i`` and position

@@ -21,7 +21,9 @@ fields; ids and payloads must be JSON values).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from functools import singledispatch
+from typing import Any
 
 import attrs
 import mlx.core as mx
@@ -38,7 +40,7 @@ LAYOUT_KEY = "kvstate.layout"  # "rows": one entry per row of each layer (compac
 BATCH_KEY = "kvstate.batch"  # JSON: a Batch's host per-row fields
 
 
-def encode(value, tensors: dict, encode_record, *, exact: bool) -> tuple:
+def encode(value: Any, tensors: dict, encode_record: Callable[..., Any], *, exact: bool) -> tuple:
     """``(entries, metadata)`` for a file of ``value`` (layer records or a ``kv.Batch``).
 
     ``encode_record(name, record, tensors)`` writes one record (``persist``'s
@@ -72,7 +74,9 @@ def _decode_layer(i, entry, tensors, decode_record):
     return restore_rows([decode_record(f"{i}.{r}", e, tensors) for r, e in enumerate(entry)])
 
 
-def decode(entries: list, meta: dict, tensors: dict, decode_record, used: set):
+def decode(
+    entries: list, meta: dict, tensors: dict, decode_record: Callable[..., Any], used: set
+) -> list | Batch:
     """What ``encode`` wrote: a list of records, or a ``kv.Batch``.
 
     ``decode_record(name, entry, tensors)`` reads one record (``persist``'s
@@ -100,14 +104,14 @@ def decode(entries: list, meta: dict, tensors: dict, decode_record, used: set):
 
 
 @singledispatch
-def compact_rows(state):
+def compact_rows(state: Any) -> list | None:
     """``state``'s rows as compact one-row records, or ``None``: write it as it is.
 
     Registered for the kinds whose ``extract_row`` copies exactly the tokens a
     row holds and whose ``merge_rows`` puts them back (dense, quantized, ring
     rows). Other kinds (and empty batches) are written whole.
     """
-    return
+    return None
 
 
 @compact_rows.register(_Rows)
@@ -118,7 +122,7 @@ def _rows_of(state):
     return [ops.extract_row(state, b) for b in range(state.batch_size)]
 
 
-def restore_rows(rows: list):
+def restore_rows(rows: list) -> Any:
     """The rows merged back into one record; dense rows get capacity in whole steps
     (a ring's capacity is what its rows hold; it grows by its own rule)."""
     return ops.merge_same_kind(rows[0], rows)

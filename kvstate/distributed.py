@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -86,11 +87,11 @@ def _peer(value, arg: str, group) -> int:
 
 def send_rows(
     states: Sequence,
-    rows,
+    rows: Sequence[int],
     dst: int,
     *,
-    note=None,
-    group=None,
+    note: Any = None,
+    group: mx.distributed.Group | None = None,
     transport: str = "auto",
     timeout: float | None = 60.0,
 ) -> list | None:
@@ -159,7 +160,7 @@ def recv_rows(
     states: Sequence | None,
     src: int,
     *,
-    group=None,
+    group: mx.distributed.Group | None = None,
     transport: str = "auto",
     timeout: float | None = 60.0,
 ) -> tuple:

@@ -89,7 +89,7 @@ def lookup(context: Sequence[int], k: int, *, max_ngram: int = 3, min_ngram: int
     return []
 
 
-def validate_drafter(drafter) -> object | None:
+def validate_drafter(drafter: Any) -> Lookup | DraftModel | None:
     """``drafter`` if it is ``None``, a ``Lookup`` or a ``DraftModel``, else KVStateError."""
     if drafter is None or isinstance(drafter, (Lookup, DraftModel)):
         return drafter
@@ -100,7 +100,7 @@ def validate_drafter(drafter) -> object | None:
     )
 
 
-def truncated(model, layers: int):
+def truncated(model: Model, layers: int) -> Model:
     """The first ``layers`` layers of an mlx-lm llama-family ``model`` as a draft
     model (its embedding, final norm and head are shared, not copied).
 

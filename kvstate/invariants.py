@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 from functools import singledispatch
+from typing import Any
 
 import mlx.core as mx
 
@@ -80,7 +81,7 @@ def share_row_ids(states: list) -> list:
 
 
 @singledispatch
-def validate(state):
+def validate(state: Any) -> Any:
     """Raise ``KVStateError`` unless ``state`` satisfies its kind's invariants.
 
     Returns ``state``. Host-side only: shapes, dtypes and host ints, never
@@ -90,7 +91,7 @@ def validate(state):
 
 
 @singledispatch
-def clear_hidden(state):
+def clear_hidden(state: Any) -> Any:
     """``state`` with zeros in every column no row can read (padding, stale
     tails, unheld ring columns, spare capacity); the same record when it
     has no such column.

@@ -45,7 +45,7 @@ __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
 ENTRIES_KEY = "prefix_cache.entries"
 
 
-def model_identity(path) -> str:
+def model_identity(path: str | os.PathLike) -> str:
     """A model's identity for ``PrefixCache``: ``kv.persist.model_digest`` of a
     directory of ``*.safetensors`` weights, or the SHA-256 of one weight file
     (a GGUF), memoized like the digest."""
@@ -87,7 +87,7 @@ class PrefixLease(Releasable):
 
     __slots__ = ("_cache", "_entry", "matched", "released", "states", "tokens")
 
-    def __init__(self, cache, entry: _Entry, matched: int):
+    def __init__(self, cache: PrefixCache, entry: _Entry, matched: int) -> None:
         self._cache, self._entry = cache, entry
         self.tokens, self.matched = entry.tokens, matched
         cut = len(entry.tokens) - matched
@@ -140,7 +140,7 @@ class PrefixCache:
             it and ``load`` refuses a file made for another one.
     """
 
-    def __init__(self, max_bytes: int, *, identity: str | None = None):
+    def __init__(self, max_bytes: int, *, identity: str | None = None) -> None:
         max_bytes = as_int(max_bytes, "max_bytes")
         check(max_bytes >= 0, "max_bytes", ">= 0", max_bytes)
         if identity is not None and not isinstance(identity, str):

@@ -68,7 +68,7 @@ def recurrent_state(
 # --- what the model writes -----------------------------------------------------------
 
 
-def set_slot(state: RecurrentState, index: int, value) -> RecurrentState:
+def set_slot(state: RecurrentState, index: int, value: mx.array) -> RecurrentState:
     """``state`` with slot ``index`` replaced by ``value`` ``[B, ...]``.
 
     A slot that holds an array keeps its shape and dtype.
@@ -109,7 +109,7 @@ def advance(state: RecurrentState, n: int) -> RecurrentState:
     return derived(state, lengths=lengths, left_padding=pad, until=new_until)
 
 
-def mask(state: RecurrentState, n: int):
+def mask(state: RecurrentState, n: int) -> mx.array | None:
     """``None`` when none of the next ``n`` tokens is padding, else the bool
     ``[B, n]`` the model reads from ``make_mask`` (True = a real token)."""
     n = as_int(n, "n")
@@ -124,12 +124,17 @@ def mask(state: RecurrentState, n: int):
     return out
 
 
-def until_array(state: RecurrentState):
+def until_array(state: RecurrentState) -> mx.array | None:
     """``until`` as the int32 ``[B]`` the model reads as ``cache.lengths``, or ``None``."""
     return None if state.until is None else mx.array(state.until, dtype=mx.int32)
 
 
-def prepare(state: RecurrentState, *, left_padding=None, until=None) -> RecurrentState:
+def prepare(
+    state: RecurrentState,
+    *,
+    left_padding: PerRowInts | None = None,
+    until: PerRowInts | None = None,
+) -> RecurrentState:
     """``state`` with padding for the coming appends (mlx-lm's ``prepare``).
 
     Args:
