@@ -357,7 +357,9 @@ def traced_mask(
 
 
 @singledispatch
-def traced_read(proto, view: Traced, q, scale: float, ctx: TraceContext):
+def traced_read(
+    proto: Any, view: Traced, q: mx.array, scale: float, ctx: TraceContext
+) -> mx.array | None:
     """The attention read of ``q`` ``[B, Hq, N, D]`` over ``view`` after its
     write, for kinds that read themselves (a ``SharedState``'s cascade):
     the compiled decoder routes the model's attention call here. ``None``
