@@ -20,7 +20,7 @@ import mlx.core as mx
 from . import _buckets, _shells, compiled, kernels
 from ._shells import Model
 from .errors import bad, check
-from .records import CacheState, RotatingState
+from .records import CacheState, QuantizedState, RotatingState
 
 
 def _attention_modules(model):
@@ -103,9 +103,18 @@ def _kernel_read(queries, keys, values, cache, scale, sinks):
     if sinks is not None or not isinstance(content, compiled.Traced):
         return None
     N = queries.shape[2]
+    kind = type(content.proto)
+    if kind is QuantizedState:  # packed planes, read packed (the stock read fails on CUDA)
+        proto = content.proto
+        gs, bits = proto.group_size, proto.bits
+        if kernels.decode_read(N, queries, keys, group_size=gs, bits=bits) != "kernel":
+            return None
+        ends, left_pad = content.positions  # after the write
+        return kernels.quantized_attention(
+            queries, keys, values, left_pad, ends, scale=scale, group_size=gs, bits=bits
+        )
     if not kernels.kernel_fits(queries, keys):  # (off CUDA ragged_attention is the masked read)
         return None
-    kind = type(content.proto)
     if kind is CacheState:
         ends, left_pad = content.positions  # after the write
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)

@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import _dense, _rows, ops
+from . import _dense, _rows, kernels, ops
 from ._args import as_int
 from .errors import bad, check
 from .invariants import check_float, check_int, check_plane, clear_hidden, validate
@@ -195,3 +195,20 @@ def sdpa_quantized(state: QuantizedState, q, keys, values, *, scale, mask):
     return quantized_sdpa(
         q, keys, values, scale=scale, mask=mask, group_size=state.group_size, bits=state.bits
     )
+
+
+@ops.attend.register
+def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, window=None):
+    """``attend_rows``, except where ``kernels.decode_read`` picks the kernel (MLX's
+    CUDA backend, where the stock ``quantized_matmul`` fails for most KV shapes):
+    there the packed planes are read by ``kernels.quantized_attention``, each row
+    over its own columns, no mask."""
+    keys, gs, bits = state.keys, state.group_size, state.bits
+    if window is None and keys is not None and kernels.kernel_available():
+        n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo)
+        if kernels.decode_read(n, q, keys, group_size=gs, bits=bits) == "kernel":
+            lp, en = (mx.array(x, dtype=mx.int32) for x in (state.left_pad, state.ends))
+            return kernels.quantized_attention(
+                q, keys, state.values, lp, en, scale=scale, group_size=gs, bits=bits
+            )
+    return _rows.attend_rows(state, q, scale=scale, memo=memo, window=window)

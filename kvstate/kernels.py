@@ -20,17 +20,22 @@ from .masks import rows_mask
 
 
 # The split pass. One block of NT threads per (split, row x KV head, query); LPK lanes
-# read one key row with 16-byte loads, so G = NT / LPK keys per group step, U steps
-# loaded before any is used (bytes in flight). A row is a *virtual* run of columns:
-# with a prefix (PFX), its first plen[b] columns are columns [pstart[b], +plen[b]) of
-# row prow[b] of the prefix planes pk/pv, then its own columns [lp[b], en[b]) of k/v.
-# Without one, just the latter. Query n of NQ stands at the run's column hi - 1.
-# The online softmax is updated once per U keys (one rescale per step, not per key).
-# EPILOGUE: the S partial results (po, pm, pl) for the merge, or with S == 1 the
-# normalised output itself (one launch).
+# read one key row with 16-byte loads (ELEMS elements each), so G = NT / LPK keys per
+# group step, U steps loaded before any is used (bytes in flight). A row is a *virtual*
+# run of columns: with a prefix, its first plen[b] columns are columns [pstart[b],
+# +plen[b]) of row prow[b] of the prefix planes pk/pv, then its own columns [lp[b],
+# en[b]) of k/v. Without one, just the latter. Query n of NQ stands at the run's column
+# hi - 1. The online softmax is updated once per U keys (one rescale per step, not per
+# key). Quantized planes (QB bits, QGS elements per scale and bias, mx.quantize's
+# layout: element e of a 32-bit word at bits [QB*e, QB*e+QB)) are dequantized in
+# registers as they are read. EPILOGUE: the S partial results (po, pm, pl) for the
+# merge, or with S == 1 the normalised output itself (one launch).
 _SPLIT_BODY = r"""
-    constexpr int ELEMS = 16 / sizeof(T);
+    constexpr int QE = 16 / sizeof(T);  // elements of T in 16 bytes
+    constexpr int ELEMS = QB ? 128 / QB : QE;  // elements in one 16-byte load of K or V
     constexpr int LPK = D / ELEMS;
+    constexpr int RS = QB ? D * QB / 32 : D;  // row stride, in elements of KT
+    constexpr int LS = QB ? 4 : ELEMS;  // lane stride, in elements of KT
     constexpr int G = NT / LPK;
     __shared__ float sm_m[G][REP];
     __shared__ float sm_l[G][REP];
@@ -58,39 +63,50 @@ _SPLIT_BODY = r"""
     float m[REP], l[REP], o[REP][ELEMS];
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
-        uint4 raw = *reinterpret_cast<const uint4*>(
-            q + (((size_t)(b * HKV + h) * REP + r) * NQ + n) * D + lane * ELEMS);
-        const T* t = reinterpret_cast<const T*>(&raw);
         #pragma unroll
-        for (int e = 0; e < ELEMS; ++e) { qf[r][e] = static_cast<float>(t[e]) * qs; o[r][e] = 0.f; }
+        for (int c = 0; c < ELEMS / QE; ++c) {
+            uint4 raw = *reinterpret_cast<const uint4*>(
+                q + (((size_t)(b * HKV + h) * REP + r) * NQ + n) * D + lane * ELEMS + c * QE);
+            const T* t = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int e = 0; e < QE; ++e) qf[r][c * QE + e] = static_cast<float>(t[e]) * qs;
+        }
+        #pragma unroll
+        for (int e = 0; e < ELEMS; ++e) o[r][e] = 0.f;
         m[r] = -1e30f;
         l[r] = 0.f;
     }
+    QUANT_BASES
     // Columns [a, z) of the run, where run column j is row column j + off of kp/vp.
-    auto run = [&](const T* kp, const T* vp, int off, int a, int z) {
+    auto run = [&](const KT* kp, const KT* vp, int off, int a, int z) {
         for (int base = a; base < z; base += U * G) {
             uint4 rk[U], rv[U];
+            QUANT_DECL
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int j = base + u * G + g;
                 if (j < z) {
-                    rk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * D);
-                    rv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * D);
+                    rk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * RS);
+                    rv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * RS);
+                    QUANT_LOAD
                 } else {
                     rk[u] = make_uint4(0, 0, 0, 0);
                     rv[u] = rk[u];
+                    QUANT_ZERO
                 }
             }
             float s[U][REP];
             #pragma unroll
             for (int u = 0; u < U; ++u) {
-                const T* tk = reinterpret_cast<const T*>(&rk[u]);
                 const bool ok = base + u * G + g < z;
+                float kf[ELEMS];
+                #pragma unroll
+                for (int e = 0; e < ELEMS; ++e) kf[e] = KELEM;
                 #pragma unroll
                 for (int r = 0; r < REP; ++r) {
                     float acc = 0.f;
                     #pragma unroll
-                    for (int e = 0; e < ELEMS; ++e) acc += qf[r][e] * static_cast<float>(tk[e]);
+                    for (int e = 0; e < ELEMS; ++e) acc += qf[r][e] * kf[e];
                     #pragma unroll
                     for (int sh = LPK / 2; sh > 0; sh >>= 1)
                         acc += __shfl_xor_sync(0xffffffff, acc, sh, LPK);
@@ -106,20 +122,25 @@ _SPLIT_BODY = r"""
                 l[r] *= a_;
                 #pragma unroll
                 for (int e = 0; e < ELEMS; ++e) o[r][e] *= a_;
+                m[r] = mn;
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                float vf[ELEMS];
                 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const float p = ex(s[u][r] - mn);
-                    const T* tv = reinterpret_cast<const T*>(&rv[u]);
+                for (int e = 0; e < ELEMS; ++e) vf[e] = VELEM;
+                #pragma unroll
+                for (int r = 0; r < REP; ++r) {
+                    const float p = ex(s[u][r] - m[r]);
                     l[r] += p;
                     #pragma unroll
-                    for (int e = 0; e < ELEMS; ++e) o[r][e] += p * static_cast<float>(tv[e]);
+                    for (int e = 0; e < ELEMS; ++e) o[r][e] += p * vf[e];
                 }
-                m[r] = mn;
             }
         }
     };
     PREFIX_RUN
-    run(k + (size_t)bh * CAP * D + lane * ELEMS, v + (size_t)bh * CAP * D + lane * ELEMS,
+    run(k + (size_t)bh * CAP * RS + lane * LS, v + (size_t)bh * CAP * RS + lane * LS,
         sl - plen_b, max(start, plen_b), stop);
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
@@ -151,6 +172,46 @@ _PREFIX_RUN = r"""
     }
 """
 
+# Quantized planes: per key and lane one scale and bias of K and of V (a lane's ELEMS
+# elements lie in one group: ELEMS <= 32 <= QGS).
+_QUANT = {
+    "QUANT_BASES": r"""
+    constexpr int GR = D / QGS;  // groups per row
+    const T* ksb = ks + (size_t)bh * CAP * GR + lane * ELEMS / QGS;
+    const T* kbb = kb + (size_t)bh * CAP * GR + lane * ELEMS / QGS;
+    const T* vsb = vs + (size_t)bh * CAP * GR + lane * ELEMS / QGS;
+    const T* vbb = vb + (size_t)bh * CAP * GR + lane * ELEMS / QGS;
+""",
+    "QUANT_DECL": "float ksc[U], kbi[U], vsc[U], vbi[U];",
+    "QUANT_LOAD": r"""
+                    const size_t gi = (size_t)(j + off) * GR;
+                    ksc[u] = static_cast<float>(ksb[gi]);
+                    kbi[u] = static_cast<float>(kbb[gi]);
+                    vsc[u] = static_cast<float>(vsb[gi]);
+                    vbi[u] = static_cast<float>(vbb[gi]);
+""",
+    "QUANT_ZERO": "ksc[u] = kbi[u] = vsc[u] = vbi[u] = 0.f;",
+    "KELEM": "_deq<QB>(rk[u], e) * ksc[u] + kbi[u]",
+    "VELEM": "_deq<QB>(rv[u], e) * vsc[u] + vbi[u]",
+}
+_PLAIN = {
+    "QUANT_BASES": "",
+    "QUANT_DECL": "",
+    "QUANT_LOAD": "",
+    "QUANT_ZERO": "",
+    "KELEM": "static_cast<float>(reinterpret_cast<const T*>(&rk[u])[e])",
+    "VELEM": "static_cast<float>(reinterpret_cast<const T*>(&rv[u])[e])",
+}
+
+_QUANT_HEADER = r"""
+template <int QB>
+__device__ __forceinline__ float _deq(const uint4& raw, int e) {
+    constexpr int PER = 32 / QB;
+    const unsigned int w = reinterpret_cast<const unsigned int*>(&raw)[e / PER];
+    return static_cast<float>((w >> (QB * (e % PER))) & ((1u << QB) - 1u));
+}
+"""
+
 _EPILOGUE_SPLIT = r"""
         const size_t row = qrow * S + split;
         po[row * D + d] = O;
@@ -162,9 +223,12 @@ _EPILOGUE_DIRECT = r"""
 """
 
 
-def _split_source(prefix: bool, direct: bool) -> str:
+def _split_source(prefix: bool, direct: bool, quant: bool = False) -> str:
     src = _SPLIT_BODY.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
     src = src.replace("PLEN_B", "plen[b]" if prefix else "0")
+    for key, text in (_QUANT if quant else _PLAIN).items():
+        src = src.replace(key, text)
+    src = src.replace("KT", "uint32_t" if quant else "T")
     return src.replace("EPILOGUE", _EPILOGUE_DIRECT if direct else _EPILOGUE_SPLIT)
 
 
@@ -187,19 +251,25 @@ _MERGE_SRC = r"""
 _kernels: dict = {}
 
 
-def _split_kernel(prefix: bool, direct: bool):
-    """The split pass (with a prefix source or not; partial results or, with one
-    split, the output itself), built once per variant."""
-    key = ("split", prefix, direct)
+def _split_kernel(prefix: bool, direct: bool, quant: bool = False):
+    """The split pass (with a prefix source or not, over quantized planes or not;
+    partial results or, with one split, the output itself), built once per variant."""
+    key = ("split", prefix, direct, quant)
     if key not in _kernels:
         inputs = ["q", "k", "v", "lp", "en", "scale"]
         if prefix:
             inputs += ["pk", "pv", "prow", "pstart", "plen"]
+        if quant:
+            inputs += ["ks", "kb", "vs", "vb"]
         _kernels[key] = mx.fast.cuda_kernel(
-            name="kvstate_ragged_decode" + ("_prefix" if prefix else "") + ("_1" if direct else ""),
+            name="kvstate_ragged_decode"
+            + ("_prefix" if prefix else "")
+            + ("_q" if quant else "")
+            + ("_1" if direct else ""),
             input_names=inputs,
             output_names=["out"] if direct else ["po", "pm", "pl"],
-            source=_split_source(prefix, direct),
+            source=_split_source(prefix, direct, quant),
+            header=_QUANT_HEADER,
         )
     return _kernels[key]
 
@@ -282,7 +352,7 @@ def kernel_fits(q, k) -> bool:
     )
 
 
-def decode_read(N: int, q=None, k=None) -> str:
+def decode_read(N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0) -> str:
     """THE choice of attention read over a fixed-capacity buffer (a compiled
     decode or verify step, or shared-prefix rows), in one place: ``"kernel"``
     (``ragged_attention``'s split-K kernel: only the valid columns, no mask)
@@ -298,11 +368,21 @@ def decode_read(N: int, q=None, k=None) -> str:
     layer, ``notes/gpu.md``), so on CUDA the kernel reads every row layout,
     aligned ones included; the notes record it against the unmasked read.
 
+    Quantized rows (``k`` a ``(packed, scales, biases)`` triple) read the same
+    way: the kernel reads the packed planes where ``quantized_fits``; else the
+    stock quantized read (``quantized_matmul``) under a mask.
+
     Args:
         N: queries per row.
         q, k: the arrays (for the shape check), when known.
+        group_size, bits: a quantized ``k``'s format.
     """
-    fits = kernel_fits(q, k) if q is not None else 1 <= N <= MAX_QUERIES
+    if q is None:
+        fits = 1 <= N <= MAX_QUERIES
+    elif isinstance(k, tuple):
+        fits = quantized_fits(q, k, group_size, bits)
+    else:
+        fits = kernel_fits(q, k)
     return "kernel" if kernel_available() and fits else "masked"
 
 
@@ -387,53 +467,175 @@ def ragged_attention(
             return _prefix_reference(q, k, v, left_pad, ends, prefix, scale)
         mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    rep = Hq // H
-    span = C + (prefix[0].shape[2] if prefix is not None else 0)
-    S = splits or splits_for(B, H, span, N)
-    NT = threads or THREADS
-    lanes = D * k.dtype.size // 16
-    if (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
-        NT = THREADS
     if q.dtype != k.dtype:
         q = q.astype(k.dtype)
-    inputs = [q, k, v, left_pad, ends, mx.array([scale], mx.float32)]
-    template = [
-        ("T", k.dtype),
-        ("D", D),
-        ("REP", rep),
-        ("HKV", H),
-        ("S", S),
-        ("CAP", C),
-        ("NQ", N),
-        ("W", int(window)),
-        ("NT", NT),
-        ("U", unroll or UNROLL),
-    ]
+    span = C + (prefix[0].shape[2] if prefix is not None else 0)
+    extra, template = [], []
     if prefix is not None:
-        pk, pv, rows, starts, lens = prefix
-        inputs += [pk, pv, rows, starts, lens]
-        template.append(("PCAP", pk.shape[2]))
-    launch = dict(inputs=inputs, template=template, grid=(NT * S, B * H, N))
-    launch["threadgroup"] = (NT, 1, 1)
+        extra = list(prefix)
+        template = [("PCAP", prefix[0].shape[2])]
+    return _launch(
+        q,
+        k,
+        v,
+        left_pad,
+        ends,
+        scale,
+        window,
+        splits or splits_for(B, H, span, N),
+        threads,
+        unroll,
+        D * k.dtype.size // 16,
+        extra,
+        template,
+        prefix is not None,
+        False,
+    )
+
+
+def _launch(
+    q,
+    k,
+    v,
+    left_pad,
+    ends,
+    scale,
+    window,
+    S,
+    threads,
+    unroll,
+    lanes,
+    extra,
+    template,
+    prefix,
+    quant,
+):
+    """The split pass (and, for ``S > 1``, the merge) over ``k``/``v`` planes
+    ``[B, H, C, *]`` (dense, or packed with ``extra`` scales and biases)."""
+    B, Hq, N, D = q.shape
+    H, C = k.shape[1], k.shape[2]
+    rep = Hq // H
+    NT = threads or THREADS
+    while NT > 64 and (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
+        NT //= 2
+    launch = dict(
+        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32), *extra],
+        template=[
+            ("T", q.dtype),
+            ("D", D),
+            ("REP", rep),
+            ("HKV", H),
+            ("S", S),
+            ("CAP", C),
+            ("NQ", N),
+            ("W", int(window)),
+            ("NT", NT),
+            ("U", unroll or UNROLL),
+            *([] if quant else [("QB", 0)]),
+            *template,
+        ],
+        grid=(NT * S, B * H, N),
+        threadgroup=(NT, 1, 1),
+    )
     if S == 1:  # one split: the split pass writes the output (one launch)
-        (out,) = _split_kernel(prefix is not None, True)(
-            **launch, output_shapes=[(B, Hq, N, D)], output_dtypes=[k.dtype]
+        (out,) = _split_kernel(prefix, True, quant)(
+            **launch, output_shapes=[(B, Hq, N, D)], output_dtypes=[q.dtype]
         )
         return out
-    po, pm, pl = _split_kernel(prefix is not None, False)(
+    po, pm, pl = _split_kernel(prefix, False, quant)(
         **launch,
         output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     (out,) = _merge_kernel()(
         inputs=[po, pm, pl],
-        template=[("T", k.dtype), ("D", D), ("S", S)],
+        template=[("T", q.dtype), ("D", D), ("S", S)],
         grid=(D, B * Hq * N, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, N, D)],
-        output_dtypes=[k.dtype],
+        output_dtypes=[q.dtype],
     )
     return out
+
+
+#: Bits per element the quantized read takes (each packs evenly into 16-byte loads).
+QUANT_BITS = (4, 8)
+
+
+def quantized_fits(q, keys, group_size: int, bits: int) -> bool:
+    """Whether ``quantized_attention``'s kernel covers these shapes: ``kernel_fits``'s
+    rules for the queries, ``bits`` in ``QUANT_BITS``, a key row a power-of-two
+    number (<= 32) of 16-byte loads, each load inside one scale group."""
+    D = q.shape[-1]
+    lanes = D * bits // 128
+    return (
+        bits in QUANT_BITS
+        and 1 <= q.shape[2] <= MAX_QUERIES
+        and (D * bits) % 128 == 0
+        and 0 < lanes <= 32
+        and lanes & (lanes - 1) == 0
+        and group_size % (128 // bits) == 0
+        and D % group_size == 0
+        and q.shape[1] % keys[0].shape[1] == 0
+        and keys[1].dtype == q.dtype
+        and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
+
+
+def quantized_attention(
+    q,
+    keys,
+    values,
+    left_pad,
+    ends,
+    *,
+    scale: float,
+    group_size: int,
+    bits: int,
+    window: int = 0,
+    splits: int = 0,
+    threads: int = 0,
+    unroll: int = 0,
+):
+    """``ragged_attention`` over quantized planes, read packed.
+
+    ``keys``/``values`` are ``(packed, scales, biases)`` triples as
+    ``mx.quantize`` makes them, each ``[B, H, C, *]`` (``QuantizedState``'s
+    planes); ``q`` ``[B, Hq, N, D]`` in the scales' dtype. Rows, queries and
+    ``window`` as in ``ragged_attention``. On MLX's CUDA backend the split-K
+    kernel reads the packed planes and dequantizes in registers (MLX 0.32.4's
+    CUDA ``quantized_matmul`` fails for most KV shapes, so this is the
+    quantized read there); elsewhere, and for shapes it does not cover, it is
+    ``kvstate``'s stock quantized read (``quantized_matmul``) under a per-row
+    mask. The kernel's result equals the dequantized planes' attention within
+    float rounding, not bit for bit the stock quantized read's arithmetic.
+    """
+    B, Hq, N, D = q.shape
+    H, C = keys[0].shape[1], keys[0].shape[2]
+    if decode_read(N, q, keys, group_size=group_size, bits=bits) != "kernel":
+        from ._quantized import quantized_sdpa
+
+        mask = rows_mask(N, left_pad, ends, C, window=window or None)
+        return quantized_sdpa(
+            q, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits
+        )
+    return _launch(
+        q,
+        keys[0],
+        values[0],
+        left_pad,
+        ends,
+        scale,
+        window,
+        splits or splits_for(B, H, C, N),
+        threads,
+        unroll,
+        D * bits // 128,
+        [keys[1], keys[2], values[1], values[2]],
+        [("QB", bits), ("QGS", group_size)],
+        False,
+        True,
+    )
 
 
 #: ``ragged_attention`` takes ``prefix=`` (shared-prefix rows; ``kvstate.shared`` checks it).
