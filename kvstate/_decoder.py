@@ -98,6 +98,9 @@ def _kernel_read(queries, keys, values, cache, scale, sinks):
     columns ``[0, held)`` (``_ring.column_of``: it fills columns in order,
     and once it evicts it holds ``max_size`` = every column), so the read is
     that range; a wider ring (grown for a multi-token append) stays masked.
+    Quantized rows: ``kernels.quantized_attention`` reads the packed planes
+    where ``kernels.decode_read`` picks the kernel (on CUDA, where the stock
+    quantized read fails for KV shapes in MLX 0.32.4).
     """
     content = getattr(cache, "content", None)
     if sinks is not None or not isinstance(content, compiled.Traced):
