@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import attrs
 import mlx.core as mx
 
-from . import _rows, compact, records
+from . import _rows, compact, records, shared
 from .batch import Batch
 from .errors import KVStateError, bad, check
 from .invariants import fresh_row_ids
@@ -68,6 +68,7 @@ RECORDS = {
         records.RecurrentState,
         records.ChunkedState,
         records.CompositeState,
+        shared.SharedState,
     )
 }
 
@@ -112,12 +113,17 @@ def _encode(i, state, tensors: dict) -> dict:
     """``state`` as a JSON entry; its arrays go to ``tensors`` under ``"{i}.{field}"``.
 
     A field holding records (a ``CompositeState``'s parts) nests: part ``j``
-    is encoded under ``i = "{i}.{field}.{j}"``.
+    is encoded under ``i = "{i}.{field}.{j}"``; a field holding one record (a
+    ``SharedState``'s suffix) under ``"{i}.{field}"``, as an object instead of
+    a list. (A ``SharedState``'s prefixes are written with it: records shared
+    by several saved records are written once per record that holds them.)
     """
     name = type(state).__name__
     if RECORDS.get(name) is not type(state):
         raise bad(f"states[{i}]", f"a kvstate record ({', '.join(RECORDS)})", name)
-    host, arrays, nested = {}, {}, {}
+    host: dict = {}
+    arrays: dict = {}
+    nested: dict[str, Any] = {}  # field -> a list of entries, or one entry
     for field in attrs.fields(type(state)):
         value = getattr(state, field.name)
         if isinstance(value, mx.array):
@@ -132,6 +138,8 @@ def _encode(i, state, tensors: dict) -> dict:
             nested[field.name] = [
                 _encode(f"{i}.{field.name}.{j}", x, tensors) for j, x in enumerate(value)
             ]
+        elif type(value).__name__ in RECORDS:
+            nested[field.name] = _encode(f"{i}.{field.name}", value, tensors)
         else:
             host[field.name] = _host(value, f"states[{i}].{field.name}")
     entry = {"kind": name, "host": host, "arrays": arrays}
@@ -194,6 +202,9 @@ def _decode(
             if all(x is None for x in fields[name]):
                 raise bad(arg, f"tensors named {keys[0]!r}...", "none in the file")
     for name, parts in nested.items():
+        if type(parts) is dict and depth < MAX_DEPTH:  # one record
+            fields[name] = _decode(f"{i}.{name}", parts, tensors, used, ids, depth + 1)
+            continue
         if type(parts) is not list or not parts or depth >= MAX_DEPTH:
             raise bad(
                 f"{arg} records[{name!r}]",
@@ -439,6 +450,8 @@ def _arrays(state) -> tuple:
         elif _is_records(value):
             for x in value:
                 out.extend(_arrays(x))
+        elif type(value).__name__ in RECORDS:
+            out.extend(_arrays(value))
     return tuple(out)
 
 

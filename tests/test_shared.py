@@ -356,3 +356,38 @@ def test_a_shared_record_satisfies_its_invariants_or_is_refused():
         kv.append(good, mx.zeros((2, H + 1, 1, D)), mx.zeros((2, H + 1, 1, D)))
     with pytest.raises(kv.KVStateError, match="dtype"):
         kv.append(good, mx.zeros((2, H, 1, D), mx.float16), mx.zeros((2, H, 1, D), mx.float16))
+
+
+def test_save_and_load_a_shared_state(tmp_path):
+    """``kv.save`` writes a ``SharedState`` with its prefixes and suffix (nested
+    records); ``kv.load`` gives the same rows, its rows still sharing one
+    prefix record, and a tampered row map is refused by name."""
+    rng = np.random.default_rng(5)
+    base = state_of_rows([(rand(rng, H, n, D), rand(rng, H, n, D)) for n in (5, 3)], step=STEP)
+    s = kv.fork(base, 1, 2)
+    s = kv.append(s, mx.array(rand(rng, 4, H, 2, D)), mx.array(rand(rng, 4, H, 2, D)))
+    s = kv.trim(s, [1, 1, 1, 4])  # row 3 reads 1 of its prefix row's 3 tokens
+    s = kv.append(s, mx.array(rand(rng, 4, H, 1, D)), mx.array(rand(rng, 4, H, 1, D)))
+    path = tmp_path / "shared.safetensors"
+    kv.save(path, [s, s])
+    (a, b), _ = kv.load(path)
+    for got in (a, b):
+        assert isinstance(got, kv.SharedState) and len(got.prefixes) == 1
+        assert (got.source, got.prefix_row, got.shared) == (s.source, s.prefix_row, s.shared)
+        assert got.lengths == s.lengths
+        q = mx.array(rand(rng, 4, HQ, 1, D))
+        np.testing.assert_array_equal(
+            np_of(kv.materialize(got).keys), np_of(kv.materialize(s).keys)
+        )
+        np.testing.assert_allclose(
+            np_of(kv.attend(got, q, scale=0.5)), np_of(kv.attend(s, q, scale=0.5)), atol=1e-6
+        )
+    # A file whose row map reads past its prefix row is refused by name.
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    meta["kvstate.records"] = meta["kvstate.records"].replace(
+        '"shared":[5,3,3,1]', '"shared":[5,3,3,9]'
+    )
+    assert '"shared":[5,3,3,9]' in meta["kvstate.records"]
+    mx.save_safetensors(str(path), arrays, meta)
+    with pytest.raises(kv.KVStateError, match=r"shared\[3\]"):
+        kv.load(path)
