@@ -524,7 +524,7 @@ def generate(args, out=None, err=None) -> int:
     else:
         requests = text_requests(args, tokenizer)
     compiled = args.compile
-    share = not (args.no_prefix_cache or compiled)  # (the compiled step takes no shared rows yet)
+    share = not args.no_prefix_cache
     cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
     engines: list = [
         KVStateEngine(

@@ -539,9 +539,19 @@ def next_mask_shared(state: SharedState, n, *, memo=None, window=None, array=Fal
 
 
 def readable(state: SharedState) -> tuple:
-    """The prefix records holding keys: what a read takes (an empty record is
-    read by no row: its rows' ``shared`` is 0)."""
-    return tuple(p for p in state.prefixes if p.planes)
+    """The prefix records holding keys, in the order a read takes them: by shape
+    (rows, capacity), so one set of shapes is one trace whatever order rows
+    joined in (an empty record is read by no row: its rows' ``shared`` is 0)."""
+    held = [p for p in state.prefixes if p.planes]
+    return tuple(sorted(held, key=lambda p: (p.batch_size, p.capacity)))
+
+
+def prefix_planes(state: SharedState) -> tuple:
+    """The planes a read takes: ``readable(state)``'s, in that order. A trace
+    depends on their count and shapes only: rows joining that read records
+    of shapes already present (a cached system prompt, forks) trace nothing,
+    and a set of shapes seen before reuses its trace."""
+    return tuple(x for p in readable(state) for x in p.planes)
 
 
 def views_of(state: SharedState) -> tuple:
@@ -551,10 +561,8 @@ def views_of(state: SharedState) -> tuple:
     many columns it reads. Host ints; the cascade takes them as int32
     ``[B]`` arrays (``view_arrays``), so a new layout (a fork, a filter, an
     admission) changes no shape and no compiled trace."""
-    index, i = [], 0
-    for p in state.prefixes:
-        index.append(i if p.planes else -1)
-        i += bool(p.planes)
+    order = {id(p): i for i, p in enumerate(readable(state))}
+    index = [order.get(id(p), -1) for p in state.prefixes]
     source = tuple(index[s] for s in state.source)
     rows = tuple(0 if s < 0 else r for s, r in zip(source, state.prefix_row))
     starts = tuple(
@@ -748,7 +756,7 @@ def read(state: SharedState, q, *, scale: float, memo=None, views=None):
             mx.array(left_pad, dtype=mx.int32),
             mx.array(ends, dtype=mx.int32),
             *views,
-            *[x for p in readable(state) for x in (p.keys, p.values)],
+            *prefix_planes(state),
         )
     finally:
         held.release()
@@ -784,20 +792,21 @@ class SharedSpec(compiled.Spec):
     records themselves (host objects, never traced: rebuilt rows keep reading
     the very same records) and the row map.
 
-    Its ``key`` holds the suffix's key and, per prefix record, its kind and
-    plane count; never the row map (its int32 arrays are positions) nor the
-    records' shapes (``mx.compile`` keys on shapes itself).
+    Its ``key`` holds the suffix's key and the number of prefix records the
+    read takes (``prefix_planes``); never the row map (its int32 arrays are
+    positions) nor the records' shapes (``mx.compile`` keys on shapes itself).
     """
 
     suffix: Any = None
     prefixes: tuple = attrs.field(default=(), eq=False)
     rows: tuple = ()
+    slots: int = 0
 
     @property
     def static(self) -> tuple:
         return (
             ("suffix", self.suffix.key),
-            ("prefixes", tuple((type(p), len(p.planes)) for p in self.prefixes if p.planes)),
+            ("prefixes", (2,) * self.slots),  # (planes per record read)
         )
 
     def replace(self, suffix=None, **fields) -> "SharedSpec":
@@ -832,6 +841,7 @@ def spec_of_shared(state):
         suffix=suffix,
         prefixes=state.prefixes,
         rows=(state.source, state.prefix_row, state.shared),
+        slots=len(prefix_planes(state)) // 2,
     )
 
 
@@ -843,7 +853,7 @@ def host_positions_shared(state):
 
 @compiled.held_planes.register(SharedState)
 def held_planes_shared(state):
-    return tuple(x for p in readable(state) for x in p.planes)
+    return prefix_planes(state)
 
 
 @compiled.prepare.register(SharedState)
@@ -901,10 +911,8 @@ def traced_mask_shared(proto, view, n: int, window, ctx):
 def traced_read_shared(proto, view: compiled.Traced, q, scale, ctx: compiled.TraceContext):
     ends, lp, source, rows, start, shared = view.positions  # (after the write)
     N, C = q.shape[2], view.capacity
-    pairs, i = [], 0
-    for _, count in proto.prefixes:
-        pairs.append((view.held[i], view.held[i + 1]))
-        i += count
+    held = view.held  # (keys, values) per record read: prefix_planes
+    pairs = [(held[i], held[i + 1]) for i in range(0, len(held), 2)]
     mask = ctx.shared(("shared-mask", N, C), (ends, lp), lambda: rows_mask(N, lp, ends, C))
     views = (source, rows, start, shared)
     return prefix_read(q, view.planes, lp, ends, pairs, views, scale=scale, suffix_mask=mask)

@@ -255,7 +255,7 @@ def test_cascade_compiles_without_a_retrace_per_token_or_layout():
         return shared.cascade_attention(q, pairs, views, (sk, sv), mask, scale=0.5)
 
     fn = mx.compile(read)
-    prefix = [x for p in s.prefixes for x in (p.keys, p.values)]
+    prefix = shared.prefix_planes(s)  # (the read's order: by shape)
     seen = set()
     for t in range(6):
         if t == 3:  # rows 3 and 5 now read fewer prefix tokens: a new layout

@@ -91,6 +91,25 @@ def test_no_retrace_per_token_and_none_when_rows_join_and_leave():
         rows, tok = new, mx.argmax(logits, axis=-1)
     assert decoder.traces == 3
     assert shared.traces() == eager_traces
+    # A row of a new prompt (a new prefix record) joins: one trace for the new set
+    # of record shapes; it leaves and a row of another prompt of the same shape
+    # joins: the set seen before, its trace reused.
+    counts = []
+    for joined in range(3):
+        p = rng.integers(0, VOCAB, 5 + joined).tolist()
+        _, new_prompt = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
+        src = rows[0].source
+        drop = 5 if joined else next(b for b in range(6) if src.count(src[b]) > 1)
+        keep = [b for b in range(6) if b != drop]
+        rows = [kv.filter_rows(s, keep) for s in rows]
+        rows = [kv.merge_rows([s, f]) for s, f in zip(rows, kv.fork(new_prompt, 0, 0, step=4))]
+        tok = mx.concatenate([tok[mx.array(keep)], mx.array([9])])
+        logits, new = decoder(tok, rows)
+        want, _ = bridge.step(model, tok, rows)
+        np.testing.assert_allclose(np.array(logits), np.array(want), atol=ATOL, rtol=1e-5)
+        counts.append((len(rows[0].prefixes), decoder.traces))
+        rows, tok = new, mx.argmax(logits, axis=-1)
+    assert counts == [(3, 4), (3, 4), (3, 4)]
 
 
 def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
