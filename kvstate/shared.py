@@ -668,6 +668,16 @@ def _fold_mask(mask, rep):
     return mx.broadcast_to(mask[:, :, None], (Bm, 1, rep, N, W)).reshape(Bm, 1, rep * N, W)
 
 
+def use_kernel(q, k) -> bool:
+    """Whether the shared read of one prefix record goes to ``ragged_attention``'s
+    split-K kernel with a prefix source: where that kernel runs and covers
+    these shapes (``kernels.decode_read``: MLX's CUDA backend). Decided while
+    tracing (``prefix_read``)."""
+    return (
+        getattr(kernels, "PREFIX_READ", False) and kernels.decode_read(q.shape[2], q, k) == "kernel"
+    )
+
+
 def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix_mask=None):
     """The shared rows' read of ``q`` (the suffix already holds the queries' tokens).
 
@@ -679,11 +689,7 @@ def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix
     ``cascade_attention`` with ``suffix_mask`` (built from ``left_pad`` and
     ``ends`` when not given). Traceable.
     """
-    if (
-        len(prefix_kv) == 1
-        and getattr(kernels, "PREFIX_READ", False)
-        and kernels.decode_read(q.shape[2], q, suffix_kv[0]) == "kernel"
-    ):
+    if len(prefix_kv) == 1 and use_kernel(q, suffix_kv[0]):
         _, rows, start, shared = views
         return kernels.ragged_attention(
             q, *suffix_kv, left_pad, ends, scale=scale, prefix=(*prefix_kv[0], rows, start, shared)

@@ -160,3 +160,37 @@ def test_rows_reading_an_empty_prefix_record_decode_as_unshared():
     cache = bridge.make_states(model, 1)
     alone, _ = bridge.step(model, mx.array([8]), cache)
     np.testing.assert_allclose(np.array(got[0][-1]), np.array(alone[0]), atol=ATOL, rtol=1e-5)
+
+
+def test_the_kernel_wiring_reads_the_same(monkeypatch):
+    """With the prefix-source read forced (``shared.use_kernel``; off CUDA
+    ``ragged_attention`` answers by its stock path), eager and compiled shared
+    decode give the cascade's logits: the arrays handed to the kernel (the
+    suffix's ``left_pad``/``ends``, the row map) are the right ones."""
+    from kvstate import kernels
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(6)
+    p = rng.integers(0, VOCAB, 9).tolist()
+    _, one = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
+    rows = [kv.trim(s, [0, 0, 3]) for s in kv.fork(one, 0, 2)]  # one record: the kernel's case
+    first = [3, 5, 7]
+    want, want_toks, _ = run(bridge.step, model, first, rows, 3)
+    calls = []
+    real = kernels.ragged_attention
+
+    def counted(*a, **k):
+        calls.append(k.get("prefix") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(shared, "use_kernel", lambda q, k: True)
+    monkeypatch.setattr(kernels, "ragged_attention", counted)
+    shared._compiled_read.cache_clear()  # (decided while tracing)
+    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
+    got, got_toks, _ = run(_decoder.make_step(model, attention="mask"), model, first, rows, 3)
+    shared._compiled_read.cache_clear()
+    assert calls and all(calls)
+    for w, e, g in zip(want, eager, got):
+        np.testing.assert_allclose(np.array(e), np.array(w), atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=ATOL, rtol=1e-5)
+    assert want_toks == eager_toks == got_toks
