@@ -5,15 +5,21 @@ summarize; where it does not: open-ended writing) and each batch size, the
 script times, in paired rounds whose order alternates:
 
 * plain: ``kvstate.mlx_lm.prefill`` then one ``step`` per token (greedy);
-* lookup: ``kvstate.speculative`` with prompt lookup (``Lookup``);
-* draft: ``kvstate.speculative`` with a draft model (the target's first
-  ``--draft-layers`` layers), B = 1 only unless ``--draft-batched``;
+* lookup: ``kvstate.speculative`` with prompt lookup (``Lookup``), every row
+  drafting up to its adapted ``num_draft`` each round (no window rule);
+* lookup cost: the same with the cost-aware window (``Window``);
+* draft cost: a draft model (the target's first ``--draft-layers`` layers)
+  with the cost-aware window (``draft``: without it, with ``--fixed-draft``);
 
-and, as the anchor, mlx-lm's own single-stream generation on the same
-prompts (``generate_step`` and ``speculative_generate_step`` with the same
-draft model; mlx-lm 0.32.2 has no prompt lookup). Every speculative run must
-give exactly the plain run's tokens (greedy); the script exits non-zero if
-not. Decode time only (after prefill); ``T`` new tokens per row, EOS ignored.
+and, as the anchor at B = 1, mlx-lm's own single-stream generation on the
+same prompt (``generate_step`` and ``speculative_generate_step`` with the
+same draft model; mlx-lm 0.32.2 has no prompt lookup). Every speculative run
+must give exactly the plain run's tokens (greedy); the script exits non-zero
+if not. Decode time only (after prefill); ``T`` new tokens per row, EOS
+ignored. A cost-aware method keeps one ``Window`` for the whole process
+(what a server does: its measured round costs carry from the warm-up runs
+and earlier runs on the same device into later ones; rows start at the
+prior acceptance every run); its measured cost ratios are printed at the end.
 
     python benchmarks/speculative.py --rounds 5 --tokens 64
 """
@@ -103,17 +109,24 @@ def plain_run(model, prompts, T):
     return time.perf_counter() - t0, out, None
 
 
-def spec_run(model, prompts, T, drafter, k):
-    batch = sp.start(model, prompts, drafter=drafter, num_draft=k)
+WINDOWS: dict = {}  # method -> the Window it carries through the process
+
+
+def spec_run(model, prompts, T, drafter, k, window=None):
+    kw = {} if window is None else {"window": WINDOWS.setdefault(window, sp.Window())}
+    batch = sp.start(model, prompts, drafter=drafter, num_draft=k, **kw)
     mx.eval(batch.states)
-    drafted = accepted = rounds = 0
+    drafted = accepted = rounds = plain = 0
     t0 = time.perf_counter()
     while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T:
         batch, r = sp.step(model, batch, drafter=drafter)
         drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
+        plain += r.width == 1
     dt = time.perf_counter() - t0
+    if window is not None:
+        WINDOWS[window] = batch.window
     out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
-    return dt, out, (drafted, accepted, rounds)
+    return dt, out, (drafted, accepted, rounds, plain)
 
 
 def mlx_lm_run(model, prompt, T, draft=None, k=3):
@@ -125,22 +138,32 @@ def mlx_lm_run(model, prompt, T, draft=None, k=3):
         if draft is None
         else speculative_generate_step(p, model, draft, num_draft_tokens=k, max_tokens=T)
     )
-    out, t0 = [], None
+    out, t0, from_draft = [], None, 0
     for item in gen:
         out.append(int(item[0]))
         if t0 is None:
             t0 = time.perf_counter()  # first token: prefill done
-    return time.perf_counter() - t0, out, None
+        elif draft is not None:
+            from_draft += bool(item[2])
+    dt = time.perf_counter() - t0
+    if draft is None:
+        return dt, out, None
+    rounds = len(out) - 1 - from_draft  # each round ends with one target token
+    return dt, out, (rounds * k, from_draft, rounds, 0)
 
 
-def methods_for(model, draft, prompts, n, k, with_draft):
+def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft):
     """The timed runs, by name: each returns ``(seconds, tokens per row, stats)``."""
     ms = {
         "plain": lambda: plain_run(model, prompts, n),
         "lookup": lambda: spec_run(model, prompts, n, Lookup(), k),
+        "lookup cost": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup cost"),
     }
     if with_draft:
-        ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
+        if fixed_draft:
+            ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
+        ms["draft cost"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k, "draft cost")
+    if with_draft and len(prompts) == 1:
         ms["mlx-lm plain"] = lambda: mlx_lm_run(model, prompts[0], n)
         ms["mlx-lm draft"] = lambda: mlx_lm_run(model, prompts[0], n, draft, k)
     return ms
@@ -161,6 +184,10 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS))
     ap.add_argument("--no-draft", action="store_true", help="prompt lookup only (no draft model)")
+    ap.add_argument(
+        "--fixed-draft", action="store_true", help="also the draft model without the window rule"
+    )
+    ap.add_argument("--warmup-tokens", type=int, default=8)
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized)
     draft = truncated(model, args.draft_layers)
@@ -170,7 +197,16 @@ def main(argv=None):
         f"{T} new tokens per row, {args.rounds} paired rounds, num_draft {k}, draft = first "
         f"{args.draft_layers} layers; device {mx.default_device()}"
     )
-    head = ("kind", "B", "method", "tok/s", "x plain (median [min-max])", "acceptance", "tok/round")
+    head = (
+        "kind",
+        "B",
+        "method",
+        "tok/s",
+        "x plain (median [min-max])",
+        "acceptance",
+        "tok/round",
+        "plain rounds",
+    )
     print(" | ".join(head))
     bad = 0
     for kind in args.kinds:
@@ -180,10 +216,10 @@ def main(argv=None):
                 tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(B)
             ]
             for f in methods_for(
-                model, draft, prompts, 6, k, B == 1 and not args.no_draft
+                model, draft, prompts, args.warmup_tokens, k, not args.no_draft, args.fixed_draft
             ).values():  # warm-up: a short run of each
                 f()
-            methods = methods_for(model, draft, prompts, T, k, B == 1 and not args.no_draft)
+            methods = methods_for(model, draft, prompts, T, k, not args.no_draft, args.fixed_draft)
             times = {m: [] for m in methods}
             stats, ref = {}, None
             for r in range(args.rounds):
@@ -202,14 +238,27 @@ def main(argv=None):
             for m, ts in times.items():
                 base = "mlx-lm plain" if m == "mlx-lm draft" else "plain"
                 ratios = [b / t for b, t in zip(times[base], ts)]
-                d, a, n = stats.get(m, (0, 0, 0))
+                d, a, n, p = stats.get(m, (0, 0, 0, 0))
                 acc = f"{a / d:.0%} ({a}/{d})" if d else "-"
                 per_round = f"{B * T / n:.2f}" if n else "-"
+                plain_share = f"{p / n:.0%}" if n and not m.startswith("mlx-lm") else "-"
                 print(
                     f"{kind} | {B} | {m} | {B * T / statistics.median(ts):.1f} | "
-                    f"{spread(ratios)} | {acc} | {per_round}",
+                    f"{spread(ratios)} | {acc} | {per_round} | {plain_share}",
                     flush=True,
                 )
+    for name, w in WINDOWS.items():  # what the window rule measured on this device
+        for B in args.batch:
+            ratios = ", ".join(
+                f"W={W}: {w.cost(B, W):.2f}"
+                for W in range(2, k + 2)
+                if w.measured(B, W) is not None
+            )
+            base = w.measured(B, 1)
+            print(
+                f"{name} B={B}: plain round {base * 1e3 if base else float('nan'):.1f} ms; "
+                f"measured cost in plain rounds: {ratios or 'no wider width measured'}"
+            )
     return 1 if bad else 0
 
 

@@ -266,6 +266,13 @@ def _parser():
     )
     _int_flag(g, "--prefix-cache-mb", 1024, "byte budget of the prefix cache, MiB")
     _draft_flags(g)
+    g.add_argument(
+        "--draft-window",
+        choices=["cost", "fixed"],
+        default="cost",
+        help="cost: each round only as wide as its measured cost pays (rows with poor "
+        "acceptance take plain steps); fixed: every row drafts up to --num-draft (cost)",
+    )
     _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser(
@@ -533,9 +540,16 @@ def generate(args, out=None, err=None) -> int:
     ]
     drafter = _drafter(args, err)
     if drafter is not None:
+        from .speculative import Window
+
         engines = [
             SpeculativeEngine(
-                model, drafter, args.num_draft, args.prefill_step_size, compiled=compiled
+                model,
+                drafter,
+                args.num_draft,
+                args.prefill_step_size,
+                compiled=compiled,
+                window=Window() if args.draft_window == "cost" else None,
             )
         ]
     if args.compare:

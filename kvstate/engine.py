@@ -402,12 +402,20 @@ class SpeculativeEngine:
     name = "kvstate (speculative)"
 
     def __init__(
-        self, model, drafter, num_draft: int, prefill_step_size: int = 512, compiled: bool = False
+        self,
+        model,
+        drafter,
+        num_draft: int,
+        prefill_step_size: int = 512,
+        compiled: bool = False,
+        window=None,
     ):
         from . import mlx_lm as bridge
         from . import speculative
 
         self.model, self.bridge, self.sp = model, bridge, speculative
+        # the cost-aware window rule and what it measured: kept across batches
+        self.window = window
         self.drafter, self.num_draft, self.prefill_step_size = drafter, num_draft, prefill_step_size
         self.forward = speculative.compiled(model) if compiled else None
         if compiled:
@@ -427,7 +435,7 @@ class SpeculativeEngine:
         B = len(prompts)
         batch = sp.Batch(states, mx.zeros((B,), mx.uint32))
         return logits, sp.Speculation(
-            batch, prompts, (self.num_draft,) * B, (self.num_draft,) * B, draft
+            batch, prompts, (self.num_draft,) * B, (self.num_draft,) * B, draft, self.window
         )
 
     def join(self, batch, rows):
@@ -451,6 +459,7 @@ class SpeculativeEngine:
         )
         spec = attrs.evolve(spec, batch=batch, context=context)
         spec, r = sp.step(self.model, spec, drafter=self.drafter, forward=self.forward)
+        self.window = spec.window
         self.drafted += sum(r.drafted)
         self.accepted += sum(r.accepted)
         return [list(e) for e in r.emitted], spec, spec.batch.keys

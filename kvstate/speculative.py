@@ -30,6 +30,7 @@ distribution. Decisions: ``notes/speculative.md``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -39,6 +40,7 @@ import mlx.core as mx
 from . import mlx_lm as bridge
 from . import ops
 from .batch import Batch, sampling_arrays
+from ._window import Window, expected_accepted
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import per_row, row_list
 from .errors import bad, check
@@ -61,7 +63,13 @@ class Speculation:
         num_draft: per row, how many tokens the next round drafts at most.
         max_draft: per row, the limit ``num_draft`` adapts under.
         draft_states: the draft model's records (one per layer, holding
-            ``context[b][:-1]`` like the target's), or ``None`` without one.
+            ``context[b][:-1 - draft_lag[b]]``), or ``None`` without one.
+        window: the cost-aware window rule (``kvstate._window.Window``) and
+            the round costs it measured; ``None``: every row drafts its
+            ``num_draft`` (adapted by ``next_num_draft``).
+        seen: per row, its decayed ``(accepted, tried)`` drafts (``Window.alpha``).
+        draft_lag: per row, context tokens the draft model has not been fed
+            (plain rounds do not run it; the next drafting round feeds them).
     """
 
     batch: Batch
@@ -70,6 +78,15 @@ class Speculation:
     max_draft: tuple = attrs.field(converter=_tuple)
     draft_states: tuple | None = attrs.field(
         default=None, converter=lambda s: None if s is None else tuple(s)
+    )
+    window: Window | None = None
+    seen: tuple = attrs.field(
+        default=attrs.Factory(lambda self: ((0.0, 0.0),) * len(self.context), takes_self=True),
+        converter=lambda s: tuple(tuple(x) for x in s),
+    )
+    draft_lag: tuple = attrs.field(
+        default=attrs.Factory(lambda self: (0,) * len(self.context), takes_self=True),
+        converter=_tuple,
     )
 
     @property
@@ -220,6 +237,7 @@ def start(
     *,
     drafter=None,
     num_draft=4,
+    window: Window | None = None,
     sampling=None,
     seeds=None,
     ids=None,
@@ -234,12 +252,17 @@ def start(
         drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``; a draft
             model is prefilled on the prompts too.
         num_draft: most drafted tokens per row per round (int or one per row).
+        window: ``Window()`` chooses each round's width from measured cost and
+            each row's running acceptance (``notes/speculative.md``); ``None``:
+            every row drafts up to its adapted ``num_draft`` each round.
         sampling, seeds, ids, payload: per-row data of the ``kv.Batch``
             (default greedy, seeds ``0 .. B-1``).
         make: ``make_states`` options for the target's records.
     """
     drafter = validate_drafter(drafter)
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    if window is not None and not isinstance(window, Window):
+        raise bad("window", "None or a kvstate.speculative.Window", type(window).__name__)
     limit = per_row(num_draft, len(prompts), "num_draft")
     batch = bridge.admit(
         target, prompts, sampling=sampling, seeds=seeds, ids=ids, payload=payload, **make
@@ -249,12 +272,15 @@ def start(
         _, draft_states = bridge.prefill(drafter.model, prompts, **drafter.make)
     first = cast(list, batch.tokens.tolist())  # [B]
     return Speculation(
-        batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit, draft_states
+        batch, [list(p) + [t] for p, t in zip(prompts, first)], limit, limit, draft_states, window
     )
 
 
 def join(spec: Speculation, other: Speculation) -> Speculation:
-    """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records)."""
+    """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records).
+
+    The batch keeps ``spec``'s window rule and measured costs (``other``'s when
+    ``spec`` has none)."""
     check(
         (spec.draft_states is None) == (other.draft_states is None),
         "other.draft_states",
@@ -270,6 +296,9 @@ def join(spec: Speculation, other: Speculation) -> Speculation:
         spec.num_draft + other.num_draft,
         spec.max_draft + other.max_draft,
         drafts,
+        spec.window if spec.window is not None else other.window,
+        spec.seen + other.seen,
+        spec.draft_lag + other.draft_lag,
     )
 
 
@@ -289,6 +318,9 @@ def leave(spec: Speculation, rows) -> Speculation:
         pick(spec.num_draft),
         pick(spec.max_draft),
         drafts,
+        spec.window,
+        pick(spec.seen),
+        pick(spec.draft_lag),
     )
 
 
@@ -305,24 +337,41 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
     return max(k - 1, 1)
 
 
-def _propose_lookup(spec: Speculation, drafter: Lookup) -> list:
+def _propose_lookup(spec: Speculation, drafter: Lookup, asked: Sequence[int]) -> list:
     return [
-        lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram)
-        for c, k in zip(spec.context, spec.num_draft)
+        lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram) if k else []
+        for c, k in zip(spec.context, asked)
     ]
 
 
-def _propose_model(spec: Speculation, drafter: DraftModel, params, keys, sampled: bool):
-    """Draft ``K = max(num_draft)`` tokens for every row, one draft step each,
-    sampled with each row's own parameters and keys (``keys`` ``[B, K, 2]``).
+def _catch_up(drafter: DraftModel, spec: Speculation) -> list:
+    """The draft records fed each row's lagged context tokens (the plain rounds'
+    tokens) in one block forward, right-padded, the pad rolled back."""
+    assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
+    states, lag = list(spec.draft_states), spec.draft_lag
+    L = max(lag)
+    if L == 0:
+        return states
+    block = mx.array(
+        [list(c[len(c) - 1 - n : len(c) - 1]) + [0] * (L - n) for c, n in zip(spec.context, lag)],
+        dtype=mx.uint32,
+    )
+    cp = ops.checkpoint(states)
+    _, fed = bridge.forward(drafter.model, block, states)
+    if min(lag) == L:
+        return fed
+    return bridge.rollback(drafter.model, fed, cp, list(lag), block)
+
+
+def _propose_model(spec: Speculation, drafter: DraftModel, states, K, params, keys, sampled):
+    """Draft ``K`` tokens for every row, one draft step each, sampled with each
+    row's own parameters and keys (``keys`` ``[B, K + 2, 2]``).
 
     Returns ``(drafts [B, K] on the device, q [B, K, V] or None, draft states
     after feeding y, d_1..d_{K-1})``.
     """
-    K = max(spec.num_draft)
     y = spec.batch.tokens
-    assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
-    states, drafts, qs = list(spec.draft_states), [], []
+    drafts, qs = [], []
     for j in range(K):
         logits, states = bridge.step(drafter.model, y, states)
         if sampled:
@@ -349,12 +398,28 @@ def _settle_model(drafter: DraftModel, states, anchors, drafts, accepted):
     return [ops.commit(s, a, keep) for s, a in zip(states, anchors)]
 
 
+def _asked(spec: Speculation, drafter, alphas) -> tuple:
+    """Each row's draft request before drafting: its adapted ``num_draft``
+    without a window rule; with one, ``min(max_draft, W - 1)`` for the width
+    the rule picks when every row had its whole limit at hand (a bound:
+    ``W = 1`` means no row drafts and the round is a plain step)."""
+    if drafter is None:
+        return (0,) * spec.batch_size
+    if spec.window is None:
+        return spec.num_draft
+    bound = spec.window.choose(spec.batch_size, alphas, spec.max_draft)
+    return tuple(min(m, bound - 1) for m in spec.max_draft)
+
+
 def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = None) -> tuple:
     """One speculative round for every row: draft, verify in one target forward, roll back.
 
     Each row verifies with its own ``kv.Sampling``: rows at temperature 0 by
     greedy verification, the others by the rejection rule, with their own
-    PRNG keys (the batch's keys advance once per round).
+    PRNG keys (the batch's keys advance once per round). With a window rule
+    (``spec.window``) the round is only as wide as pays; a round in which no
+    row drafts is a plain step: one forward of ``[B, 1]``, no checkpoint, no
+    rollback, no draft-model step.
 
     Args:
         target: the mlx-lm model (for the default ``forward``).
@@ -368,6 +433,7 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         ``(new_spec, Round)``: the rows after the round, and per row the
         emitted tokens (the accepted drafts, then the target's token).
     """
+    t0 = time.perf_counter()
     drafter = validate_drafter(drafter)
     if not isinstance(spec, Speculation):
         raise bad(
@@ -381,21 +447,28 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         type(drafter).__name__,
     )
     forward = forward or eager(target)
-    batch, B = spec.batch, spec.batch_size
-    params = sampling_arrays(batch)
+    batch, B, rule = spec.batch, spec.batch_size, spec.window
     sampled = any(s.temperature > 0 for s in batch.sampling)
+    alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
+    asked = _asked(spec, drafter, alphas)
+    Kmax = max(asked) if is_model else 0
+    params = sampling_arrays(batch) if sampled else None
     use, carry = split_keys(batch.keys)
-    Kmax = max(spec.num_draft) if is_model else 0
-    round_keys = mx.vmap(lambda k: mx.random.split(k, Kmax + 2))(use)  # [B, Kmax + 2, 2]
+    round_keys = mx.vmap(lambda k: mx.random.split(k, Kmax + 2))(use) if sampled else None
 
-    q = None
-    if is_model:
-        assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
-        anchors = [ops.anchor(s) for s in spec.draft_states]
-        drafts_dev, q, dstates = _propose_model(spec, drafter, params, round_keys, sampled)
-        counts = spec.num_draft
+    q = host = None
+    if is_model and Kmax:
+        dstates = _catch_up(drafter, spec)
+        anchors = [ops.anchor(s) for s in dstates]
+        drafts_dev, q, dstates = _propose_model(
+            spec, drafter, dstates, Kmax, params, round_keys, sampled
+        )
+        found = counts = asked
     else:
-        host = _propose_lookup(spec, drafter) if drafter is not None else [[]] * B
+        host = _propose_lookup(spec, drafter, asked) if isinstance(drafter, Lookup) else [[]] * B
+        found = tuple(len(d) for d in host)
+        if rule is not None and any(found):  # the width for the drafts at hand
+            host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
         counts = tuple(len(d) for d in host)
         K = max(counts)
         drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], dtype=mx.uint32).reshape(B, K)
@@ -404,17 +477,18 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     if q is not None:
         q = q[:, :K]
 
-    window = mx.concatenate(
-        [batch.tokens[:, None].astype(mx.uint32), drafts_dev.astype(mx.uint32)], axis=1
-    )  # pads past counts
-    cp = ops.checkpoint(batch.states)
+    window = batch.tokens[:, None].astype(mx.uint32)
+    if K:  # pads past counts
+        window = mx.concatenate([window, drafts_dev.astype(mx.uint32)], axis=1)
+    cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
     if not sampled:
         target_tokens = mx.argmax(logits, axis=-1)
         mx.eval(target_tokens, drafts_dev)
-        drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
+        drafts = host if host is not None else [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
         accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
     else:
+        assert params is not None and round_keys is not None  # sampled rows: made above
         p = probabilities(logits, *params)
         uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
         acc, nx = accept_sampled(
@@ -428,25 +502,34 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         mx.eval(acc, nx, drafts_dev)
         accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
-    # Every layer back to y and the accepted drafts (a recurrent layer keeping
-    # part of the window replays it from the checkpoint: notes/hybrid.md).
-    states = bridge.rollback(target, states, cp, [1 + a for a in accepted], window)
-    draft_states = None
-    if is_model:
+    keep = [1 + a for a in accepted]
+    if min(keep) <= K:  # a pad or a rejected draft to give back
+        # Every layer back to y and the accepted drafts (a recurrent layer keeping
+        # part of the window replays it from the checkpoint: notes/hybrid.md).
+        states = bridge.rollback(target, states, cp, keep, window)
+    draft_states, lag = spec.draft_states, spec.draft_lag
+    if is_model and Kmax:
         draft_states = _settle_model(drafter, dstates, anchors, drafts_dev, accepted)
+        lag = (0,) * B
+    elif is_model:  # a plain round: the draft model catches up when it next drafts
+        lag = tuple(n + 1 for n in lag)
     emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
-    num_draft = tuple(
-        next_num_draft(k, c, a, m)
-        for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
-    )
+    num_draft, seen = spec.num_draft, spec.seen
+    if rule is None:
+        num_draft = tuple(
+            next_num_draft(k, c, a, m)
+            for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
+        )
+    else:
+        seen = tuple(
+            rule.observe(x, c, a, k > 0 and f == 0)
+            for x, c, a, k, f in zip(spec.seen, counts, accepted, asked, found)
+        )
     batch = attrs.evolve(batch, states=states, tokens=mx.array(nxt, dtype=mx.uint32), keys=carry)
-    new = Speculation(
-        batch,
-        [c + e for c, e in zip(spec.context, emitted)],
-        num_draft,
-        spec.max_draft,
-        draft_states,
-    )
+    context = [c + e for c, e in zip(spec.context, emitted)]
+    if rule is not None:
+        rule = rule.record(B, 1 + K, time.perf_counter() - t0)
+    new = Speculation(batch, context, num_draft, spec.max_draft, draft_states, rule, seen, lag)
     return new, Round(emitted, counts, accepted, 1 + K)
 
 
@@ -455,10 +538,12 @@ __all__ = [
     "Lookup",
     "Round",
     "Speculation",
+    "Window",
     "accept_greedy",
     "accept_sampled",
     "compiled",
     "eager",
+    "expected_accepted",
     "join",
     "leave",
     "next_num_draft",

@@ -5,6 +5,8 @@ distribution (chi-square against the target's exact probabilities)."""
 
 import math
 
+import attrs
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -373,6 +375,118 @@ def test_sampled_loop_matches_the_target_joint_distribution(drafter):
     assert _chi2_p(counts, joint) > 1e-3
 
 
+# --- the cost-aware window ------------------------------------------------------------
+
+
+def seeded(ratios, batch_sizes=(1, 2, 3, 4), n=60, **kw):
+    """A ``Window`` whose costs are given (``ratios[W - 1]`` plain steps at every
+    batch size, ``n`` samples each): the few real rounds a test appends leave the
+    medians where they are, so the choices depend only on the rows' acceptance."""
+    costs = {(B, W): (float(r),) * n for B in batch_sizes for W, r in enumerate(ratios, 1)}
+    return sp.Window(costs=costs, keep=2 * n, **kw)
+
+
+@settings(max_examples=6)
+@given(
+    prompts=prompt_sets,
+    k=st.integers(1, 4),
+    ratios=st.lists(st.floats(1.0, 3.0), min_size=4, max_size=4),
+    prior=st.floats(0.05, 0.95),
+    use_model=st.booleans(),
+)
+def test_window_choice_never_changes_tokens(llama, prompts, k, ratios, prior, use_model):
+    """Whatever widths the rule picks (costs and priors drawn at random, plain
+    rounds between drafting ones, the draft model catching up after them), the
+    tokens are the plain loop's, row by row."""
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    window = seeded([1.0, *ratios], prior=prior, margin=1.0)
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
+    rounds = []
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 11:
+        spec, r = sp.step(llama, spec, drafter=drafter)
+        rounds.append(r)
+        assert all(d <= r.width - 1 for d in r.drafted)
+    got = [list(c[len(p) : len(p) + 11]) for c, p in zip(spec.context, prompts)]
+    assert got == plain(llama, prompts, 10)
+
+
+@pytest.mark.parametrize("use_model", [False, True])
+def test_rows_with_drafts_disabled_run_plain_steps(llama, monkeypatch, use_model):
+    """Wider windows cost too much: every round is a plain step. No lookup, no
+    draft-model step, no checkpoint, no rollback: one ``[B, 1]`` forward."""
+    prompts = [repetitive(21, 12, 3), repetitive(22, 9, 2)]
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    want = plain(llama, prompts, 8)
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=4, window=seeded([1, 9, 9, 9, 9]))
+
+    def refuse(*a, **k):
+        raise AssertionError("a plain round drafted, checkpointed or rolled back")
+
+    for name in ("lookup", "_propose_model", "_catch_up"):
+        monkeypatch.setattr(sp, name, refuse)
+    monkeypatch.setattr(sp.ops, "checkpoint", refuse)
+    monkeypatch.setattr(sp.bridge, "rollback", refuse)
+    widths = []
+    for _ in range(8):
+        spec, r = sp.step(llama, spec, drafter=drafter)
+        widths.append(r.width)
+        assert r.drafted == (0, 0) and all(len(e) == 1 for e in r.emitted)
+    assert widths == [1] * 8
+    assert spec.draft_lag == ((8, 8) if use_model else (0, 0))
+    assert [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)] == want
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma"])
+def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
+    """Plain rounds leave the draft model behind (ragged: a row joins with no
+    lag); when drafting pays again it is fed the missed tokens in one block,
+    the pad rolled back (gemma3: rings of 8, wrapped), and stays exact."""
+    target = llama if model == "llama" else gemma
+    drafter = DraftModel(truncated(target, 1 if model == "llama" else 2))
+    prompts = [repetitive(31, 10, 3), repetitive(32, 7, 2), repetitive(33, 12, 4)]
+    costly, cheap = seeded([1, 9, 9, 9, 9]), seeded([1, 1, 1, 1, 1], prior=0.9)
+    spec = sp.start(target, prompts[:2], drafter=drafter, num_draft=3, window=costly)
+    for _ in range(3):
+        spec, r = sp.step(target, spec, drafter=drafter)
+        assert r.width == 1
+    spec = sp.join(spec, sp.start(target, prompts[2:], drafter=drafter, num_draft=3))
+    assert spec.draft_lag == (3, 3, 0)
+    spec = attrs.evolve(spec, window=cheap)
+    spec, r = sp.step(target, spec, drafter=drafter)
+    assert r.width == 4 and spec.draft_lag == (0, 0, 0)
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 13:
+        spec, _ = sp.step(target, spec, drafter=drafter)
+    for b, p in enumerate(prompts):
+        want = plain(target, [p], 12)[0]
+        assert list(spec.context[b][len(p) : len(p) + 13]) == want, f"row {b}"
+
+
+def test_window_rule_measures_then_picks_what_pays():
+    """The plain step is measured first; a width is modelled until measured;
+    rows that keep failing stop drafting, and come back as evidence decays."""
+    w = sp.Window(samples=2, slope=0.25)
+    assert w.choose(2, [0.9, 0.9], [4, 4]) == 1  # plain not measured yet
+    w = w.record(2, 1, 1.0).record(2, 1, 1.0)
+    assert w.choose(2, [0.9, 0.9], [4, 4]) == 5  # modelled: wide windows pay
+    assert w.choose(2, [0.9, 0.9], [1, 0]) == 2  # only the drafts at hand
+    assert w.choose(2, [0.0, 0.0], [4, 4]) == 1
+    for W in (2, 3, 4, 5):
+        w = w.record(2, W, float(W)).record(2, W, float(W))  # measured: compute-bound
+    assert w.cost(2, 5) == 5.0 and w.choose(2, [0.95, 0.95], [4, 4]) == 1
+    assert sp.expected_accepted(0.5, 3) == pytest.approx(0.875)
+    seen = (0.0, 0.0)
+    for _ in range(10):
+        seen = w.observe(seen, 0, 0, True)  # lookup found nothing
+    assert w.alpha(seen) < 0.1
+    for _ in range(30):
+        seen = w.observe(seen, 0, 0, False)  # no evidence: back toward the prior
+    assert w.alpha(seen) > 0.35
+    with pytest.raises(kv.KVStateError, match="decay"):
+        sp.Window(decay=2.0)
+    with pytest.raises(kv.KVStateError, match="window"):
+        sp.start(tm.llama_model(layers=1), [[1, 2]], window="cost")
+
+
 # --- errors ---------------------------------------------------------------------------
 
 
@@ -395,7 +509,14 @@ def test_bad_arguments_are_refused(llama):
 # --- the command line ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags", [["--draft", "ngram"], ["--draft", "ngram", "--compile"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--draft", "ngram"],
+        ["--draft", "ngram", "--compile"],
+        ["--draft", "ngram", "--draft-window", "fixed"],
+    ],
+)
 def test_cli_speculative_generate_matches_mlx_lm(flags, capsys):
     """``kvstate generate --draft ngram`` (continuous batching, rows joining and
     leaving) gives mlx-lm's own batched tokens, request by request."""

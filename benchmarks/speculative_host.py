@@ -1,0 +1,112 @@
+"""Host time of one speculative round against a plain decode step (real model, same process).
+
+A round's host time is its wall time less the time the thread waits in
+``mx.eval`` (the device computing: the verify forward and the previous
+round's lazy rollback). Printed per method: median ms per round of wall,
+sync and host time over ``--rounds`` rounds, after a warm-up; and with
+``--profile``, the top Python functions of the speculative rounds
+(cProfile, cumulative).
+
+    python benchmarks/speculative_host.py --batch 8 --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import mlx.core as mx
+
+from kvstate import mlx_lm as br
+from kvstate import speculative as sp
+from kvstate.drafts import Lookup
+
+import speculative as bench  # benchmarks/speculative.py: the model and prompts
+
+WAIT = [0.0]
+_eval = mx.eval
+
+
+def timed_eval(*args, **kw):
+    t0 = time.perf_counter()
+    _eval(*args, **kw)
+    WAIT[0] += time.perf_counter() - t0
+
+
+def rounds_plain(model, prompts, n):
+    logits, states = br.prefill(model, prompts)
+    y = mx.argmax(logits, axis=-1)
+    mx.eval(y, states)
+    out = []
+    for _ in range(n):
+        WAIT[0] = 0.0
+        t0 = time.perf_counter()
+        logits, states = br.step(model, y, states)
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(y)
+        y.tolist()
+        out.append((time.perf_counter() - t0, WAIT[0]))
+    return out
+
+
+def rounds_spec(model, prompts, n, window, profile=None):
+    kw = {} if window is None else {"window": window}
+    spec = sp.start(model, prompts, drafter=Lookup(), num_draft=4, **kw)
+    mx.eval(spec.states)
+    out = []
+    for _ in range(n):
+        WAIT[0] = 0.0
+        t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
+        spec, r = sp.step(model, spec, drafter=Lookup())
+        if profile is not None:
+            profile.disable()
+        out.append((time.perf_counter() - t0, WAIT[0], r.width))
+    return out
+
+
+def show(name, rows):
+    wall = [r[0] * 1e3 for r in rows]
+    sync = [r[1] * 1e3 for r in rows]
+    host = [w - s for w, s in zip(wall, sync)]
+    widths = sorted({r[2] for r in rows}) if len(rows[0]) > 2 else [1]
+    print(
+        f"{name} | {statistics.median(wall):.2f} | {statistics.median(sync):.2f} | "
+        f"{statistics.median(host):.2f} [{min(host):.2f}-{max(host):.2f}] | {widths}",
+        flush=True,
+    )
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=bench.GGUF)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--kind", default="rewrite")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    model, tok = bench.load(args.model, True)
+    texts = bench.KINDS[args.kind]
+    prompts = [
+        tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(args.batch)
+    ]
+    mx.eval = timed_eval  # every sync, including the library's, is timed
+    sp.mx.eval = timed_eval
+    print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
+    print("method | wall ms | sync ms | host ms median [min-max] | widths")
+    rounds_plain(model, prompts, 3)
+    rounds_spec(model, prompts, 3, None)
+    print("warm", flush=True)
+    show("plain step", rounds_plain(model, prompts, args.rounds))
+    prof = cProfile.Profile() if args.profile else None
+    show("lookup round (k<=4)", rounds_spec(model, prompts, args.rounds, None, prof))
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
