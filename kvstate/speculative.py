@@ -504,6 +504,7 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
     keep = [1 + a for a in accepted]
     if min(keep) <= K:  # a pad or a rejected draft to give back
+        assert cp is not None  # K > 0: taken above
         # Every layer back to y and the accepted drafts (a recurrent layer keeping
         # part of the window replays it from the checkpoint: notes/hybrid.md).
         states = bridge.rollback(target, states, cp, keep, window)
