@@ -106,6 +106,8 @@ def main(argv=None):
     show("lookup round (k<=4)", rounds_spec(model, prompts, args.rounds, None, prof))
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    if hasattr(sp, "Window"):  # the cost-aware rule: widths it picks on this device
+        show("cost-aware round", rounds_spec(model, prompts, args.rounds, sp.Window()))
 
 
 if __name__ == "__main__":

@@ -4,15 +4,18 @@ A round verifies a ``[B, W]`` window: every row pays the widest draft. It
 pays when the tokens it is expected to emit beat a plain step's ``B`` by
 more than the round costs over a plain step::
 
-    value(W) = (B + sum_b E[accepted_b | min(avail_b, W - 1) drafts]) / cost(B, W) / cost(B, 1)
+    value(W) = (B + sum_b E[accepted_b | min(avail_b, W - 1) drafts]) / cost(B, W)
+
+in tokens per plain-step time (``cost`` in plain steps: a plain step is worth ``B``).
 
 ``E[accepted | k] = a + a^2 + .. + a^k`` for a row whose drafts are
 accepted position by position with probability ``a`` (its running
 acceptance: recent evidence, decayed each round toward a prior, so a row
 that stopped drafting is tried again later). ``cost(B, W)`` is the median
 of the last rounds measured on the device in use (wall time of a whole
-round, host work included), and until a width has ``samples`` rounds, the
-model ``1 + slope * (W - 1)`` plain steps. The chosen width maximizes
+round, host work included); until a width has ``samples`` rounds, the model
+``1 + slope * (W - 1)`` plain steps, ``slope`` taken from the widest width
+measured so far (the prior ``slope`` before any). The chosen width maximizes
 ``value``; ``W = 1`` (a plain step) unless a wider round beats it by
 ``margin``. Decisions and the reasons: ``notes/speculative.md``.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import cast
 
 import attrs
 
@@ -82,9 +86,19 @@ class Window:
         if W == 1:
             return 1.0
         plain, wide = self.measured(B, 1), self.measured(B, W)
-        if plain is not None and wide is not None:
+        if plain is None:
+            return 1.0 + self.slope * (W - 1)
+        if wide is not None:
             return wide / plain
-        return 1.0 + self.slope * (W - 1)
+        return 1.0 + self._slope(B, plain) * (W - 1)
+
+    def _slope(self, B: int, plain: float) -> float:
+        """Cost per extra column: from the widest width measured at ``B``, else ``slope``."""
+        widths = [w for (b, w) in self.costs if b == B and w > 1 and self.measured(b, w)]
+        if not widths:
+            return self.slope
+        W = max(widths)
+        return max(0.0, (cast(float, self.measured(B, W)) / plain - 1.0) / (W - 1))
 
     def record(self, B: int, W: int, seconds: float) -> Window:
         """This rule with one more measured round."""

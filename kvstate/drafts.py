@@ -18,11 +18,11 @@ one forward (``kvstate.speculative``). Two sources:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
 
 from ._args import as_int
 from .errors import bad, check
@@ -78,14 +78,17 @@ def lookup(context: Sequence[int], k: int, *, max_ngram: int = 3, min_ngram: int
     L = len(context)
     if k <= 0 or L < min_ngram + 1:
         return []
-    ctx = np.asarray(context, dtype=np.int64)
+    # One C-speed byte search per n (4 bytes a token; a match must start on a
+    # token boundary): a round's lookups are host work between device steps.
+    buf = array("I", context).tobytes()
     for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        # windows starting at 0 .. L-n-1: each is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)
-        hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return ctx[start : start + k].tolist()
+        pattern, end = buf[4 * (L - n) :], 4 * (L - 1)  # windows inside context[:-1]
+        at = buf.rfind(pattern, 0, end)
+        while at > 0 and at % 4:
+            at = buf.rfind(pattern, 0, at + 4 * n - 1)
+        if at >= 0:
+            start = at // 4 + n
+            return list(context[start : start + k])
     return []
 
 

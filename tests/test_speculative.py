@@ -215,6 +215,30 @@ def test_lookup_takes_the_latest_longest_match():
     assert lookup([4, 4, 4, 4], 3, min_ngram=1) == [4]
 
 
+def naive_lookup(ctx, k, max_ngram, min_ngram):
+    for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
+        starts = [i for i in range(len(ctx) - n) if ctx[i : i + n] == ctx[len(ctx) - n :]]
+        if starts:
+            return ctx[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=200)
+@given(
+    ctx=st.lists(st.sampled_from([0, 1, 2, 256, 65536, 49151, 2**32 - 1]), max_size=24),
+    k=st.integers(0, 5),
+    lo=st.integers(1, 3),
+    extra=st.integers(0, 2),
+)
+def test_lookup_equals_a_naive_search(ctx, k, lo, extra):
+    """The byte search (tokens as 4 bytes, matches on token boundaries only:
+    ids like 256 and 65536 share bytes across boundaries) finds what a naive
+    scan of every window finds."""
+    assert lookup(ctx, k, max_ngram=lo + extra, min_ngram=lo) == (
+        naive_lookup(ctx, k, lo + extra, lo) if k > 0 and len(ctx) >= lo + 1 else []
+    )
+
+
 # --- the ring: commit after a draft taken one token at a time ------------------------
 
 
@@ -470,6 +494,8 @@ def test_window_rule_measures_then_picks_what_pays():
     assert w.choose(2, [0.9, 0.9], [4, 4]) == 5  # modelled: wide windows pay
     assert w.choose(2, [0.9, 0.9], [1, 0]) == 2  # only the drafts at hand
     assert w.choose(2, [0.0, 0.0], [4, 4]) == 1
+    w2 = w.record(2, 2, 2.0).record(2, 2, 2.0)  # one width measured: its slope models the rest
+    assert w2.cost(2, 4) == 4.0 and w2.choose(2, [0.9, 0.9], [4, 4]) == 1
     for W in (2, 3, 4, 5):
         w = w.record(2, W, float(W)).record(2, W, float(W))  # measured: compute-bound
     assert w.cost(2, 5) == 5.0 and w.choose(2, [0.95, 0.95], [4, 4]) == 1
