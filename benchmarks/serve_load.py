@@ -6,15 +6,20 @@ mlx-lm cannot read GGUF), each started as its own process on localhost. N
 concurrent streaming clients replay a fixed set of chat requests that share
 one system prompt; each client sends its next request when the last one ends.
 Reported per server and N: requests/s, completion tokens/s, time to first
-token and inter-token latency (median and p95), failed requests, and the
-server's peak resident memory (``VmHWM``).
+token and inter-token latency (median and p95), failed requests (each with
+its reason: an HTTP status and body, an error event, a broken stream, a
+stream with no finish reason, or the client's ``--timeout``), and the
+server's peak resident memory during that N (``VmHWM``, reset before each N).
 
     python benchmarks/serve_load.py --clients 1 8 32 --requests 32
     python benchmarks/serve_load.py --soak 600 --clients 32 --servers kvstate
 
-``--soak S`` replays the set for S seconds at the first N and samples the
-server's resident memory every 10 s: growth shows as a rising RSS after the
-warm-up, a failure as a non-200 reply or a broken stream.
+``--soak S`` replays the set for S seconds at the first N (clients send no
+new request after S; the ones in flight finish) and samples the server's
+resident memory every 10 s; at the end it prints the memory after the
+``--warmup`` (first, min, max, last and the least-squares slope in MiB per
+minute) and request latency. The servers' own output goes to a log file whose
+path is printed.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 SYSTEM = (
@@ -69,6 +76,62 @@ def rss(pid: int) -> tuple:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def reset_peak(pid: int) -> None:
+    """Start the process's peak resident memory (``VmHWM``) afresh (Linux ``clear_refs``)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        pass  # then the peak is since the server started
+
+
+def report_failures(r: dict) -> None:
+    """Each distinct failure reason with its count, and the first few as they came."""
+    if not r["errors"]:
+        return
+    reasons = Counter(e.split(": ", 1)[1] for e in r["errors"])
+    for reason, count in reasons.most_common():
+        print(f"  failed x{count}: {reason}")
+    for e in r["errors"][:5]:
+        print(f"  first failures: {e}")
+
+
+def soak(kind: str, pid: int, url: str, args) -> None:
+    """Replay the set for ``args.soak`` seconds at the first N; print the server's
+    resident memory every 10 s and, at the end, its growth after the warm-up."""
+    samples: list = []
+    n = args.clients[0]
+
+    def tick(t, out):
+        samples.append((t, *rss(pid)))
+        print(
+            f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB  done {out['done']:5d}  "
+            f"failed {out['failed']}",
+            flush=True,
+        )
+
+    reset_peak(pid)
+    r = asyncio.run(load(url, n, 0, args.max_tokens, args.soak, tick, args.timeout))
+    print(
+        f"soak {kind}: N={n}, {r['seconds']:.0f} s, {r['done']} requests done, "
+        f"{r['failed']} failed, {r['tokens']} tokens ({r['tokens'] / r['seconds']:.1f} tok/s); "
+        f"request latency median {median(r['latency']):.1f} s, p95 "
+        f"{pct(r['latency'], 0.95):.1f} s, max {max(r['latency'], default=float('nan')):.1f} s; "
+        f"TTFT median {median(r['ttft']):.2f} s, ITL median {1000 * median(r['itl']):.0f} ms"
+    )
+    report_failures(r)
+    warm = [s for s in samples if s[0] >= args.warmup] or samples
+    if len(warm) >= 2:
+        ts, ms = [s[0] for s in warm], [s[1] for s in warm]
+        tm, mm = statistics.fmean(ts), statistics.fmean(ms)
+        slope = sum((t - tm) * (m - mm) for t, m in zip(ts, ms)) / sum((t - tm) ** 2 for t in ts)
+        print(
+            f"  rss after the {args.warmup:.0f} s warm-up: first {ms[0]:.1f} MiB, "
+            f"min {min(ms):.1f}, max {max(ms):.1f}, last {ms[-1]:.1f} MiB; "
+            f"least-squares slope {60 * slope:+.2f} MiB/min over {len(ms)} samples; "
+            f"peak (VmHWM) over the soak {samples[-1][2]:.1f} MiB"
+        )
+
+
 def start(kind: str, model_dir: Path, max_batch: int) -> tuple:
     port = free_port()
     if kind == "kvstate":
@@ -100,14 +163,16 @@ def start(kind: str, model_dir: Path, max_batch: int) -> tuple:
             "--log-level",
             "WARNING",
         ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = Path(tempfile.mkdtemp(prefix="serve_load_")) / f"{kind}.log"
+    with open(log, "wb") as f:  # the server's own output, for a failure's cause
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     import urllib.request
 
     deadline = time.time() + 300
     while True:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc, port
+                return proc, port, log
         except OSError as e:
             if proc.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"{kind} server did not start: {' '.join(cmd)}") from e
@@ -123,33 +188,58 @@ async def one(session, url, question, max_tokens, out):
     }
     t0 = time.perf_counter()
     stamps = []
+    finish = None
     try:
         async with session.post(url + "/v1/chat/completions", json=body) as r:
             if r.status != 200:
-                out["failed"] += 1
+                fail(out, t0, f"HTTP {r.status}: {(await r.text())[:200]}")
                 return
             async for line in r.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
                 chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                if chunk.get("error"):
+                    fail(out, t0, f"error event: {chunk['error']}")
+                    return
+                choice = chunk["choices"][0] if chunk["choices"] else {}
+                if choice.get("delta", {}).get("content"):
                     stamps.append(time.perf_counter())
-    except Exception:  # a broken stream is a failed request
-        out["failed"] += 1
+                finish = choice.get("finish_reason") or finish
+    except asyncio.TimeoutError:
+        fail(out, t0, "the client's timeout (--timeout)")
+        return
+    except Exception as e:  # a broken stream is a failed request
+        fail(out, t0, f"{type(e).__name__}: {e}")
+        return
+    if finish is None:
+        fail(out, t0, "stream ended without a finish_reason")
         return
     if stamps:
         out["ttft"].append(stamps[0] - t0)
         out["itl"] += [b - a for a, b in zip(stamps, stamps[1:])]
+    out["latency"].append(time.perf_counter() - t0)
     out["tokens"] += len(stamps)
     out["done"] += 1
 
 
+def fail(out, t0, reason: str) -> None:
+    """Count a failed request and keep why, and after how long, it failed."""
+    out["failed"] += 1
+    out["errors"].append(f"after {time.perf_counter() - t0:.1f} s: {reason}")
+
+
 async def load(
-    url, clients: int, requests: int, max_tokens: int, seconds: float = 0.0, on_tick=None
+    url,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    seconds: float = 0.0,
+    on_tick=None,
+    timeout_s: float = 600.0,
 ) -> dict:
     import aiohttp
 
-    out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "failed": 0}
+    out = {"ttft": [], "itl": [], "latency": [], "errors": [], "tokens": 0, "done": 0, "failed": 0}
     next_i = iter(range(10**9))
     stop_at = time.perf_counter() + seconds if seconds else None
 
@@ -162,14 +252,14 @@ async def load(
                 return
             await one(session, url, QUESTIONS[i % len(QUESTIONS)], max_tokens, out)
 
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(client(session)) for _ in range(clients)]
         if on_tick:
             while not all(t.done() for t in tasks):
                 await asyncio.sleep(10)
-                on_tick(time.perf_counter() - t0)
+                on_tick(time.perf_counter() - t0, out)
         await asyncio.gather(*tasks)
         out["seconds"] = time.perf_counter() - t0
     return out
@@ -194,6 +284,12 @@ def main():
     ap.add_argument("--servers", nargs="+", default=["kvstate", "mlx-lm"])
     ap.add_argument("--soak", type=float, default=0.0, help="seconds of soak at the first N")
     ap.add_argument(
+        "--timeout", type=float, default=600.0, help="client timeout per request, s (600)"
+    )
+    ap.add_argument(
+        "--warmup", type=float, default=60.0, help="soak seconds before memory growth counts (60)"
+    )
+    ap.add_argument(
         "--model-dir",
         type=Path,
         default=None,
@@ -211,39 +307,31 @@ def main():
     print(f"model: {model_dir}; {os.cpu_count()} cpus; max_tokens {args.max_tokens}")
     rows = []
     for kind in args.servers:
-        proc, port = start(kind, model_dir, max(args.clients))
+        proc, port, log = start(kind, model_dir, max(args.clients))
         url = f"http://127.0.0.1:{port}"
         try:
             asyncio.run(load(url, 1, 2, 4, 0))  # warm-up
             if args.soak:
-                samples = []
-
-                def tick(t, pid=proc.pid, samples=samples):
-                    samples.append((t, *rss(pid)))
-                    print(f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB", flush=True)
-
-                r = asyncio.run(load(url, args.clients[0], 0, args.max_tokens, args.soak, tick))
-                print(
-                    f"soak {kind}: N={args.clients[0]}, {r['seconds']:.0f} s, {r['done']} "
-                    f"requests done, {r['failed']} failed, {r['tokens']} tokens"
-                )
-                warm = [s for s in samples if s[0] >= 60] or samples
-                print(
-                    f"  rss after warm-up {warm[0][1]:.1f} MiB, at the end {samples[-1][1]:.1f}"
-                    f" MiB, peak {samples[-1][2]:.1f} MiB"
-                )
+                soak(kind, proc.pid, url, args)
                 continue
             for n in args.clients:
-                r = asyncio.run(load(url, n, args.requests, args.max_tokens))
+                reset_peak(proc.pid)
+                r = asyncio.run(
+                    load(url, n, args.requests, args.max_tokens, timeout_s=args.timeout)
+                )
                 rows.append((kind, n, r, rss(proc.pid)[1]))
                 print(
                     f"{kind} N={n}: {r['done'] / r['seconds']:.2f} req/s, "
-                    f"{r['tokens'] / r['seconds']:.1f} tok/s, failed {r['failed']}",
+                    f"{r['tokens'] / r['seconds']:.1f} tok/s, failed {r['failed']}, "
+                    f"request latency median {median(r['latency']):.1f} s, "
+                    f"max {max(r['latency'], default=float('nan')):.1f} s",
                     flush=True,
                 )
+                report_failures(r)
         finally:
             proc.terminate()
             proc.wait(60)
+            print(f"  ({kind} server log: {log})", flush=True)
     if rows:
         print(
             "\n| server | N | req/s | tok/s | TTFT median / p95 s | ITL median / p95 ms "
