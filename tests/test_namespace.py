@@ -108,16 +108,21 @@ def _unannotated(module):
     return out
 
 
+# Public modules whose __all__ still has unannotated functions (notes/design.md, "Tooling").
+NOT_YET_TYPED = {"kvstate.shared": 1, "kvstate.speculative": 5}
+
+
 def test_public_functions_are_annotated():
     """Every parameter and return of the public API has a type (what mypy checks):
-    ``kvstate``, the bridge, and the public modules that define ``__all__``."""
-    import kvstate.compiled
-    import kvstate.mlx_lm
-    import kvstate.ops
-    import kvstate.persist
-
-    for module in (kv, kvstate.mlx_lm, kvstate.compiled, kvstate.ops, kvstate.persist):
-        assert _unannotated(module) == []
+    ``kvstate``'s ``__all__`` and that of every public module defining one."""
+    public = [kv] + [m for m in _modules() if not m.__name__.split(".")[-1].startswith("_")]
+    checked = [m for m in public if hasattr(m, "__all__")]
+    assert {"kvstate", "kvstate.mlx_lm", "kvstate.ops", "kvstate.compiled"} <= {
+        m.__name__ for m in checked
+    }
+    for module in checked:
+        missing = _unannotated(module)
+        assert len(missing) <= NOT_YET_TYPED.get(module.__name__, 0), missing
 
 
 def test_readme_module_table_lists_every_file():
