@@ -148,35 +148,21 @@ def prefix_case(args, bw, B):
     un = kv.append(kv.filter_rows(base, [0] * B), sk, sv)
     q = mx.random.normal((B, Hq, 1, D)).astype(dt)
     s = D**-0.5
-    p = st.prefixes[0]
     sx = st.suffix
     i32 = mx.int32
-    prefix = (
-        p.keys,
-        p.values,
-        mx.array(st.prefix_row, i32),
-        mx.array([p.left_pad[r] for r in st.prefix_row], i32),
-        mx.array(st.shared, i32),
-    )
+    views = shared.view_arrays(st)
+    planes = shared.prefix_planes(st)
+    prefix = (*planes, *views[1:])  # one prefix record: (pk, pv, rows, starts, lens)
     slp, sen = mx.array(sx.left_pad, i32), mx.array(sx.ends, i32)
     ulp, uen = mx.array(un.left_pad, i32), mx.array(un.ends, i32)
     uk, uv = un.keys[:, :, : P + Sx], un.values[:, :, : P + Sx]
-    groups = shared.prefix_groups(st)
-    pairs = shared.group_kv(st, groups)
     smask = rows_mask(1, sx.left_pad, sx.ends, sx.capacity)
-    mx.eval(q, sx.keys, sx.values, un.keys, un.values, uk, uv, smask, *prefix)
+    mx.eval(q, sx.keys, sx.values, un.keys, un.values, uk, uv, smask, *prefix, *views)
     cascade = mx.compile(
-        lambda q, a, b, m, *kv_: shared.cascade_attention(
-            q,
-            [(kv_[i], kv_[i + 1]) for i in range(0, len(kv_), 2)],
-            tuple(g[2] for g in groups),
-            st.shared,
-            (a, b),
-            m,
-            scale=s,
+        lambda q, a, b, m, pk, pv, *views: shared.cascade_attention(
+            q, [(pk, pv)], views, (a, b), m, scale=s
         )
     )
-    flat = [x for pair in pairs for x in pair]
     cases = {
         "unshared: sdpa, no mask, exact width": lambda: mx.fast.scaled_dot_product_attention(
             q, uk, uv, scale=s
@@ -184,7 +170,9 @@ def prefix_case(args, bw, B):
         "unshared: kernel": lambda: kernels.ragged_attention(
             q, un.keys, un.values, ulp, uen, scale=s
         ),
-        "shared: cascade (compiled)": lambda: cascade(q, sx.keys, sx.values, smask, *flat),
+        "shared: cascade (compiled)": lambda: cascade(
+            q, sx.keys, sx.values, smask, *planes, *views
+        ),
         "shared: kernel with prefix": lambda: kernels.ragged_attention(
             q, sx.keys, sx.values, slp, sen, scale=s, prefix=prefix
         ),

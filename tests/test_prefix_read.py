@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 import kvstate as kv
-from kvstate import kernels
+from kvstate import kernels, shared
 
 BF16_RTOL = 2e-2  # relative L2 error of a bf16 read against the float32 reference
 
@@ -49,18 +49,12 @@ def _shared_rows(dtype, H, D, N, seed, trim=True):
 
 
 def _prefix_args(state):
-    """``ragged_attention``'s arguments for a ``SharedState`` with one prefix record."""
-    (p,) = state.prefixes
+    """``ragged_attention``'s arguments for a ``SharedState`` with one prefix record
+    (the row map as ``kvstate.shared`` builds it for its own read)."""
+    _, rows, starts, lens = shared.view_arrays(state)
+    prefix = (*shared.prefix_planes(state), rows, starts, lens)
     sx = state.suffix
-    i32 = mx.int32
-    prefix = (
-        p.keys,
-        p.values,
-        mx.array(state.prefix_row, i32),
-        mx.array([p.left_pad[r] for r in state.prefix_row], i32),
-        mx.array(state.shared, i32),
-    )
-    lp, en = mx.array(sx.left_pad, i32), mx.array(sx.ends, i32)
+    lp, en = (mx.array(x, dtype=mx.int32) for x in (sx.left_pad, sx.ends))
     return sx.keys, sx.values, lp, en, prefix
 
 
