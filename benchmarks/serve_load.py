@@ -95,6 +95,20 @@ def report_failures(r: dict) -> None:
         print(f"  first failures: {e}")
 
 
+def mlx_memory(kind: str, url: str) -> str:
+    """kvstate's ``/health`` memory figures (MLX's arrays and buffer cache), as text."""
+    if kind != "kvstate":
+        return ""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as h:
+            m = json.load(h)["mlx_mib"]
+    except (OSError, KeyError, ValueError) as e:
+        return f"(health: {type(e).__name__}) "
+    return f"mlx active {m['active']:6.1f} cache {m['cache']:6.1f} MiB  "
+
+
 def soak(kind: str, pid: int, url: str, args) -> None:
     """Replay the set for ``args.soak`` seconds at the first N; print the server's
     resident memory every 10 s and, at the end, its growth after the warm-up."""
@@ -104,8 +118,8 @@ def soak(kind: str, pid: int, url: str, args) -> None:
     def tick(t, out):
         samples.append((t, *rss(pid)))
         print(
-            f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB  done {out['done']:5d}  "
-            f"failed {out['failed']}",
+            f"  {t:6.0f} s  rss {samples[-1][1]:7.1f} MiB  {mlx_memory(kind, url)}"
+            f"done {out['done']:5d}  failed {out['failed']}",
             flush=True,
         )
 

@@ -273,12 +273,21 @@ class Api:
     async def health(self, request):
         from aiohttp import web
 
+        import mlx.core as mx
+
         s = self.scheduler
         return web.json_response(
             {
                 "status": "ok" if s.alive else "stopped",
                 "active_rows": s.active_rows,
                 "queued": s.queued,
+                "rounds": s.stats["rounds"],
+                # MLX's memory, MiB: arrays alive, freed buffers kept for reuse, peak
+                "mlx_mib": {
+                    "active": mx.get_active_memory() / 2**20,
+                    "cache": mx.get_cache_memory() / 2**20,
+                    "peak": mx.get_peak_memory() / 2**20,
+                },
             }
         )
 

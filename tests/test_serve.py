@@ -119,7 +119,10 @@ def test_models_health_and_stop_strings(server, smollm):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [smollm.name]
     with urllib.request.urlopen(server.url + "/health") as h:
-        assert json.load(h)["status"] == "ok"
+        health = json.load(h)
+    assert health["status"] == "ok" and health["queued"] == 0
+    assert set(health["mlx_mib"]) == {"active", "cache", "peak"}
+    assert health["mlx_mib"]["active"] > 0  # the model's weights
     full = greedy_reference(smollm, QUESTIONS[:1], 24)[0]
     cut = full.index("Paris")
     r = server.client().chat.completions.create(
