@@ -31,6 +31,11 @@ import attrs
 from .errors import check
 
 
+def bucket(B: int) -> int:
+    """The power of two at or above ``B``: batch sizes whose round costs are pooled."""
+    return 1 << max(B - 1, 0).bit_length()
+
+
 def expected_accepted(alpha: float, k: int) -> float:
     """``alpha + alpha^2 + .. + alpha^k``: accepted drafts of ``k`` when each is
     accepted with probability ``alpha`` given the ones before it were."""
@@ -46,8 +51,8 @@ class Window:
     """The cost-aware window rule and the round costs measured so far (data only).
 
     Attributes:
-        costs: ``{(B, W): (seconds, ...)}``: the last ``keep`` measured rounds
-            of ``B`` rows and window width ``W``.
+        costs: ``{(bucket(B), W): (seconds, ...)}``: the last ``keep`` measured
+            rounds of window width ``W`` at batch sizes in ``B``'s bucket.
         slope: modelled cost of each window column past the first, in plain
             steps, for a width not yet measured ``samples`` times.
         samples: measured rounds of a ``(B, W)`` before its median replaces the model.
@@ -77,8 +82,11 @@ class Window:
         check(self.slope >= 0, "slope", ">= 0", self.slope)
 
     def measured(self, B: int, W: int) -> float | None:
-        """The median measured seconds of a ``(B, W)`` round, or ``None`` below ``samples``."""
-        got = self.costs.get((B, W), ())
+        """The median measured seconds of a ``(B, W)`` round, or ``None`` below ``samples``.
+
+        Batch sizes share their power-of-two bucket (``bucket``): rows join and
+        leave, and a new ``B`` should not start measuring from nothing."""
+        got = self.costs.get((bucket(B), W), ())
         return statistics.median(got) if len(got) >= self.samples else None
 
     def cost(self, B: int, W: int) -> float:
@@ -94,7 +102,7 @@ class Window:
 
     def _slope(self, B: int, plain: float) -> float:
         """Cost per extra column: from the widest width measured at ``B``, else ``slope``."""
-        widths = [w for (b, w) in self.costs if b == B and w > 1 and self.measured(b, w)]
+        widths = [w for (b, w) in self.costs if b == bucket(B) and w > 1 and self.measured(B, w)]
         if not widths:
             return self.slope
         W = max(widths)
@@ -102,8 +110,9 @@ class Window:
 
     def record(self, B: int, W: int, seconds: float) -> Window:
         """This rule with one more measured round."""
+        key = (bucket(B), W)
         costs = dict(self.costs)
-        costs[(B, W)] = (costs.get((B, W), ()) + (seconds,))[-self.keep :]
+        costs[key] = (costs.get(key, ()) + (seconds,))[-self.keep :]
         return attrs.evolve(self, costs=costs)
 
     def alpha(self, seen: tuple) -> float:
@@ -141,4 +150,4 @@ class Window:
         return best
 
 
-__all__ = ["Window", "expected_accepted"]
+__all__ = ["Window", "bucket", "expected_accepted"]

@@ -500,6 +500,8 @@ def test_window_rule_measures_then_picks_what_pays():
         w = w.record(2, W, float(W)).record(2, W, float(W))  # measured: compute-bound
     assert w.cost(2, 5) == 5.0 and w.choose(2, [0.95, 0.95], [4, 4]) == 1
     assert sp.expected_accepted(0.5, 3) == pytest.approx(0.875)
+    pooled = sp.Window(samples=1).record(3, 1, 2.0)  # batch sizes 3 and 4 share a bucket
+    assert pooled.measured(4, 1) == 2.0 and pooled.measured(5, 1) is None
     seen = (0.0, 0.0)
     for _ in range(10):
         seen = w.observe(seen, 0, 0, True)  # lookup found nothing
