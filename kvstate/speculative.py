@@ -484,9 +484,11 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     logits, states = forward(window, list(batch.states))
     if not sampled:
         target_tokens = mx.argmax(logits, axis=-1)
-        mx.eval(target_tokens, drafts_dev)
+        mx.eval(target_tokens, *([drafts_dev] if host is None else []))
         drafts = host if host is not None else [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
         accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
+        # a plain round's next tokens stay on the device (as in a plain decode loop)
+        pending = target_tokens[:, 0] if K == 0 else mx.array(nxt, dtype=mx.uint32)
     else:
         assert params is not None and round_keys is not None  # sampled rows: made above
         p = probabilities(logits, *params)
@@ -501,6 +503,7 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         )
         mx.eval(acc, nx, drafts_dev)
         accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
+        pending = nx
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
     keep = [1 + a for a in accepted]
     if min(keep) <= K:  # a pad or a rejected draft to give back
@@ -526,7 +529,9 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
             rule.observe(x, c, a, k > 0 and f == 0)
             for x, c, a, k, f in zip(spec.seen, counts, accepted, asked, found)
         )
-    batch = attrs.evolve(batch, states=states, tokens=mx.array(nxt, dtype=mx.uint32), keys=carry)
+    if pending.dtype != mx.uint32:
+        pending = pending.astype(mx.uint32)
+    batch = attrs.evolve(batch, states=states, tokens=pending, keys=carry)
     context = [c + e for c, e in zip(spec.context, emitted)]
     if rule is not None:
         rule = rule.record(B, 1 + K, time.perf_counter() - t0)
