@@ -64,7 +64,8 @@ def main(argv=None):
                 a = (q, k, v, D**-0.5, mask)
                 ref, got = stock(*a), folded_attention(*a)
                 err = mx.abs(ref - got).max().item()
-                assert err < 1e-3, err
+                # the two reads sum in different orders: a float32 bound, a bfloat16 one
+                assert err < (1e-3 if dt == mx.float32 else 2e-2), err
                 ts, tf = [], []
                 for r in range(args.rounds):
                     pair = [(stock, ts), (folded_attention, tf)]
