@@ -72,8 +72,8 @@ def attention_read(args, B):
     ``ragged``: ``kernels.ragged_attention`` over the unshared rows, what the
     compiled decoder reads dense rows with on CUDA, the masked SDPA elsewhere;
     ``shared read``: ``kv.attend`` on the ``SharedState``, which takes the
-    split-K kernel with a prefix source where it runs (``kernels.PREFIX_READ``
-    on CUDA), else the cascade; ``cascade``: the portable cascade alone)."""
+    split-K kernel with a prefix source where it runs (CUDA), else the
+    cascade; ``cascade``: the portable cascade alone)."""
     from kvstate import kernels, shared
     from kvstate.masks import rows_mask
 
@@ -122,7 +122,7 @@ def attention_read(args, B):
     for _ in range(args.rounds):
         for k, fn in sides.items():
             times[k].append(timed(fn, args.reps))
-    prefix_kernel = getattr(kernels, "PREFIX_READ", False) and kernels.kernel_available()
+    prefix_kernel = kernels.kernel_available()
     print(
         f"# attention read, B={B} prefix={P} suffix={S} H={H} Hq={HQ} D={D} {args.dtype} "
         f"device={mx.default_device()} rounds={args.rounds} reps={args.reps} "

@@ -638,10 +638,6 @@ def quantized_attention(
     )
 
 
-#: ``ragged_attention`` takes ``prefix=`` (shared-prefix rows; ``kvstate.shared`` checks it).
-PREFIX_READ = True
-
-
 def folded_attention(q, k, v, scale: float, mask=None):
     """Grouped-query attention with each KV head's query heads folded into query rows.
 

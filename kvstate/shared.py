@@ -673,9 +673,7 @@ def use_kernel(q, k) -> bool:
     split-K kernel with a prefix source: where that kernel runs and covers
     these shapes (``kernels.decode_read``: MLX's CUDA backend). Decided while
     tracing (``prefix_read``)."""
-    return (
-        getattr(kernels, "PREFIX_READ", False) and kernels.decode_read(q.shape[2], q, k) == "kernel"
-    )
+    return kernels.decode_read(q.shape[2], q, k) == "kernel"
 
 
 def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix_mask=None):
@@ -683,7 +681,7 @@ def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix
 
     ``left_pad``/``ends``: int32 ``[B]`` arrays of the suffix rows (after the
     write). Where ``kvstate.kernels`` has its split-K kernel with a prefix
-    source (``kernels.PREFIX_READ``: MLX's CUDA backend, shapes it covers)
+    source (MLX's CUDA backend, shapes ``kernels.decode_read`` covers)
     and the rows read one prefix record, one ``ragged_attention`` call reads
     prefix and suffix (the unshared read's launches); otherwise
     ``cascade_attention`` with ``suffix_mask`` (built from ``left_pad`` and
