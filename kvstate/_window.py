@@ -28,12 +28,14 @@ from typing import cast
 
 import attrs
 
+from ._buckets import BUCKETS, bucket_of
 from .errors import check
 
 
 def bucket(B: int) -> int:
-    """The power of two at or above ``B``: batch sizes whose round costs are pooled."""
-    return 1 << max(B - 1, 0).bit_length()
+    """The power of two at or above ``B`` (the compiled decoder's batch bucket,
+    ``_buckets.bucket_of``): batch sizes whose round costs are pooled."""
+    return bucket_of(max(B, 1), BUCKETS)
 
 
 def expected_accepted(alpha: float, k: int) -> float:
