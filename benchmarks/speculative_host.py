@@ -2,10 +2,17 @@
 
 A round's host time is its wall time less the time the thread waits in
 ``mx.eval`` (the device computing: the verify forward and the previous
-round's lazy rollback). Printed per method: median ms per round of wall,
-sync and host time over ``--rounds`` rounds, after a warm-up; and with
-``--profile``, the top Python functions of the speculative rounds
-(cProfile, cumulative).
+round's lazy rollback); its thread CPU time (``time.thread_time``) is what
+the calling thread computed (on the CPU device it includes the evaluation
+MLX runs on that thread), less disturbed by other processes than wall time.
+Printed per method: median ms per round of wall, sync, host and thread CPU
+time over ``--rounds`` rounds, after a warm-up; and with ``--profile``, the
+top Python functions of the speculative rounds (cProfile, cumulative).
+
+Methods: a plain step (``kvstate.mlx_lm.step`` and an argmax); the same
+rounds through ``speculative.step`` with a window rule that never widens
+(``Window(margin=inf)``: every round a plain round, prompt lookup never
+run); prompt lookup without a rule (k <= 4); the cost-aware window.
 
     python benchmarks/speculative_host.py --batch 8 --rounds 40
 """
@@ -43,12 +50,12 @@ def rounds_plain(model, prompts, n):
     out = []
     for _ in range(n):
         WAIT[0] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         logits, states = br.step(model, y, states)
         y = mx.argmax(logits, axis=-1)
         mx.eval(y)
         y.tolist()
-        out.append((time.perf_counter() - t0, WAIT[0]))
+        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, 1))
     return out
 
 
@@ -59,24 +66,26 @@ def rounds_spec(model, prompts, n, window, profile=None):
     out = []
     for _ in range(n):
         WAIT[0] = 0.0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
         spec, r = sp.step(model, spec, drafter=Lookup())
         if profile is not None:
             profile.disable()
-        out.append((time.perf_counter() - t0, WAIT[0], r.width))
+        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, r.width))
     return out
 
 
 def show(name, rows):
     wall = [r[0] * 1e3 for r in rows]
     sync = [r[1] * 1e3 for r in rows]
+    cpu = [r[2] * 1e3 for r in rows]
     host = [w - s for w, s in zip(wall, sync)]
-    widths = sorted({r[2] for r in rows}) if len(rows[0]) > 2 else [1]
+    widths = sorted({r[3] for r in rows})
     print(
         f"{name} | {statistics.median(wall):.2f} | {statistics.median(sync):.2f} | "
-        f"{statistics.median(host):.2f} [{min(host):.2f}-{max(host):.2f}] | {widths}",
+        f"{statistics.median(host):.2f} [{min(host):.2f}-{max(host):.2f}] | "
+        f"{statistics.median(cpu):.2f} [{min(cpu):.2f}-{max(cpu):.2f}] | {widths}",
         flush=True,
     )
 
@@ -88,6 +97,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--kind", default="rewrite")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="plain step / plain round pairs")
     args = ap.parse_args(argv)
     model, tok = bench.load(args.model, True)
     texts = bench.KINDS[args.kind]
@@ -97,11 +107,15 @@ def main(argv=None):
     mx.eval = timed_eval  # every sync, including the library's, is timed
     sp.mx.eval = timed_eval
     print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
-    print("method | wall ms | sync ms | host ms median [min-max] | widths")
+    print("method | wall ms | sync ms | host ms median [min-max] | thread CPU ms | widths")
+    never = sp.Window(margin=float("inf")) if hasattr(sp, "Window") else None
     rounds_plain(model, prompts, 3)
     rounds_spec(model, prompts, 3, None)
     print("warm", flush=True)
-    show("plain step", rounds_plain(model, prompts, args.rounds))
+    for _ in range(args.repeat):  # interleaved: load drifts hit both alike
+        show("plain step", rounds_plain(model, prompts, args.rounds))
+        if never is not None:
+            show("plain round (step, W = 1)", rounds_spec(model, prompts, args.rounds, never))
     prof = cProfile.Profile() if args.profile else None
     show("lookup round (k<=4)", rounds_spec(model, prompts, args.rounds, None, prof))
     if prof is not None:

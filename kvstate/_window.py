@@ -13,9 +13,13 @@ accepted position by position with probability ``a`` (its running
 acceptance: recent evidence, decayed each round toward a prior, so a row
 that stopped drafting is tried again later). ``cost(B, W)`` is the median
 of the last rounds measured on the device in use (wall time of a whole
-round, host work included); until a width has ``samples`` rounds, the model
-``1 + slope * (W - 1)`` plain steps, ``slope`` taken from the widest width
-measured so far (the prior ``slope`` before any). The chosen width maximizes
+round, host work included); a width's first round at a batch bucket is not
+kept (it pays one-time compilation), and a width not measured for ``stale``
+rounds of its bucket is stale: it is modelled again (no dearer than its old
+median), so the rule can choose it and re-measure it, and its old samples
+are dropped when it is. Until a width has ``samples`` fresh rounds, the model
+``1 + slope * (W - 1)`` plain steps, ``slope`` taken from the widest fresh
+width measured (the prior ``slope`` before any). The chosen width maximizes
 ``value``; ``W = 1`` (a plain step) unless a wider round beats it by
 ``margin``. Decisions and the reasons: ``notes/speculative.md``.
 """
@@ -24,12 +28,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import cast
 
 import attrs
 
 from ._buckets import BUCKETS, bucket_of
 from .errors import check
+from .records import derived
 
 
 def bucket(B: int) -> int:
@@ -49,16 +53,52 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 
 @attrs.frozen
+class Samples:
+    """One ``(bucket, W)``'s measured rounds (data only; ``Window.record`` makes new ones).
+
+    Attributes:
+        seconds: the last ``Window.keep`` kept rounds, oldest first.
+        median: their median (``None`` when there are none).
+        at: the bucket's round count (``Window.rounds``) at the latest round recorded.
+        uses: rounds recorded, the discarded first-use ones included.
+    """
+
+    seconds: tuple = ()
+    median: float | None = None
+    at: int = 0
+    uses: int = 0
+
+
+_NONE = Samples()
+
+
+def _samples(costs: dict) -> dict:
+    """``costs`` with plain tuples of seconds (a seeded table) as ``Samples``."""
+    return {
+        key: s
+        if isinstance(s, Samples)
+        else Samples(tuple(s), statistics.median(s) if s else None, 0, len(s))
+        for key, s in costs.items()
+    }
+
+
+@attrs.frozen
 class Window:
     """The cost-aware window rule and the round costs measured so far (data only).
 
     Attributes:
-        costs: ``{(bucket(B), W): (seconds, ...)}``: the last ``keep`` measured
-            rounds of window width ``W`` at batch sizes in ``B``'s bucket.
+        costs: ``{(bucket(B), W): Samples}``: the measured rounds of window
+            width ``W`` at batch sizes in ``B``'s bucket (a tuple of seconds
+            is taken as that many rounds measured at round 0).
+        rounds: ``{bucket(B): n}``: rounds recorded at each bucket (the clock
+            ``stale`` counts in).
         slope: modelled cost of each window column past the first, in plain
             steps, for a width not yet measured ``samples`` times.
-        samples: measured rounds of a ``(B, W)`` before its median replaces the model.
+        samples: fresh measured rounds of a ``(B, W)`` before its median replaces the model.
         keep: measured rounds kept per ``(B, W)``.
+        discard: first rounds of each ``(B, W)`` not kept (compilation, tracing).
+        stale: rounds of its bucket after which a width's last measurement is
+            stale (the width is modelled again until re-measured).
         prior: a row's acceptance before (and long after) it drafted.
         weight: pseudo-drafts behind the prior.
         decay: per round, how much of a row's older acceptance evidence is kept.
@@ -66,56 +106,95 @@ class Window:
             step's by this factor.
     """
 
-    costs: dict = attrs.field(factory=dict, eq=False)
+    costs: dict = attrs.field(factory=dict, eq=False, converter=_samples)
+    rounds: dict = attrs.field(factory=dict, eq=False)
     slope: float = 0.25
     samples: int = 3
     keep: int = 9
+    discard: int = 1
+    stale: int = 128
     prior: float = 0.5
     weight: float = 1.0
     decay: float = 0.9
     margin: float = 1.05
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         check(self.samples >= 1, "samples", ">= 1", self.samples)
         check(self.keep >= self.samples, "keep", f">= samples={self.samples}", self.keep)
+        check(self.discard >= 0, "discard", ">= 0", self.discard)
+        check(self.stale >= 1, "stale", ">= 1", self.stale)
         check(0.0 <= self.decay <= 1.0, "decay", "in [0, 1]", self.decay)
         check(0.0 <= self.prior <= 1.0, "prior", "in [0, 1]", self.prior)
         check(self.weight > 0, "weight", "> 0", self.weight)
         check(self.slope >= 0, "slope", ">= 0", self.slope)
 
+    def _median(self, b: int, W: int) -> float | None:
+        """``measured`` for a bucket ``b``."""
+        s = self.costs.get((b, W))
+        if s is None or len(s.seconds) < self.samples or self.rounds.get(b, 0) - s.at > self.stale:
+            return None
+        return s.median
+
     def measured(self, B: int, W: int) -> float | None:
-        """The median measured seconds of a ``(B, W)`` round, or ``None`` below ``samples``.
+        """The median measured seconds of a ``(B, W)`` round, or ``None`` below
+        ``samples`` rounds or when stale.
 
         Batch sizes share their power-of-two bucket (``bucket``): rows join and
         leave, and a new ``B`` should not start measuring from nothing."""
-        got = self.costs.get((bucket(B), W), ())
-        return statistics.median(got) if len(got) >= self.samples else None
+        return self._median(bucket(B), W)
 
     def cost(self, B: int, W: int) -> float:
-        """A ``(B, W)`` round's cost in plain steps of ``B`` rows (measured, else modelled)."""
-        if W == 1:
-            return 1.0
-        plain, wide = self.measured(B, 1), self.measured(B, W)
-        if plain is None:
-            return 1.0 + self.slope * (W - 1)
-        if wide is not None:
-            return wide / plain
-        return 1.0 + self._slope(B, plain) * (W - 1)
+        """A ``(B, W)`` round's cost in plain steps of ``B`` rows (measured, else
+        modelled; a stale width no dearer than its old median)."""
+        check(W >= 1, "W", ">= 1", W)
+        return self._costs(B, W - 1)[W - 1]
 
-    def _slope(self, B: int, plain: float) -> float:
-        """Cost per extra column: from the widest width measured at ``B``, else ``slope``."""
-        widths = [w for (b, w) in self.costs if b == bucket(B) and w > 1 and self.measured(B, w)]
+    def _costs(self, B: int, K: int) -> list:
+        """``cost(B, W)`` for ``W = 1 .. K + 1`` (the plain median and the slope read once)."""
+        b = bucket(B)
+        plain = self._median(b, 1)
+        if plain is None:
+            return [1.0 + self.slope * (W - 1) for W in range(1, K + 2)]
+        out, slope = [1.0], None
+        for W in range(2, K + 2):
+            wide = self._median(b, W)
+            if wide is not None:
+                out.append(wide / plain)
+                continue
+            if slope is None:
+                slope = self._slope(b, plain)
+            model = 1.0 + slope * (W - 1)
+            old = self.costs.get((b, W))
+            if old is not None and len(old.seconds) >= self.samples:
+                model = min(model, old.median / plain)  # stale: re-measured if the model pays
+            out.append(model)
+        return out
+
+    def _slope(self, b: int, plain: float) -> float:
+        """Cost per extra column: from the widest fresh width measured at bucket
+        ``b``, else ``slope``."""
+        widths = [w for (c, w) in self.costs if c == b and w > 1 and self._median(b, w)]
         if not widths:
             return self.slope
         W = max(widths)
-        return max(0.0, (cast(float, self.measured(B, W)) / plain - 1.0) / (W - 1))
+        return max(0.0, (self.costs[(b, W)].median / plain - 1.0) / (W - 1))
 
     def record(self, B: int, W: int, seconds: float) -> Window:
-        """This rule with one more measured round."""
-        key = (bucket(B), W)
-        costs = dict(self.costs)
-        costs[key] = (costs.get(key, ()) + (seconds,))[-self.keep :]
-        return attrs.evolve(self, costs=costs)
+        """This rule with one more measured round (one more round on its bucket's clock).
+
+        A ``(B, W)``'s first ``discard`` rounds are not kept; a stale width's old
+        rounds are dropped when it is measured again."""
+        b = bucket(B)
+        now = self.rounds.get(b, 0) + 1
+        s = self.costs.get((b, W), _NONE)
+        if s.uses < self.discard:
+            new = Samples(s.seconds, s.median, now, s.uses + 1)
+        else:
+            fresh = self.rounds.get(b, 0) - s.at <= self.stale
+            kept = ((s.seconds if fresh else ()) + (seconds,))[-self.keep :]
+            new = Samples(kept, statistics.median(kept), now, s.uses + 1)
+        # derived from a valid rule: not converted or checked again (every round records)
+        return derived(self, costs={**self.costs, (b, W): new}, rounds={**self.rounds, b: now})
 
     def alpha(self, seen: tuple) -> float:
         """A row's running acceptance from its decayed ``(accepted, tried)``."""
@@ -141,15 +220,24 @@ class Window:
             avail: each row's draft tokens at hand (or its limit, for a bound
                 taken before drafting).
         """
-        if self.measured(B, 1) is None:  # measure the plain step first: it is never worse
+        K = max(avail, default=0)
+        if K == 0 or self.measured(B, 1) is None:  # measure the plain step first
             return 1
+        gain = [0.0] * (K + 1)  # gain[k]: sum over rows of E[accepted | min(avail, k)]
+        for a, n in zip(alphas, avail):
+            total, term = 0.0, 1.0
+            for k in range(1, min(n, K) + 1):
+                term *= a
+                total += term
+                gain[k] += total
+            for k in range(min(n, K) + 1, K + 1):
+                gain[k] += total
         best, best_value = 1, float(B) * self.margin
-        for W in range(2, 2 + max(avail, default=0)):
-            gain = sum(expected_accepted(a, min(n, W - 1)) for a, n in zip(alphas, avail))
-            value = (B + gain) / self.cost(B, W)
+        for W, cost in enumerate(self._costs(B, K)[1:], 2):
+            value = (B + gain[W - 1]) / cost
             if value > best_value:
                 best, best_value = W, value
         return best
 
 
-__all__ = ["Window", "bucket", "expected_accepted"]
+__all__ = ["Samples", "Window", "bucket", "expected_accepted"]

@@ -44,7 +44,7 @@ from ._window import Window, expected_accepted
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import per_row, row_list
 from .errors import bad, check
-from .records import _tuple, forwarded
+from .records import _tuple, derived, forwarded
 from .sampling import filter_logprobs, sample_arrays, split_keys
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
@@ -411,15 +411,35 @@ def _asked(spec: Speculation, drafter, alphas) -> tuple:
     return tuple(min(m, bound - 1) for m in spec.max_draft)
 
 
+def _round_keys(keys: mx.array, K: int) -> tuple:
+    """``(round_keys [B, K + 2, 2], carry [B, 2])`` for a round that drafts: each row's
+    key split (``split_keys``), its ``use`` half split into the round's ``K + 2`` keys
+    (``K`` draft-model samples, the uniforms, the next token)."""
+    use, carry = split_keys(keys)
+    return mx.vmap(lambda k: mx.random.split(k, K + 2))(use), carry
+
+
+def _plain_next(last: mx.array, keys: mx.array, params) -> tuple:
+    """``(next tokens [B], keys)`` of a plain round from the last logits ``[B, V]``, as a
+    plain decode step makes them: greedy rows only: the argmax, keys untouched (nothing
+    draws from them); else ``kv.sample_arrays`` (what ``kvstate.mlx_lm.advance`` runs)."""
+    if params is None:
+        return mx.argmax(last, axis=-1), keys
+    return sample_arrays(last, keys, *params)
+
+
 def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = None) -> tuple:
     """One speculative round for every row: draft, verify in one target forward, roll back.
 
     Each row verifies with its own ``kv.Sampling``: rows at temperature 0 by
     greedy verification, the others by the rejection rule, with their own
-    PRNG keys (the batch's keys advance once per round). With a window rule
-    (``spec.window``) the round is only as wide as pays; a round in which no
-    row drafts is a plain step: one forward of ``[B, 1]``, no checkpoint, no
-    rollback, no draft-model step.
+    PRNG keys (a batch with sampled rows advances its keys once per round; a
+    greedy batch's keys are left as they are: nothing draws from them). With a
+    window rule (``spec.window``) the round is only as wide as pays; a round in
+    which no row drafts is a plain decode step, operation for operation (tested
+    on the device graph): one forward of ``[B, 1]`` and the argmax (or, with
+    sampled rows, ``kv.sample_arrays``, as ``kvstate.mlx_lm.advance``); no
+    lookup, checkpoint, rollback or draft-model step.
 
     Args:
         target: the mlx-lm model (for the default ``forward``).
@@ -453,11 +473,12 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
     asked = _asked(spec, drafter, alphas)
     Kmax = max(asked) if is_model else 0
     params = sampling_arrays(batch) if sampled else None
-    use, carry = split_keys(batch.keys)
-    round_keys = mx.vmap(lambda k: mx.random.split(k, Kmax + 2))(use) if sampled else None
 
-    q = host = None
+    q = host = round_keys = None
+    carry = batch.keys  # greedy rows: nothing draws from the keys
     if is_model and Kmax:
+        if sampled:
+            round_keys, carry = _round_keys(batch.keys, Kmax)
         dstates = _catch_up(drafter, spec)
         anchors = [ops.anchor(s) for s in dstates]
         drafts_dev, q, dstates = _propose_model(
@@ -471,24 +492,27 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
             host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
         counts = tuple(len(d) for d in host)
         K = max(counts)
-        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], dtype=mx.uint32).reshape(B, K)
+        if sampled and K:
+            round_keys, carry = _round_keys(batch.keys, 0)
+        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
     K = max(counts)
-    drafts_dev = drafts_dev[:, :K]
-    if q is not None:
-        q = q[:, :K]
 
     window = batch.tokens[:, None].astype(mx.uint32)
     if K:  # pads past counts
+        assert drafts_dev is not None  # [B, K]: drafted above
         window = mx.concatenate([window, drafts_dev.astype(mx.uint32)], axis=1)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
-    if not sampled:
+    if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
+        pending, carry = _plain_next(logits[:, -1, :], batch.keys, params)
+        nxt, accepted = tuple(cast(list, pending.tolist())), (0,) * B
+        drafts = host if host is not None else [[]] * B
+    elif not sampled:
         target_tokens = mx.argmax(logits, axis=-1)
         mx.eval(target_tokens, *([drafts_dev] if host is None else []))
         drafts = host if host is not None else [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
         accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
-        # a plain round's next tokens stay on the device (as in a plain decode loop)
-        pending = target_tokens[:, 0] if K == 0 else mx.array(nxt, dtype=mx.uint32)
+        pending = mx.array(nxt, dtype=mx.uint32)
     else:
         assert params is not None and round_keys is not None  # sampled rows: made above
         p = probabilities(logits, *params)
@@ -531,11 +555,25 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         )
     if pending.dtype != mx.uint32:
         pending = pending.astype(mx.uint32)
-    batch = attrs.evolve(batch, states=states, tokens=pending, keys=carry)
-    context = [c + e for c, e in zip(spec.context, emitted)]
+    # Derived from the valid rows in flight (the records ``forward`` returned for
+    # them, this round's tokens and keys): not converted or checked again, as a
+    # plain step's records are not (every round builds them).
+    batch = derived(batch, states=tuple(states), tokens=pending, keys=carry)
+    if draft_states is not None:
+        draft_states = tuple(draft_states)
+    context = tuple(c + e for c, e in zip(spec.context, emitted))
     if rule is not None:
         rule = rule.record(B, 1 + K, time.perf_counter() - t0)
-    new = Speculation(batch, context, num_draft, spec.max_draft, draft_states, rule, seen, lag)
+    new = derived(
+        spec,
+        batch=batch,
+        context=context,
+        num_draft=num_draft,
+        draft_states=draft_states,
+        window=rule,
+        seen=seen,
+        draft_lag=lag,
+    )
     return new, Round(emitted, counts, accepted, 1 + K)
 
 

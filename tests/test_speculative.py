@@ -3,7 +3,10 @@ row: llama, gemma3 rings, quantized rows, the compiled verify), rows joining
 and leaving mid-speculation, ring commits, and the rejection rule's
 distribution (chi-square against the target's exact probabilities)."""
 
+import collections
+import io
 import math
+import re
 
 import attrs
 
@@ -19,6 +22,7 @@ from mlx_lm.models import llama as lm_llama
 import kvstate as kv
 from kvstate import mlx_lm as br
 from kvstate import speculative as sp
+from kvstate._window import bucket
 from kvstate.drafts import DraftModel, Lookup, lookup, truncated
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -406,7 +410,7 @@ def seeded(ratios, batch_sizes=(1, 2, 3, 4), n=60, **kw):
     """A ``Window`` whose costs are given (``ratios[W - 1]`` plain steps at every
     batch size, ``n`` samples each): the few real rounds a test appends leave the
     medians where they are, so the choices depend only on the rows' acceptance."""
-    costs = {(B, W): (float(r),) * n for B in batch_sizes for W, r in enumerate(ratios, 1)}
+    costs = {(bucket(B), W): (float(r),) * n for B in batch_sizes for W, r in enumerate(ratios, 1)}
     return sp.Window(costs=costs, keep=2 * n, **kw)
 
 
@@ -460,6 +464,60 @@ def test_rows_with_drafts_disabled_run_plain_steps(llama, monkeypatch, use_model
     assert [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)] == want
 
 
+def graph_ops(*arrays):
+    """The multiset of primitives in the lazy graph behind ``arrays``
+    (``mx.export_to_dot``): what the device will run for them."""
+    out = io.StringIO()
+    mx.export_to_dot(out, *arrays)
+    return collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue()))
+
+
+def record_arrays(states):
+    return [v for s in states for v in attrs.astuple(s, recurse=False) if isinstance(v, mx.array)]
+
+
+@pytest.mark.parametrize("case", ["no drafter", "lookup", "draft model", "sampled"])
+def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, case):
+    """A round of width 1 builds the same device graph as a plain decode step
+    (``kvstate.mlx_lm.step`` and an argmax; for a batch with sampled rows,
+    ``kvstate.mlx_lm.advance``): the same primitives, nothing more (no key split
+    for greedy rows, no draft-model step, no checkpoint), and the same tokens and
+    keys. Checked over rounds, from the same records each time."""
+    prompts = [repetitive(41, 10, 3), repetitive(42, 7, 2), repetitive(43, 12, 4)]
+    drafter = {"lookup": Lookup(), "sampled": Lookup(), "draft model": None}.get(case)
+    if case == "draft model":
+        drafter = DraftModel(truncated(llama, 1))
+    sampling = [kv.Sampling(), kv.Sampling(temperature=0.8, top_p=0.9), kv.Sampling()]
+    spec = sp.start(
+        llama,
+        prompts,
+        drafter=drafter,
+        window=None if drafter is None else seeded([1, 9, 9, 9, 9]),
+        sampling=sampling if case == "sampled" else None,
+        seeds=[5, 6, 7],
+    )
+    for _ in range(3):
+        mx.eval(spec.batch.tokens, spec.batch.keys, record_arrays(spec.states))
+        if case == "sampled":
+            plain_batch = br.advance(llama, spec.batch)
+            want, keys, states = plain_batch.tokens, plain_batch.keys, plain_batch.states
+        else:
+            logits, states = br.step(llama, spec.batch.tokens, list(spec.states))
+            want, keys = mx.argmax(logits, axis=-1), spec.batch.keys
+        want.tolist()  # the plain loop's one sync
+        new, r = sp.step(llama, spec, drafter=drafter)
+        assert r.width == 1
+        got = graph_ops(new.batch.tokens, new.batch.keys, *record_arrays(new.states))
+        assert got == graph_ops(want, keys, *record_arrays(states))
+        assert new.batch.tokens.tolist() == want.tolist()
+        assert new.batch.keys.tolist() == keys.tolist()
+        if case != "sampled":
+            assert new.batch.keys is spec.batch.keys  # greedy rows: no key split
+        if case == "draft model":
+            assert new.draft_states == spec.draft_states  # not run: it catches up later
+        spec = new
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma"])
 def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
     """Plain rounds leave the draft model behind (ragged: a row joins with no
@@ -488,19 +546,20 @@ def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
 def test_window_rule_measures_then_picks_what_pays():
     """The plain step is measured first; a width is modelled until measured;
     rows that keep failing stop drafting, and come back as evidence decays."""
-    w = sp.Window(samples=2, slope=0.25)
+    w = sp.Window(samples=2, slope=0.25, discard=0)
     assert w.choose(2, [0.9, 0.9], [4, 4]) == 1  # plain not measured yet
     w = w.record(2, 1, 1.0).record(2, 1, 1.0)
     assert w.choose(2, [0.9, 0.9], [4, 4]) == 5  # modelled: wide windows pay
     assert w.choose(2, [0.9, 0.9], [1, 0]) == 2  # only the drafts at hand
     assert w.choose(2, [0.0, 0.0], [4, 4]) == 1
+    assert w.choose(2, [0.9, 0.9], [0, 0]) == 1  # nothing to verify
     w2 = w.record(2, 2, 2.0).record(2, 2, 2.0)  # one width measured: its slope models the rest
     assert w2.cost(2, 4) == 4.0 and w2.choose(2, [0.9, 0.9], [4, 4]) == 1
     for W in (2, 3, 4, 5):
         w = w.record(2, W, float(W)).record(2, W, float(W))  # measured: compute-bound
     assert w.cost(2, 5) == 5.0 and w.choose(2, [0.95, 0.95], [4, 4]) == 1
     assert sp.expected_accepted(0.5, 3) == pytest.approx(0.875)
-    pooled = sp.Window(samples=1).record(3, 1, 2.0)  # batch sizes 3 and 4 share a bucket
+    pooled = sp.Window(samples=1, discard=0).record(3, 1, 2.0)  # 3 and 4 share a bucket
     assert pooled.measured(4, 1) == 2.0 and pooled.measured(5, 1) is None
     seen = (0.0, 0.0)
     for _ in range(10):
@@ -509,10 +568,109 @@ def test_window_rule_measures_then_picks_what_pays():
     for _ in range(30):
         seen = w.observe(seen, 0, 0, False)  # no evidence: back toward the prior
     assert w.alpha(seen) > 0.35
-    with pytest.raises(kv.KVStateError, match="decay"):
-        sp.Window(decay=2.0)
+    for name, value in [("decay", 2.0), ("discard", -1), ("stale", 0), ("keep", 1)]:
+        with pytest.raises(kv.KVStateError, match=name):
+            sp.Window(**{name: value})
     with pytest.raises(kv.KVStateError, match="window"):
         sp.start(tm.llama_model(layers=1), [[1, 2]], window="cost")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    alphas=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6),
+    avail=st.lists(st.integers(0, 5), min_size=6, max_size=6),
+    ratios=st.lists(st.floats(1.0, 4.0), min_size=5, max_size=5),
+    margin=st.floats(1.0, 1.2),
+)
+def test_window_choice_maximizes_the_value(alphas, avail, ratios, margin):
+    """``choose`` is the argmax of ``(B + sum E[accepted]) / cost`` over the widths
+    at hand, plain unless a wider round beats it by ``margin`` (a direct
+    evaluation of the formula against the rule's own)."""
+    B, avail = len(alphas), avail[: len(alphas)]
+    w = seeded([1.0, *ratios], batch_sizes=(B,), n=3, margin=margin)
+
+    def value(W):
+        gain = sum(sp.expected_accepted(a, min(n, W - 1)) for a, n in zip(alphas, avail))
+        return (B + gain) / w.cost(B, W)
+
+    widths = range(2, 2 + max(avail))
+    best = max(widths, key=lambda W: (value(W), -W), default=1)
+    want = best if best > 1 and value(best) > B * margin else 1
+    got = w.choose(B, alphas, avail)
+    assert got == want or value(got) == pytest.approx(value(want))
+
+
+def test_first_use_rounds_are_not_kept():
+    """A width's first round at a batch bucket (kernel compilation, tracing) is
+    not kept: the median is of the rounds after it."""
+    w = sp.Window(samples=1)
+    w = w.record(1, 1, 50.0)
+    assert w.measured(1, 1) is None and w.rounds == {1: 1}
+    w = w.record(1, 1, 1.0).record(1, 3, 80.0).record(1, 3, 2.0)
+    assert w.measured(1, 1) == 1.0 and w.measured(1, 3) == 2.0 and w.cost(1, 3) == 2.0
+    w = w.record(8, 1, 90.0)  # another bucket: its own first use
+    assert w.measured(8, 1) is None and w.measured(5, 1) is None
+    assert sp.Window(samples=1, discard=0).record(1, 1, 50.0).measured(1, 1) == 50.0
+
+
+def test_stale_widths_are_modelled_again_and_remeasured():
+    """A width the rule dropped on an inflated measurement is stale after ``stale``
+    rounds of its bucket: modelled again (never dearer than its old median), chosen
+    when the model says it pays, and its old rounds are dropped when re-measured."""
+    w = sp.Window(samples=2, discard=0, stale=5)
+    for _ in range(2):
+        w = w.record(2, 1, 1.0).record(2, 2, 1.2)  # W=2: 0.2 plain steps per column
+    for _ in range(2):
+        w = w.record(2, 4, 30.0)  # W=4 measured while something else ran: 30 steps
+    a = [0.95, 0.95]
+    assert w.cost(2, 4) == 30.0 and w.choose(2, a, [3, 3]) == 2
+    for _ in range(3):  # the rule keeps W=2 and plain: W=4 is not measured again
+        assert w.choose(2, a, [3, 3]) == 2
+        w = w.record(2, 2, 1.2).record(2, 1, 1.0)
+    assert w.measured(2, 4) is None  # stale
+    assert w.cost(2, 4) == pytest.approx(1.6)  # the fresh W=2's slope models it
+    assert w.choose(2, a, [3, 3]) == 4
+    w = w.record(2, 4, 1.6)
+    assert w.costs[(2, 4)].seconds == (1.6,)  # the inflated rounds are gone
+    w = w.record(2, 4, 1.6)
+    assert w.measured(2, 4) == 1.6 and w.choose(2, a, [3, 3]) == 4
+    fresh = sp.Window(samples=1, discard=0).record(1, 1, 1.0).record(1, 3, 9.0)
+    assert fresh.cost(1, 3) == 9.0  # a fresh measurement is the cost, model or not
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.sampled_from([1, 3, 8]),
+    k=st.integers(1, 4),
+    alpha=st.floats(0.0, 1.0),
+    slope=st.floats(0.02, 1.5),
+    warmup=st.lists(st.floats(1.0, 12.0), min_size=0, max_size=20),
+)
+def test_early_inflated_rounds_leave_no_mark(B, k, alpha, slope, warmup):
+    """A fake clock: a round of width ``W`` costs ``1 + slope (W - 1)`` ms; in the
+    noisy run each width's first round costs 20x (compilation) and the run's
+    first rounds are inflated by random factors (warm-up, another process).
+    The noisy run ends choosing what the clean run chooses, with the true costs
+    measured: inflated widths are dropped, go stale, and are re-measured."""
+    true = [1e-3 * (1 + slope * (W - 1)) for W in range(1, k + 2)]
+
+    def run(noisy):
+        w, first, tail = sp.Window(stale=40), set(), []
+        for r in range(300):
+            W = w.choose(B, [alpha] * B, [k] * B)
+            seconds = true[W - 1]
+            if noisy:
+                seconds *= (warmup[r] if r < len(warmup) else 1.0) * (20.0 if W not in first else 1)
+            first.add(W)
+            w = w.record(B, W, seconds)
+            tail.append(W)
+        return w, tail[-60:]
+
+    (w, noisy), (_, clean) = run(True), run(False)
+    mode = max(set(clean), key=clean.count)
+    assert noisy.count(mode) >= clean.count(mode) - 6, (noisy, clean)
+    for W in set(noisy):
+        assert w.measured(B, W) in (None, pytest.approx(true[W - 1]))
 
 
 # --- errors ---------------------------------------------------------------------------
