@@ -93,13 +93,14 @@ def show(name, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=bench.GGUF)
+    ap.add_argument("--quantized", action="store_true", help="keep the GGUF's 4-bit layers")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--kind", default="rewrite")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="plain step / plain round pairs")
     args = ap.parse_args(argv)
-    model, tok = bench.load(args.model, True)
+    model, tok = bench.load(args.model, not args.quantized)
     texts = bench.KINDS[args.kind]
     prompts = [
         tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(args.batch)

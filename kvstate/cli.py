@@ -266,13 +266,6 @@ def _parser():
     )
     _int_flag(g, "--prefix-cache-mb", 1024, "byte budget of the prefix cache, MiB")
     _draft_flags(g)
-    g.add_argument(
-        "--draft-window",
-        choices=["cost", "fixed"],
-        default="cost",
-        help="cost: each round only as wide as its measured cost pays (rows with poor "
-        "acceptance take plain steps); fixed: every row drafts up to --num-draft (cost)",
-    )
     _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser(
@@ -350,7 +343,8 @@ def load(args, err):
 
 
 def _draft_flags(g) -> None:
-    """``--draft``, ``--draft-model``, ``--num-draft`` (``generate`` and ``serve``)."""
+    """``--draft``, ``--draft-model``, ``--num-draft``, ``--draft-window`` (``generate``
+    and ``serve``)."""
     g.add_argument(
         "--draft",
         choices=["ngram"],
@@ -362,6 +356,20 @@ def _draft_flags(g) -> None:
         help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
     )
     _int_flag(g, "--num-draft", 4, "most draft tokens per row and round")
+    g.add_argument(
+        "--draft-window",
+        choices=["cost", "fixed"],
+        default="cost",
+        help="cost: each round only as wide as its measured cost pays (rows with poor "
+        "acceptance take plain steps); fixed: every row drafts up to --num-draft (cost)",
+    )
+
+
+def _window(args):
+    """``--draft-window``: a fresh ``kvstate.speculative.Window`` for ``cost``, else ``None``."""
+    from .speculative import Window
+
+    return Window() if args.draft_window == "cost" else None
 
 
 def _drafter(args, err):
@@ -540,8 +548,6 @@ def generate(args, out=None, err=None) -> int:
     ]
     drafter = _drafter(args, err)
     if drafter is not None:
-        from .speculative import Window
-
         engines = [
             SpeculativeEngine(
                 model,
@@ -549,7 +555,7 @@ def generate(args, out=None, err=None) -> int:
                 args.num_draft,
                 args.prefill_step_size,
                 compiled=compiled,
-                window=Window() if args.draft_window == "cost" else None,
+                window=_window(args),
             )
         ]
     if args.compare:
@@ -619,6 +625,7 @@ def serve_command(args, err=None) -> int:
         prefix_cache=cache,
         drafter=drafter,
         num_draft=args.num_draft,
+        window=_window(args),
     )
     return 0
 

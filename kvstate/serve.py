@@ -456,6 +456,10 @@ class Scheduler:
         prefix_cache: a ``PrefixCache`` (``None``: prompts are prefilled whole).
         drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``.
         num_draft: most drafted tokens per row per round.
+        window: ``kvstate.speculative.Window()``: each round only as wide as its
+            measured cost pays (``notes/speculative.md``), its measurements kept
+            across batches (``self.window``); ``None``: every row drafts up to
+            ``num_draft`` each round.
     """
 
     def __init__(
@@ -468,8 +472,10 @@ class Scheduler:
         prefix_cache=None,
         drafter=None,
         num_draft: int = 4,
+        window=None,
     ):
         self.model, self.eos = model, frozenset(eos)
+        self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
         self._queue: queue.Queue = queue.Queue()
@@ -595,7 +601,7 @@ class Scheduler:
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
         k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
-        new = speculative.Speculation(batch, context, k, k, draft_states)
+        new = speculative.Speculation(batch, context, k, k, draft_states, self.window)
         self.spec = new if self.spec is None else speculative.join(self.spec, new)
         B = self.spec.batch_size
         self._emit([(t,) for t in first], range(B - len(origin), B))
@@ -604,6 +610,7 @@ class Scheduler:
         from . import speculative
 
         self.spec, r = speculative.step(self.model, self.spec, drafter=self.drafter)
+        self.window = self.spec.window  # what it measured outlives the rows
         self.stats["rounds"] += 1
         self.stats["drafted"] += sum(r.drafted)
         self.stats["accepted"] += sum(r.accepted)
@@ -649,7 +656,7 @@ def make_app(loaded, *, context: Optional[int] = None, **options):
     """``(aiohttp app, scheduler)`` for a loaded model; the scheduler stops with the app.
 
     ``options`` go to ``Scheduler`` (``max_batch``, ``max_queue``, ``prefix_cache``,
-    ``drafter``, ``num_draft``)."""
+    ``drafter``, ``num_draft``, ``window``)."""
     if loaded.tokenizer is None:
         raise KVStateError("kvstate serve needs a model with a tokenizer (not --model tiny)")
     scheduler = Scheduler(loaded.model, loaded.tokenizer.eos_ids, **options)

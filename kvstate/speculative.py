@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import attrs
 import mlx.core as mx
@@ -42,10 +42,15 @@ from . import ops
 from .batch import Batch, sampling_arrays
 from ._window import Window, expected_accepted
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
-from ._args import per_row, row_list
+from ._args import PerRowInts, per_row, row_list
 from .errors import bad, check
 from .records import _tuple, derived, forwarded
-from .sampling import filter_logprobs, sample_arrays, split_keys
+from .sampling import Sampling, filter_logprobs, sample_arrays, split_keys
+
+if TYPE_CHECKING:
+    from ._shells import Model
+
+Drafter = Union[Lookup, DraftModel, None]  # what proposes each round's drafts
 
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
 
@@ -209,12 +214,12 @@ def accept_sampled(
 # --- forward functions --------------------------------------------------------------
 
 
-def eager(model) -> Forward:
+def eager(model: Model) -> Forward:
     """``(tokens, states) -> (logits [B, N, V], states)`` through ``kvstate.mlx_lm.forward``."""
     return lambda tokens, states: bridge.forward(model, tokens, states)
 
 
-def compiled(model) -> Forward:
+def compiled(model: Model) -> Forward:
     """The same through one ``kvstate.mlx_lm.Decoder`` (one trace per window width
     and capacity bucket)."""
     from ._decoder import Decoder
@@ -232,17 +237,17 @@ def compiled(model) -> Forward:
 
 
 def start(
-    target,
+    target: Model,
     prompts: Sequence[Sequence[int]],
     *,
-    drafter=None,
-    num_draft=4,
+    drafter: Drafter = None,
+    num_draft: int | Sequence[int] = 4,
     window: Window | None = None,
-    sampling=None,
-    seeds=None,
-    ids=None,
-    payload=None,
-    **make,
+    sampling: Sampling | Sequence[Sampling] | None = None,
+    seeds: Sequence[int] | None = None,
+    ids: Sequence[Any] | None = None,
+    payload: Sequence[Any] | None = None,
+    **make: Any,
 ) -> Speculation:
     """Prefill ``prompts`` and sample every row's first token (``kvstate.mlx_lm.admit``).
 
@@ -302,7 +307,7 @@ def join(spec: Speculation, other: Speculation) -> Speculation:
     )
 
 
-def leave(spec: Speculation, rows) -> Speculation:
+def leave(spec: Speculation, rows: PerRowInts) -> Speculation:
     """Keep ``rows`` (in that order); the others leave."""
     rows = row_list(rows, spec.batch_size)
     drafts = None
@@ -428,7 +433,9 @@ def _plain_next(last: mx.array, keys: mx.array, params) -> tuple:
     return sample_arrays(last, keys, *params)
 
 
-def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = None) -> tuple:
+def step(
+    target: Model, spec: Speculation, *, drafter: Drafter = None, forward: Forward | None = None
+) -> tuple[Speculation, Round]:
     """One speculative round for every row: draft, verify in one target forward, roll back.
 
     Each row verifies with its own ``kv.Sampling``: rows at temperature 0 by
@@ -459,7 +466,8 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         raise bad(
             "spec", "a Speculation (kvstate.speculative.start makes one)", type(spec).__name__
         )
-    is_model = isinstance(drafter, DraftModel)
+    draft_model = drafter if isinstance(drafter, DraftModel) else None
+    is_model = draft_model is not None
     check(
         is_model == (spec.draft_states is not None),
         "drafter",
@@ -476,13 +484,13 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
 
     q = host = round_keys = None
     carry = batch.keys  # greedy rows: nothing draws from the keys
-    if is_model and Kmax:
+    if draft_model is not None and Kmax:
         if sampled:
             round_keys, carry = _round_keys(batch.keys, Kmax)
-        dstates = _catch_up(drafter, spec)
+        dstates = _catch_up(draft_model, spec)
         anchors = [ops.anchor(s) for s in dstates]
         drafts_dev, q, dstates = _propose_model(
-            spec, drafter, dstates, Kmax, params, round_keys, sampled
+            spec, draft_model, dstates, Kmax, params, round_keys, sampled
         )
         found = counts = asked
     else:
@@ -536,8 +544,8 @@ def step(target, spec: Speculation, *, drafter=None, forward: Forward | None = N
         # part of the window replays it from the checkpoint: notes/hybrid.md).
         states = bridge.rollback(target, states, cp, keep, window)
     draft_states, lag = spec.draft_states, spec.draft_lag
-    if is_model and Kmax:
-        draft_states = _settle_model(drafter, dstates, anchors, drafts_dev, accepted)
+    if draft_model is not None and Kmax:
+        draft_states = _settle_model(draft_model, dstates, anchors, drafts_dev, accepted)
         lag = (0,) * B
     elif is_model:  # a plain round: the draft model catches up when it next drafts
         lag = tuple(n + 1 for n in lag)

@@ -280,6 +280,51 @@ def test_greedy_rows_with_prompt_lookup_drafts_give_the_plain_text(smollm):
     assert s.scheduler.stats["drafted"] > 0  # rows did draft
 
 
+def test_serve_rounds_go_through_the_cost_aware_window(smollm):
+    """``window=Window()`` (``kvstate serve``'s default with a drafter): every round
+    the scheduler runs is timed into the one rule, which outlives the rows
+    (kept across batches), and greedy text is unchanged."""
+    from kvstate.drafts import Lookup
+    from kvstate.speculative import Window
+
+    want = greedy_reference(smollm, QUESTIONS, 12)
+    s = Server(smollm, max_batch=8, drafter=Lookup(), num_draft=3, window=Window(samples=1))
+    got = [None] * len(QUESTIONS)
+    try:
+
+        def one(i):
+            r = s.client().chat.completions.create(
+                model="x", messages=messages(QUESTIONS[i]), max_tokens=12, temperature=0
+            )
+            got[i] = r.choices[0].message.content
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        s.close()
+    assert got == want
+    window = s.scheduler.window
+    assert s.scheduler.spec is None and isinstance(window, Window)  # every row left
+    assert sum(window.rounds.values()) == s.scheduler.stats["rounds"] > 0
+
+
+@pytest.mark.parametrize("flags, cost", [([], True), (["--draft-window", "fixed"], False)])
+def test_serve_command_passes_the_draft_window(monkeypatch, flags, cost):
+    """``kvstate serve --draft ngram`` hands the scheduler a ``Window`` (default
+    ``--draft-window cost``), ``--draft-window fixed`` none."""
+    from kvstate import cli
+    from kvstate import serve as server
+    from kvstate.speculative import Window
+
+    got = {}
+    monkeypatch.setattr(server, "run", lambda loaded, **options: got.update(options))
+    assert cli.main(["serve", "--model", "tiny", "--draft", "ngram", *flags]) == 0
+    assert isinstance(got["window"], Window) == cost and (cost or got["window"] is None)
+
+
 def test_the_kvstate_serve_command(smollm):
     """The command, with --draft ngram: greedy text equals kvstate generate's (no draft)."""
     with socket.socket() as sock:
