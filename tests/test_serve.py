@@ -260,24 +260,30 @@ def test_greedy_rows_with_prompt_lookup_drafts_give_the_plain_text(smollm):
     s = Server(
         smollm, max_batch=8, prefix_cache=PrefixCache(64 << 20), drafter=Lookup(), num_draft=3
     )
-    got = [None] * len(QUESTIONS)
+    assert ask_at_once(s, QUESTIONS, 16) == want
+    assert s.scheduler.stats["drafted"] > 0  # rows did draft
+
+
+def ask_at_once(s, questions, max_tokens):
+    """Every question from its own client thread at once (greedy); the answers;
+    the server is closed after."""
+    got = [None] * len(questions)
     try:
 
         def one(i):
             r = s.client().chat.completions.create(
-                model="x", messages=messages(QUESTIONS[i]), max_tokens=16, temperature=0
+                model="x", messages=messages(questions[i]), max_tokens=max_tokens, temperature=0
             )
             got[i] = r.choices[0].message.content
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(questions))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(300)
     finally:
         s.close()
-    assert got == want
-    assert s.scheduler.stats["drafted"] > 0  # rows did draft
+    return got
 
 
 def test_serve_rounds_go_through_the_cost_aware_window(smollm):
@@ -289,23 +295,7 @@ def test_serve_rounds_go_through_the_cost_aware_window(smollm):
 
     want = greedy_reference(smollm, QUESTIONS, 12)
     s = Server(smollm, max_batch=8, drafter=Lookup(), num_draft=3, window=Window(samples=1))
-    got = [None] * len(QUESTIONS)
-    try:
-
-        def one(i):
-            r = s.client().chat.completions.create(
-                model="x", messages=messages(QUESTIONS[i]), max_tokens=12, temperature=0
-            )
-            got[i] = r.choices[0].message.content
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(QUESTIONS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-    finally:
-        s.close()
-    assert got == want
+    assert ask_at_once(s, QUESTIONS, 12) == want
     window = s.scheduler.window
     assert s.scheduler.spec is None and isinstance(window, Window)  # every row left
     assert sum(window.rounds.values()) == s.scheduler.stats["rounds"] > 0
