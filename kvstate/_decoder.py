@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +24,21 @@ from .errors import bad, check
 from .records import CacheState, QuantizedState, RotatingState
 
 
+_MODS: dict = {}  # id(model) -> its attention modules; an entry leaves with its model
+
+
 def _attention_modules(model):
-    """The modules whose ``scaled_dot_product_attention`` global the model calls."""
+    """The modules whose ``scaled_dot_product_attention`` global the model calls
+    (found once per model: a walk of its modules costs milliseconds, and the
+    eager bridge asks every forward over shared rows)."""
+    mods = _MODS.get(id(model))
+    if mods is None:
+        mods = _MODS[id(model)] = frozenset(_find_attention_modules(model))
+        weakref.finalize(model, _MODS.pop, id(model), None)
+    return mods
+
+
+def _find_attention_modules(model):
     from mlx_lm.models import base
 
     mods = set()
@@ -301,7 +315,7 @@ class Decoder:
             lay = compiled.host_positions(s)
             if lay not in layouts:
                 layouts[lay] = compiled.position_arrays(s)
-            flat, spec = compiled.flatten(s, room=N, positions=layouts[lay])
+            flat, spec = compiled.flatten(s, room=N, positions=layouts[lay], prepared=True)
             held = compiled.held_planes(s)  # (read, never written: a shared prefix)
             flats.append((*flat, held) if held else flat)
             specs.append(spec)

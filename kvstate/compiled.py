@@ -188,14 +188,18 @@ def validated(state: Any) -> Any:
     return validate(state)
 
 
-def flatten(state: Any, *, room: int = 1, positions: tuple | None = None) -> tuple[Flat, Spec]:
+def flatten(
+    state: Any, *, room: int = 1, positions: tuple | None = None, prepared: bool = False
+) -> tuple[Flat, Spec]:
     """``(Flat, Spec)`` of ``state``, in a bucket with room for ``room`` more tokens per row.
 
     Host-side: validates the record, moves it to its bucket (``prepare``) and
     builds the position arrays; ``positions`` may pass arrays already built
-    for an equal ``host_positions`` (the layers of one model share them).
+    for an equal ``host_positions`` (the layers of one model share them);
+    ``prepared``: ``state`` is what ``prepare(state, room)`` returned already.
     """
-    state = prepare(state, room)
+    if not prepared:
+        state = prepare(state, room)
     if positions is None:
         positions = position_arrays(state)
     return Flat(state.planes, tuple(positions)), spec_of(state)

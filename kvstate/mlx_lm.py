@@ -44,10 +44,10 @@ from .prompt_cache import from_prompt_cache as from_prompt_cache, to_prompt_cach
 from .invariants import share_row_ids
 from .records import CacheState, QuantizedState
 from .shared import (
+    Layouts as SharedLayouts,
     SharedState,
     read as shared_read,
     update_suffix as shared_update_suffix,
-    view_arrays as shared_view_arrays,
 )
 
 __all__ = [
@@ -161,24 +161,13 @@ class _cascade:
     def __init__(self, model, ctx):
         self.mods, self.ctx = _decoder._attention_modules(model), ctx
         self.pending = {}
-        self.views = {}
-
-    def _views(self, record):
-        """The row map's arrays, once per layout per forward (every layer shares it)."""
-        key = (record.source, record.prefix_row, record.shared, tuple(map(id, record.prefixes)))
-        got = self.views.get(key)
-        if got is None:
-            got = self.views[key] = (shared_view_arrays(record), record.prefixes)  # (ids held)
-        return got[0]
+        self.layouts = SharedLayouts()  # row maps and positions: once per forward
 
     def _read(self, queries, keys, values, cache, scale, sinks):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
             return None
         del self.pending[id(cache)]
-        record = cache.record
-        return shared_read(
-            record, queries, scale=scale, memo=self.ctx.memo, views=self._views(record)
-        )
+        return shared_read(cache.record, queries, scale=scale, layouts=self.layouts)
 
     def __enter__(self):
         self.routing = _decoder.routed_attention(self.mods, self._read).__enter__()

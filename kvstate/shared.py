@@ -33,6 +33,7 @@ design, the alternatives and the measurements are in ``notes/prefix.md``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 import operator
 from functools import singledispatch
@@ -44,7 +45,7 @@ from . import _buckets, _rows, compiled, kernels, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
 from .invariants import validate
-from .masks import MaskKey, lease, rows_mask
+from .masks import rows_mask
 from .records import (
     CacheState,
     Checkpoint,
@@ -542,8 +543,20 @@ def readable(state: SharedState) -> tuple:
     """The prefix records holding keys, in the order a read takes them: by shape
     (rows, capacity), so one set of shapes is one trace whatever order rows
     joined in (an empty record is read by no row: its rows' ``shared`` is 0)."""
-    held = [p for p in state.prefixes if p.planes]
-    return tuple(sorted(held, key=lambda p: (p.batch_size, p.capacity)))
+    return tuple(state.prefixes[i] for i in _read_order(_records_key(state)))
+
+
+def _records_key(state: SharedState) -> tuple:
+    """Per prefix record, what the read's order and the row map depend on:
+    whether it holds keys, its rows, its capacity and its rows' first columns."""
+    return tuple((bool(p.planes), p.batch_size, p.capacity, p.left_pad) for p in state.prefixes)
+
+
+@functools.lru_cache(maxsize=256)
+def _read_order(records: tuple) -> tuple:
+    """Indices of the records holding keys, by (rows, capacity) (stable)."""
+    held = [i for i, r in enumerate(records) if r[0]]
+    return tuple(sorted(held, key=lambda i: records[i][1:3]))
 
 
 def prefix_planes(state: SharedState) -> tuple:
@@ -554,26 +567,70 @@ def prefix_planes(state: SharedState) -> tuple:
     return tuple(x for p in readable(state) for x in p.planes)
 
 
+def layout_key(state: SharedState) -> tuple:
+    """What the row map of ``views_of(state)`` depends on, hashable: the rows'
+    ``source``/``prefix_row``/``shared`` and per prefix record ``_records_key``.
+    Every layer of a forward has the same key (its records differ, their
+    shapes and rows do not), so the map is built once per layout."""
+    return (state.source, state.prefix_row, state.shared, _records_key(state))
+
+
 def views_of(state: SharedState) -> tuple:
     """Per row, ``(source, prefix_row, start, shared)``: the record it reads (its
     index in ``readable(state)``; -1, row 0, for an empty record), that
     record's row, the row's first column there (its ``left_pad``) and how
     many columns it reads. Host ints; the cascade takes them as int32
     ``[B]`` arrays (``view_arrays``), so a new layout (a fork, a filter, an
-    admission) changes no shape and no compiled trace."""
-    order = {id(p): i for i, p in enumerate(readable(state))}
-    index = [order.get(id(p), -1) for p in state.prefixes]
-    source = tuple(index[s] for s in state.source)
-    rows = tuple(0 if s < 0 else r for s, r in zip(source, state.prefix_row))
-    starts = tuple(
-        0 if s < 0 else state.prefixes[t].left_pad[r] for s, t, r in zip(source, state.source, rows)
-    )
-    return (source, rows, starts, state.shared)
+    admission) changes no shape and no compiled trace. Memoized by
+    ``layout_key`` (a decode step asks once per layer)."""
+    return _views(layout_key(state))
+
+
+@functools.lru_cache(maxsize=256)
+def _views(key: tuple) -> tuple:
+    source_of, prefix_row, shared, records = key
+    index = [-1] * len(records)
+    for at, i in enumerate(_read_order(records)):
+        index[i] = at
+    source = tuple(index[s] for s in source_of)
+    rows = tuple(0 if s < 0 else r for s, r in zip(source, prefix_row))
+    starts = tuple(0 if s < 0 else records[t][3][r] for s, t, r in zip(source, source_of, rows))
+    return (source, rows, starts, shared)
 
 
 def view_arrays(state: SharedState) -> tuple:
     """``views_of(state)`` as four int32 ``[B]`` arrays."""
     return tuple(mx.array(v, dtype=mx.int32) for v in views_of(state))
+
+
+class Layouts:
+    """The int32 arrays the shared reads of one forward take, each built once
+    for every layer: the row map (``view_arrays``, per ``layout_key``) and the
+    suffix rows' ``left_pad``/``ends`` (per their values). The eager bridge
+    keeps one per forward (``kvstate.mlx_lm``); ``read`` makes its own when
+    given none."""
+
+    __slots__ = ("_got",)
+
+    def __init__(self) -> None:
+        self._got: dict = {}
+
+    def _memo(self, key, build):
+        got = self._got.get(key)
+        if got is None:
+            got = self._got[key] = build()
+        return got
+
+    def views(self, state: SharedState) -> tuple:
+        return self._memo(("views", layout_key(state)), lambda: view_arrays(state))
+
+    def positions(self, suffix) -> tuple:
+        """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
+        lp, ends = suffix.left_pad, suffix.ends
+        return self._memo(
+            ("positions", lp, ends),
+            lambda: (mx.array(lp, dtype=mx.int32), mx.array(ends, dtype=mx.int32)),
+        )
 
 
 def _partial(q, k, v, mask, scale):
@@ -604,7 +661,15 @@ def _merge(a, b):
     return o1 * c1 + o2 * c2, top, l1 * c1 + l2 * c2
 
 
-def cascade_attention(q, prefix_kv, views, suffix_kv, suffix_mask, *, scale):
+def cascade_attention(
+    q: mx.array,
+    prefix_kv: Sequence[tuple[mx.array, mx.array]],
+    views: Sequence[mx.array],
+    suffix_kv: tuple[mx.array, mx.array],
+    suffix_mask: mx.array | None,
+    *,
+    scale: float,
+) -> mx.array:
     """Attention of ``q`` ``[B, Hq, N, D]`` over each row's prefix view then its suffix.
 
     Args:
@@ -715,7 +780,7 @@ def attend_shared(state: SharedState, q, *, scale: float, memo=None, window=None
         f"<= {short}, the fewest suffix tokens a row holds (append the queries' tokens first)",
         n,
     )
-    return read(state, q, scale=scale, memo=memo)
+    return read(state, q, scale=scale)
 
 
 _TRACES = [0]
@@ -726,44 +791,35 @@ def traces() -> int:
     return _TRACES[0]
 
 
-def read(state: SharedState, q, *, scale: float, memo=None, views=None):
+def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None):
     """The cascade read behind ``attend``, without its argument checks (the
     bridge calls it with the model's own queries).
 
-    The suffix is read over its whole capacity with a per-row mask, and the
-    read runs as one ``mx.compile``'d function per scale: the rows' layout
-    (which prefix row each reads, from which column, how many tokens) goes
-    in as int32 arrays (``view_arrays``), so the trace depends only on the
-    shapes (batch, suffix capacity bucket, the prefix records' shapes) and
-    the number of prefix records: a decode loop traces once per capacity
-    bucket, and a fork, filter or admission that keeps those shapes traces
-    nothing (measured: ``notes/prefix.md``).
+    The suffix is read over its whole capacity (a per-row mask built inside
+    the read from the rows' ``left_pad``/``ends``, or none where the kernel
+    reads), and the read runs as one ``mx.compile``'d function per scale:
+    the rows' layout (which prefix row each reads, from which column, how
+    many tokens) goes in as int32 arrays (``view_arrays``), so the trace
+    depends only on the shapes (batch, queries, suffix capacity bucket, the
+    prefix records' shapes) and the number of prefix records: a decode loop
+    traces once per capacity bucket, and a fork, filter or admission that
+    keeps those shapes traces nothing (measured: ``notes/prefix.md``).
 
-    ``views``: ``view_arrays(state)`` when already built (equal for every
-    layer of a forward).
+    ``layouts``: the forward's ``Layouts`` (its arrays are equal for every
+    layer; default: built for this call).
     """
-    n = q.shape[2]
+    if layouts is None:
+        layouts = Layouts()
     suffix = state.suffix
-    C = suffix.capacity
-    left_pad, ends = suffix.left_pad, suffix.ends
-    if views is None:
-        views = view_arrays(state)
-    key = MaskKey("shared-suffix", (n, left_pad, ends, C))
-    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, C))
-    try:
-        fn = _compiled_read(float(scale))
-        return fn(
-            q,
-            suffix.keys,
-            suffix.values,
-            held.mask,
-            mx.array(left_pad, dtype=mx.int32),
-            mx.array(ends, dtype=mx.int32),
-            *views,
-            *prefix_planes(state),
-        )
-    finally:
-        held.release()
+    fn = _compiled_read(float(scale))
+    return fn(
+        q,
+        suffix.keys,
+        suffix.values,
+        *layouts.positions(suffix),
+        *layouts.views(state),
+        *prefix_planes(state),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -771,12 +827,11 @@ def _compiled_read(scale: float):
     """The shared read for one softmax scale, compiled (shapes and the number of
     prefix records are what it traces again for)."""
 
-    def fn(q, suffix_k, suffix_v, mask, left_pad, ends, *arrays):
+    def fn(q, suffix_k, suffix_v, left_pad, ends, *arrays):
         _TRACES[0] += 1  # Python runs only while tracing
         views, prefix = arrays[:4], arrays[4:]
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
-        suffix = (suffix_k, suffix_v)
-        return prefix_read(q, suffix, left_pad, ends, pairs, views, scale=scale, suffix_mask=mask)
+        return prefix_read(q, (suffix_k, suffix_v), left_pad, ends, pairs, views, scale=scale)
 
     return mx.compile(fn)
 
@@ -845,7 +900,7 @@ def spec_of_shared(state):
         suffix=suffix,
         prefixes=state.prefixes,
         rows=(state.source, state.prefix_row, state.shared),
-        slots=len(prefix_planes(state)) // 2,
+        slots=len(readable(state)),
     )
 
 

@@ -138,6 +138,7 @@ def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
     logits, _ = bridge.step(model, mx.array([5, 6, 7]), forked)
     mx.eval(logits)
     assert len(calls) == 3
+
     # The materialized read gives the same logits.
     monkeypatch.setattr(bridge, "_cascade", _NoRoute)
     again, _ = bridge.step(model, mx.array([5, 6, 7]), forked)
@@ -154,6 +155,30 @@ class _NoRoute:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_bridge_builds_the_row_map_once_per_forward(monkeypatch):
+    """Host work that does not change between layers is done once per forward:
+    the row map's arrays (every layer's records differ, their layout does not)
+    and the walk for the model's attention modules (once per model)."""
+    from kvstate import _decoder, shared
+
+    maps, walks = [], []
+    real_map, real_walk = shared.view_arrays, _decoder._find_attention_modules
+    monkeypatch.setattr(shared, "view_arrays", lambda s: maps.append(1) or real_map(s))
+    monkeypatch.setattr(
+        _decoder, "_find_attention_modules", lambda m: walks.append(1) or real_walk(m)
+    )
+    model = llama_model(layers=3)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3, 4]]), bridge.make_states(model, 1))
+    rows = kv.fork(states, 0, 2)
+    tok = mx.array([5, 6, 7])
+    for _ in range(3):
+        logits, rows = bridge.step(model, tok, rows)
+        tok = mx.argmax(logits, axis=-1)
+    mx.eval(tok)
+    assert len(maps) == 3  # one per forward, not one per layer (9)
+    assert len(walks) == 1
 
 
 def test_a_read_that_bypasses_the_cascade_is_refused(monkeypatch):
