@@ -513,6 +513,7 @@ def step(
     logits, states = forward(window, list(batch.states))
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         pending, carry = _plain_next(logits[:, -1, :], batch.keys, params)
+        mx.eval(pending)  # the round's one sync, as the other widths' (timed by benchmarks)
         nxt, accepted = tuple(cast(list, pending.tolist())), (0,) * B
         drafts = host if host is not None else [[]] * B
     elif not sampled:
