@@ -99,6 +99,7 @@ def main(argv=None):
     ap.add_argument("--kind", default="rewrite")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="plain step / plain round pairs")
+    ap.add_argument("--plain-only", action="store_true", help="only the plain step / round pairs")
     args = ap.parse_args(argv)
     model, tok = bench.load(args.model, not args.quantized)
     texts = bench.KINDS[args.kind]
@@ -117,6 +118,8 @@ def main(argv=None):
         show("plain step", rounds_plain(model, prompts, args.rounds))
         if never is not None:
             show("plain round (step, W = 1)", rounds_spec(model, prompts, args.rounds, never))
+    if args.plain_only:
+        return
     prof = cProfile.Profile() if args.profile else None
     show("lookup round (k<=4)", rounds_spec(model, prompts, args.rounds, None, prof))
     if prof is not None:
