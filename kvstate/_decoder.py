@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import _buckets, _shells, compiled, kernels
+from . import _buckets, _quantized, _shells, compiled, kernels
 from ._shells import Model
 from .errors import bad, check
 from .records import CacheState, QuantizedState, RotatingState
@@ -62,7 +62,7 @@ class routed_attention:
     mlx-lm's attention calls ``scaled_dot_product_attention(q, k, v, cache=...,
     scale=..., mask=...)``, a global of the model's module (found by
     ``_attention_modules``). While entered, that global is a dispatcher that
-    calls ``read(queries, keys, values, cache, scale, sinks)`` and, where it
+    calls ``read(queries, keys, values, cache, scale, sinks, mask)`` and, where it
     answers ``None``, mlx-lm's own function unchanged; it is restored on
     exit. A lock serialises routed calls, since every model of a class shares
     the global. Used by the compiled decoder (entered inside the traced step,
@@ -79,7 +79,7 @@ class routed_attention:
         self.original = original
 
         def dispatch(queries, keys, values, cache, scale, mask, sinks=None):
-            out = read(queries, keys, values, cache, scale, sinks)
+            out = read(queries, keys, values, cache, scale, sinks, mask)
             if out is None:
                 out = original(
                     queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
@@ -100,53 +100,83 @@ class routed_attention:
         return False
 
 
-def _kernel_read(queries, keys, values, cache, scale, sinks):
-    """A compiled step's read of dense or ring rows through ``ragged_attention``
-    (mask-free) when its shapes fit the kernel (``kernels.kernel_fits``;
-    ``ragged_attention`` then reads per ``kernels.decode_read``: off CUDA, the
-    masked SDPA); ``None`` (the model's own masked SDPA) for anything else.
+def routes_reads() -> bool:
+    """Whether eager forwards route their attention reads through ``routed_read``
+    (a compiled step does with ``attention="kernel"``): where kvstate's kernels
+    run (``kernels.kernel_available``: MLX's CUDA backend). Elsewhere the
+    model's own reads are the same reads, cheaper to call. Tests force it to
+    run the wiring on the CPU, where the kernels answer by their stock paths."""
+    return kernels.kernel_available()
 
-    Dense rows: 1 to ``kernels.MAX_QUERIES`` queries per row (decode and
-    verify windows), columns ``[left_pad, end)``. Ring rows: one query; a
-    ring whose capacity is at most its ``max_size`` holds its entries in
-    columns ``[0, held)`` (``_ring.column_of``: it fills columns in order,
-    and once it evicts it holds ``max_size`` = every column), so the read is
-    that range; a wider ring (grown for a multi-token append) stays masked.
-    Quantized rows: ``kernels.quantized_attention`` reads the packed planes
-    where ``kernels.decode_read`` picks the kernel (on CUDA, where the stock
-    quantized read fails for KV shapes in MLX 0.32.4).
+
+def routed_read(queries, keys, values, cache, scale, sinks, mask):
+    """THE routed attention read of one layer, eager (``kvstate.mlx_lm.forward``
+    where ``routes_reads``) or traced (``Decoder(attention="kernel")``); ``None``
+    leaves the read to the model's own SDPA under its ``mask``.
+
+    - Quantized rows: ``_quantized.read_route`` (the read ``kv.attend`` takes):
+      the kernel over the packed planes for decode and verify widths, the
+      dequantized columns under ``mask`` where the stock quantized read fails
+      (MLX's CUDA backend), else the model's own read.
+    - Dense rows whose read needs a mask array (ragged rows, or a compiled
+      step's fixed capacity), 1 to ``kernels.MAX_QUERIES`` queries: one
+      ``ragged_attention`` over each row's columns ``[left_pad, end)``
+      (mask-free on CUDA; off CUDA it is the masked SDPA). Aligned eager
+      rows need no mask (their read is cut to the exact width): the stock
+      unmasked read stays, as mlx-lm reads them.
+    - Ring rows: one query, a ring whose capacity is at most its
+      ``max_size`` (it fills columns in order, and once it evicts it holds
+      ``max_size`` = every column), read over columns ``[0, held)``; a wider
+      ring (grown for a multi-token append) stays masked.
+
+    Not routed: sinks; dense and quantized reads of a model call that asked
+    for a windowed mask (the kernel would need the window, which only the
+    mask carries); shapes the kernel does not cover (``kernels.kernel_fits``).
     """
-    content = getattr(cache, "content", None)
-    if sinks is not None or not isinstance(content, compiled.Traced):
+    if sinks is not None or not isinstance(cache, _shells.Shell):
         return None
-    N = queries.shape[2]
-    kind = type(content.proto)
-    if kind is QuantizedState:  # packed planes, read packed (the stock read fails on CUDA)
-        proto = content.proto
+    proto, N = cache.proto, queries.shape[2]
+    kind = type(proto)
+    if kind is RotatingState:
+        if (
+            N == 1
+            and isinstance(mask, mx.array)
+            and cache.content.capacity <= proto.max_size
+            and kernels.kernel_fits(queries, keys)
+        ):
+            _, held = cache.positions()  # after the write
+            return kernels.ragged_attention(
+                queries, keys, values, mx.zeros_like(held), held, scale=scale
+            )
+        return None
+    if cache.windowed:
+        return None
+    if kind is QuantizedState:
         gs, bits = proto.group_size, proto.bits
-        if kernels.decode_read(N, queries, keys, group_size=gs, bits=bits) != "kernel":
+        route = _quantized.read_route(queries, keys, gs, bits)
+        if route == "stock":
             return None
-        ends, left_pad = content.positions  # after the write
-        return kernels.quantized_attention(
-            queries, keys, values, left_pad, ends, scale=scale, group_size=gs, bits=bits
+        return _quantized.quantized_read(
+            route,
+            queries,
+            keys,
+            values,
+            scale=scale,
+            group_size=gs,
+            bits=bits,
+            mask=mask,
+            rows=lambda: cache.positions()[::-1],  # (ends, left_pad) -> (left_pad, ends)
         )
-    if not kernels.kernel_fits(queries, keys):  # (off CUDA ragged_attention is the masked read)
-        return None
-    if kind is CacheState:
-        ends, left_pad = content.positions  # after the write
+    if kind is CacheState and isinstance(mask, mx.array) and kernels.kernel_fits(queries, keys):
+        ends, left_pad = cache.positions()  # after the write
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
-    if kind is RotatingState and N == 1 and keys.shape[2] <= content.proto.max_size:
-        _, held = content.positions  # after the write
-        return kernels.ragged_attention(
-            queries, keys, values, mx.zeros_like(held), held, scale=scale
-        )
     return None
 
 
 class _TracedReads:
     """A traced step's attention router: a layer whose kind reads itself
     (``compiled.traced_read``: shared-prefix rows) goes there; with
-    ``kernel``, dense and ring reads go to ``_kernel_read``; anything else
+    ``kernel``, the others go to ``routed_read``; anything else
     to the model's own SDPA. ``check`` raises when a self-reading layer was
     not read through the router (a model bypassing mlx-lm's global would
     otherwise attend over the suffix columns alone)."""
@@ -154,7 +184,7 @@ class _TracedReads:
     def __init__(self, ctx, kernel: bool):
         self.ctx, self.kernel, self.read = ctx, kernel, 0
 
-    def __call__(self, queries, keys, values, cache, scale, sinks):
+    def __call__(self, queries, keys, values, cache, scale, sinks, mask):
         content = getattr(cache, "content", None)
         if sinks is None and isinstance(content, compiled.Traced):
             out = compiled.traced_read(content.proto, content, queries, scale, self.ctx)
@@ -162,7 +192,7 @@ class _TracedReads:
                 self.read += 1
                 return out
         if self.kernel:
-            return _kernel_read(queries, keys, values, cache, scale, sinks)
+            return routed_read(queries, keys, values, cache, scale, sinks, mask)
         return None
 
     def check(self, own: int) -> None:

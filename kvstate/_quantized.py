@@ -190,25 +190,105 @@ def quantized_sdpa(q, keys, values, *, scale, mask, group_size, bits):
     return out.reshape(B, Hq, N, out.shape[-1])
 
 
-@_rows.sdpa.register
-def sdpa_quantized(state: QuantizedState, q, keys, values, *, scale, mask):
-    return quantized_sdpa(
-        q, keys, values, scale=scale, mask=mask, group_size=state.group_size, bits=state.bits
-    )
+def stock_read_runs() -> bool:
+    """Whether the stock quantized read (``quantized_sdpa``: ``quantized_matmul``)
+    runs here: everywhere but MLX's CUDA backend, whose ``quantized_matmul``
+    fails for most KV shapes in MLX 0.32.4 (the backend where
+    ``kernels.kernel_available``)."""
+    return not kernels.kernel_available()
+
+
+def read_route(q, keys, group_size: int, bits: int) -> str:
+    """THE choice of a quantized attention read, in one place (``kv.attend``, the
+    eager bridge and the compiled decoder ask it):
+
+    - ``"kernel"``: ``kernels.quantized_attention`` reads the packed planes,
+      each row over its own columns, no mask (where ``kernels.decode_read``
+      picks the kernel: decode and verify widths on MLX's CUDA backend);
+    - ``"dequantized"``: where the stock read cannot run and the kernel does
+      not cover the read (prefill, ``N > kernels.MAX_QUERIES``, or bits the
+      kernel lacks, on CUDA): the read's columns dequantized once, then MLX's
+      fused SDPA under the same mask;
+    - ``"stock"``: ``quantized_sdpa`` (``quantized_matmul`` under the mask;
+      the CPU and Metal).
+
+    ``q`` ``[B, Hq, N, D]``; ``keys`` the ``(packed, scales, biases)`` triple.
+    """
+    if kernels.decode_read(q.shape[2], q, keys, group_size=group_size, bits=bits) == "kernel":
+        return "kernel"
+    return "stock" if stock_read_runs() else "dequantized"
+
+
+def quantized_read(
+    route: str,
+    q,
+    keys,
+    values,
+    *,
+    scale: float,
+    group_size: int,
+    bits: int,
+    mask=None,
+    rows=None,
+    window: int = 0,
+):
+    """The attention read ``route`` names (``read_route``) of ``q`` over the
+    quantized ``keys``/``values`` triples ``[B, H, W, *]``.
+
+    Args:
+        mask: the stock read's mask over the ``W`` columns (``None``,
+            ``"causal"`` or a bool array; the ``"dequantized"`` and
+            ``"stock"`` routes).
+        rows: for ``"kernel"``, a callable giving the rows' ``(left_pad,
+            ends)`` int32 ``[B]`` arrays (after the write); called only there.
+        window: for ``"kernel"``, the last ``window`` columns only (0: all).
+    """
+    if route == "kernel":
+        left_pad, ends = rows()
+        return kernels.quantized_attention(
+            q,
+            keys,
+            values,
+            left_pad,
+            ends,
+            scale=scale,
+            group_size=group_size,
+            bits=bits,
+            window=window,
+        )
+    if route == "dequantized":
+        k, v = (
+            mx.dequantize(w, scales=s, biases=b, group_size=group_size, bits=bits)
+            for w, s, b in (keys, values)
+        )
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return quantized_sdpa(q, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
 
 
 @ops.attend.register
 def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, window=None):
-    """``attend_rows``, except where ``kernels.decode_read`` picks the kernel (MLX's
-    CUDA backend, where the stock ``quantized_matmul`` fails for most KV shapes):
-    there the packed planes are read by ``kernels.quantized_attention``, each row
-    over its own columns, no mask."""
-    keys, gs, bits = state.keys, state.group_size, state.bits
-    if window is None and keys is not None and kernels.kernel_available():
-        n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo)
-        if kernels.decode_read(n, q, keys, group_size=gs, bits=bits) == "kernel":
-            lp, en = (mx.array(x, dtype=mx.int32) for x in (state.left_pad, state.ends))
-            return kernels.quantized_attention(
-                q, keys, state.values, lp, en, scale=scale, group_size=gs, bits=bits
-            )
-    return _rows.attend_rows(state, q, scale=scale, memo=memo, window=window)
+    """``attend_rows`` through ``read_route``'s read: on MLX's CUDA backend the
+    kernel for decode and verify widths, the dequantized columns for wider
+    reads; elsewhere the stock quantized read under the rows' mask."""
+    n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo)
+    keys, values = ops.fetch(state)
+    gs, bits = state.group_size, state.bits
+    route = read_route(q, keys, gs, bits)
+
+    def read(mask):
+        return quantized_read(
+            route,
+            q,
+            keys,
+            values,
+            scale=scale,
+            group_size=gs,
+            bits=bits,
+            mask=mask,
+            rows=lambda: (mx.array(state.left_pad, mx.int32), mx.array(state.ends, mx.int32)),
+            window=window or 0,
+        )
+
+    if route == "kernel":  # (no mask to build)
+        return read(None)
+    return _rows.under_mask(_rows.read_mask(state, n, memo, window), read)

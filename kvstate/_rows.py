@@ -384,7 +384,8 @@ def under_mask(mask_and_lease, read):
 @singledispatch
 def sdpa(state, q, keys, values, *, scale: float, mask):
     """The attention read of ``q`` over this kind's fetched ``keys``/``values``
-    under ``mask`` (default: MLX's fused SDPA; quantized rows register theirs)."""
+    under ``mask`` (default: MLX's fused SDPA; quantized rows have their own
+    ``attend``, through ``_quantized.read_route``)."""
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 

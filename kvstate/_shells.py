@@ -47,7 +47,17 @@ class Eager:
     """The context of one eager ``forward``: the memo and its leases, the
     offsets and the append plans (host work done once per layout)."""
 
-    __slots__ = ("memo", "leases", "plans", "started", "route", "_positions", "_last")
+    __slots__ = (
+        "memo",
+        "leases",
+        "plans",
+        "started",
+        "route",
+        "windowed",
+        "_positions",
+        "_arrays",
+        "_last",
+    )
 
     def __init__(self, memo: MaskMemo, start_early: bool = False):
         self.memo = memo
@@ -55,7 +65,9 @@ class Eager:
         self.leases: list = []
         self.plans = Plans()
         self.started = not start_early
+        self.windowed = False  # a mask with a window was asked for (no routed dense read)
         self._positions: dict = {}
+        self._arrays: dict = {}
         self._last = None
 
     def start(self, keys, values):
@@ -97,12 +109,22 @@ class Eager:
         self._last = (lengths, left_pad, kind, off)
         return off
 
+    def positions(self, record) -> tuple:
+        """``compiled.position_arrays(record)``: its per-row positions as int32
+        ``[B]`` arrays, once per layout per forward (every layer shares them)."""
+        key = (type(record), *compiled.host_positions(record))
+        got = self._arrays.get(key)
+        if got is None:
+            got = self._arrays[key] = compiled.position_arrays(record)
+        return got
+
     def update(self, record, keys, values):
         if not self.started:
             self.start(keys, values)
         return ops.update_and_read(record, keys, values, self.plans)
 
     def mask(self, record, N: int, window, return_array: bool):
+        self.windowed |= window is not None
         # Models that ask return_array=True (gemma2, phi3small, ...) read the
         # mask's dtype: the same mask as an array, same builder and memo.
         mask, held = ops.next_mask(record, N, memo=self.memo, window=window, array=return_array)
@@ -130,9 +152,13 @@ class Tracing(compiled.TraceContext):
     def __init__(self, attention: str, same_end_slice: bool = False):
         super().__init__(same_end_slice)
         self.attention = attention
+        self.windowed = False
 
     def static(self, view):
         return view.proto
+
+    def positions(self, view) -> tuple:
+        return view.positions
 
     def offset(self, view):
         return compiled.traced_offset(view.proto, view, self)
@@ -141,6 +167,7 @@ class Tracing(compiled.TraceContext):
         return compiled.traced_update(view.proto, view, keys, values, self)
 
     def mask(self, view, N: int, window, return_array: bool):
+        self.windowed |= window is not None
         return compiled.traced_mask(view.proto, view, N, window, self)
 
 
@@ -174,6 +201,23 @@ class Shell:
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         return self._ctx.mask(self.content, N, window_size, return_array)
+
+    # --- for a routed attention read (kvstate._decoder.routed_read) ---
+
+    @property
+    def proto(self):
+        """The content's kind and static fields (eager: the record itself)."""
+        return self._ctx.static(self.content)
+
+    def positions(self) -> tuple:
+        """The content's per-row positions after the last write, int32 ``[B]``
+        arrays in ``compiled.host_positions``'s order."""
+        return self._ctx.positions(self.content)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether this model call asked any layer for a windowed mask."""
+        return self._ctx.windowed
 
     def keys_and_values(self):
         """The read the model attends over, without an update (eager runs only;

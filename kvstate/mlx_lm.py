@@ -146,12 +146,16 @@ def shell_class_shared(record: SharedState) -> type:
 class _cascade:
     """While the model runs, its attention reads of shared dense rows take the
     cascade (``kvstate.shared.read``: each shared prefix read once for all the
-    rows reading it) instead of materialized columns.
+    rows reading it) instead of materialized columns; where
+    ``_decoder.routes_reads``, every other read goes to
+    ``_decoder.routed_read`` (the compiled decoder's routed read: kernels for
+    ragged and quantized rows on CUDA).
 
     mlx-lm's attention calls its module's ``scaled_dot_product_attention(q, k,
     v, cache=..., scale=..., mask=...)``; for the duration of the call that
     global is a dispatcher sending a ``SharedShell`` to the cascade and every
-    other call, unchanged, to mlx-lm's function. A shell's
+    other call to ``routed_read`` (where routed), else, unchanged, to
+    mlx-lm's function. A shell's
     ``update_and_fetch`` hands the model only its suffix columns, so every
     one must be read by the dispatcher: one that is not (a model whose
     attention does not read through that global) raises ``KVStateError``
@@ -160,11 +164,14 @@ class _cascade:
 
     def __init__(self, model, ctx):
         self.mods, self.ctx = _decoder._attention_modules(model), ctx
+        self.kernel = _decoder.routes_reads()
         self.pending = {}
         self.layouts = SharedLayouts()  # row maps and positions: once per forward
 
-    def _read(self, queries, keys, values, cache, scale, sinks):
+    def _read(self, queries, keys, values, cache, scale, sinks, mask):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
+            if self.kernel:
+                return _decoder.routed_read(queries, keys, values, cache, scale, sinks, mask)
             return None
         del self.pending[id(cache)]
         return shared_read(cache.record, queries, scale=scale, layouts=self.layouts)
@@ -380,7 +387,7 @@ def forward(
         V, dtype = _logits_shape(model)
         return mx.zeros((0, shape[1], V), dtype), list(states)
     try:
-        if any(type(sh) is SharedShell for sh in shells):
+        if _decoder.routes_reads() or any(type(sh) is SharedShell for sh in shells):
             with _cascade(model, ctx):
                 logits = model(tokens, cache=shells)
         else:

@@ -1,0 +1,177 @@
+"""The eager bridge's routed attention reads (``_decoder.routed_read``), run on
+the CPU by forcing the route (``_decoder.routes_reads``: on by itself only on
+MLX's CUDA backend). Off CUDA the kernels answer by their stock paths, so a
+forced run must give the plain run's logits and greedy tokens: what this
+checks is the wiring (which rows are routed, with which ``left_pad``/``ends``
+arrays, and the quantized read's three routes). float32; the CUDA side of the
+same reads is ``tests/test_bridge_cuda.py``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import tiny_models as tm
+
+import kvstate as kv
+from kvstate import _decoder, _quantized, kernels
+from kvstate import mlx_lm as bridge
+
+ATOL = 1e-5
+PROMPTS = [5, 11, 3]  # ragged rows
+
+
+def prompts(lengths=PROMPTS):
+    return [tm.prompt(70 + i, n) for i, n in enumerate(lengths)]
+
+
+def decode(model, logits, states, steps=3):
+    """Greedy steps: (logits of every step, tokens, states)."""
+    seen, toks = [logits], []
+    for _ in range(steps):
+        tok = mx.argmax(logits, axis=-1)
+        toks.append(tok.tolist())
+        logits, states = bridge.step(model, tok, states)
+        seen.append(logits)
+    return seen, toks, states
+
+
+def close(got, want, atol=ATOL):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=1e-5)
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Route the eager reads; record each ``ragged_attention`` call's rows."""
+    calls = []
+    real = kernels.ragged_attention
+
+    def counted(q, k, v, left_pad, ends, **kw):
+        calls.append((q.shape[2], left_pad.tolist(), ends.tolist()))
+        return real(q, k, v, left_pad, ends, **kw)
+
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(kernels, "ragged_attention", counted)
+    return calls
+
+
+def test_ragged_dense_rows_read_through_the_kernel_call(forced):
+    model = tm.llama_model(layers=2)
+    want = decode(model, *bridge.prefill(model, prompts()))
+    forced.clear()
+    # (forced from here: prefill's chunks are aligned (causal, not routed), its
+    # last step and every decode step ragged: routed)
+    got = decode(model, *bridge.prefill(model, prompts()))
+    close(got[0], want[0])
+    assert got[1] == want[1]
+    # One call per layer per ragged step (the prefill's last step, 3 decode
+    # steps), each with the rows' own columns after the write.
+    assert len(forced) == 2 * 4
+    ends = [4, 10, 2]  # the prompts' heads, right-padded to 10 and trimmed
+    for step in range(4):
+        for layer in range(2):
+            n, lp, en = forced[2 * step + layer]
+            assert n == 1 and lp == [0, 0, 0] and en == [e + 1 + step for e in ends]
+
+
+def test_aligned_rows_keep_the_stock_unmasked_read(forced):
+    model = tm.llama_model(layers=2)
+    want = decode(model, *bridge.prefill(model, prompts([6, 6])))
+    forced.clear()
+    got = decode(model, *bridge.prefill(model, prompts([6, 6])))
+    close(got[0], want[0])
+    assert got[1] == want[1] and forced == []
+
+
+def test_a_windowed_mask_is_never_routed(monkeypatch, forced):
+    """Dense records under a sliding-window layer: the window is only in the
+    mask, so the routed read (which reads every column) must not take them.
+    The ring layer of the same model is routed (it holds its window)."""
+    model = tm.llama_model(layers=2, sliding_window=4)
+    ps = prompts([9, 6])
+
+    def run():
+        heads = [p[:-1] for p in ps]
+        W = max(len(h) for h in heads)
+        states = [kv.empty(2), kv.empty(2)]  # dense, the sliding layer's too
+        _, states = bridge.forward(model, mx.array([h + [0] * (W - len(h)) for h in heads]), states)
+        states = [bridge.unpad(s, tuple(W - len(h) for h in heads)) for s in states]
+        logits, states = bridge.step(model, mx.array([p[-1] for p in ps]), states)
+        return decode(model, logits, states, 2)
+
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
+    want = run()
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    got = run()
+    close(got[0], want[0])
+    assert got[1] == want[1] and forced == []
+    ps = prompts([9, 1])  # a ring row holding fewer than max_size: a ragged ring read
+    rings = decode(model, *bridge.prefill(model, ps))  # (a ring for the sliding layer)
+    assert forced and all(lp == [0, 0] for _, lp, _ in forced)  # the ring's reads only
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
+    plain = decode(model, *bridge.prefill(model, ps))
+    close(rings[0], plain[0])
+    assert rings[1] == plain[1]
+
+
+@pytest.fixture
+def quantized_routes(monkeypatch):
+    """The quantized read's routes as on CUDA: the kernel for decode and
+    verify widths, the dequantized columns for wider reads. Records each
+    read's route and query count."""
+    seen = []
+    real = _quantized.quantized_read
+
+    def route(q, keys, gs, bits):
+        return "kernel" if q.shape[2] <= kernels.MAX_QUERIES else "dequantized"
+
+    def recorded(route, q, *a, **kw):
+        seen.append((route, q.shape[2]))
+        return real(route, q, *a, **kw)
+
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(_quantized, "read_route", route)
+    monkeypatch.setattr(_quantized, "quantized_read", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_routes, bits):
+    model = tm.llama_model(layers=2)
+    ps = prompts([5, 14, 3])
+    with monkeypatch.context() as m:
+        m.setattr(_decoder, "routes_reads", lambda: False)
+        want = decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32))
+    got = decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32))
+    close(got[0], want[0], atol=1e-4)  # (dequantize + SDPA: another order of sums)
+    assert got[1] == want[1]
+    # prefill: one 13-column chunk (dequantized), then 4 single-token steps (kernel)
+    assert quantized_routes == [("dequantized", 13)] * 2 + [("kernel", 1)] * 8
+
+
+@pytest.mark.parametrize("n", [1, 12])
+def test_kv_attend_quantized_routes_give_the_stock_read(monkeypatch, n):
+    rng = np.random.default_rng(3)
+    rows = []
+    for m in (9, 4):
+        k, v = (mx.array(rng.standard_normal((1, 2, m, 32)).astype(np.float32)) for _ in "kv")
+        rows.append(kv.append(kv.quantized(1, group_size=32, bits=4), k, v))
+    s = kv.merge_rows(rows)
+    s = kv.append(s, *(mx.array(rng.standard_normal((2, 2, n, 32)).astype(np.float32)),) * 2)
+    q = mx.array(rng.standard_normal((2, 4, n, 32)).astype(np.float32))
+    want = kv.attend(s, q, scale=0.2)
+    for route in ("kernel", "dequantized"):
+        monkeypatch.setattr(_quantized, "read_route", lambda *a, route=route: route)
+        got = kv.attend(s, q, scale=0.2)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+
+
+def test_the_routes_are_chosen_by_kernels_decode_read():
+    """Off CUDA every quantized read is the stock one, and eager forwards are
+    not routed; the kernel route follows ``kernels.decode_read``."""
+    q = mx.zeros((1, 4, 1, 32))
+    keys = tuple(mx.quantize(mx.zeros((1, 2, 8, 32)), group_size=32, bits=4))
+    assert not kernels.kernel_available()
+    assert _quantized.read_route(q, keys, 32, 4) == "stock"
+    assert not _decoder.routes_reads()
