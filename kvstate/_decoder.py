@@ -152,21 +152,15 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
     if cache.windowed:
         return None
     if kind is QuantizedState:
-        gs, bits = proto.group_size, proto.bits
-        route = _quantized.read_route(queries, keys, gs, bits)
-        if route == "stock":
-            return None
-        return _quantized.quantized_read(
-            route,
+        route, read = _quantized.reader(
+            proto,
             queries,
             keys,
             values,
             scale=scale,
-            group_size=gs,
-            bits=bits,
-            mask=mask,
             rows=lambda: cache.positions()[::-1],  # (ends, left_pad) -> (left_pad, ends)
         )
+        return None if route == "stock" else read(mask)
     if kind is CacheState and isinstance(mask, mx.array) and kernels.kernel_fits(queries, keys):
         ends, left_pad = cache.positions()  # after the write
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)

@@ -219,50 +219,46 @@ def read_route(q, keys, group_size: int, bits: int) -> str:
     return "stock" if stock_read_runs() else "dequantized"
 
 
-def quantized_read(
-    route: str,
-    q,
-    keys,
-    values,
-    *,
-    scale: float,
-    group_size: int,
-    bits: int,
-    mask=None,
-    rows=None,
-    window: int = 0,
-):
-    """The attention read ``route`` names (``read_route``) of ``q`` over the
-    quantized ``keys``/``values`` triples ``[B, H, W, *]``.
+def reader(record, q, keys, values, *, scale: float, rows, window: int = 0) -> tuple:
+    """``(route, read)``: ``read_route``'s choice for ``record``'s quantized
+    ``keys``/``values`` triples ``[B, H, W, *]`` (``record``: a
+    ``QuantizedState`` or a compiled step's proto: its ``group_size`` and
+    ``bits``), and ``read(mask)``, the attention read of ``q`` it names:
 
-    Args:
-        mask: the stock read's mask over the ``W`` columns (``None``,
-            ``"causal"`` or a bool array; the ``"dequantized"`` and
-            ``"stock"`` routes).
-        rows: for ``"kernel"``, a callable giving the rows' ``(left_pad,
-            ends)`` int32 ``[B]`` arrays (after the write); called only there.
-        window: for ``"kernel"``, the last ``window`` columns only (0: all).
+    - ``"kernel"``: ``kernels.quantized_attention`` over the rows given by
+      ``rows()`` (``(left_pad, ends)`` int32 ``[B]`` arrays after the write,
+      called only there), the last ``window`` columns only (0: all); the
+      mask is not read;
+    - ``"dequantized"``: ``keys``/``values`` dequantized once, MLX's fused
+      SDPA under ``mask`` (``None``, ``"causal"`` or a bool array over ``W``);
+    - ``"stock"``: ``quantized_sdpa`` under ``mask``.
     """
-    if route == "kernel":
-        left_pad, ends = rows()
-        return kernels.quantized_attention(
-            q,
-            keys,
-            values,
-            left_pad,
-            ends,
-            scale=scale,
-            group_size=group_size,
-            bits=bits,
-            window=window,
-        )
-    if route == "dequantized":
-        k, v = (
-            mx.dequantize(w, scales=s, biases=b, group_size=group_size, bits=bits)
-            for w, s, b in (keys, values)
-        )
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return quantized_sdpa(q, keys, values, scale=scale, mask=mask, group_size=group_size, bits=bits)
+    gs, bits = record.group_size, record.bits
+    route = read_route(q, keys, gs, bits)
+
+    def read(mask):
+        if route == "kernel":
+            left_pad, ends = rows()
+            return kernels.quantized_attention(
+                q,
+                keys,
+                values,
+                left_pad,
+                ends,
+                scale=scale,
+                group_size=gs,
+                bits=bits,
+                window=window,
+            )
+        if route == "dequantized":
+            k, v = (
+                mx.dequantize(w, scales=s, biases=b, group_size=gs, bits=bits)
+                for w, s, b in (keys, values)
+            )
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return quantized_sdpa(q, keys, values, scale=scale, mask=mask, group_size=gs, bits=bits)
+
+    return route, read
 
 
 @ops.attend.register
@@ -272,23 +268,15 @@ def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, windo
     reads; elsewhere the stock quantized read under the rows' mask."""
     n = _rows.validate_queries(state, q, scale=scale, window=window, memo=memo)
     keys, values = ops.fetch(state)
-    gs, bits = state.group_size, state.bits
-    route = read_route(q, keys, gs, bits)
-
-    def read(mask):
-        return quantized_read(
-            route,
-            q,
-            keys,
-            values,
-            scale=scale,
-            group_size=gs,
-            bits=bits,
-            mask=mask,
-            rows=lambda: (mx.array(state.left_pad, mx.int32), mx.array(state.ends, mx.int32)),
-            window=window or 0,
-        )
-
+    route, read = reader(
+        state,
+        q,
+        keys,
+        values,
+        scale=scale,
+        window=window or 0,
+        rows=lambda: (mx.array(state.left_pad, mx.int32), mx.array(state.ends, mx.int32)),
+    )
     if route == "kernel":  # (no mask to build)
         return read(None)
     return _rows.under_mask(_rows.read_mask(state, n, memo, window), read)

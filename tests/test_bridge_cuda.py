@@ -15,8 +15,9 @@ import pytest
 from mlx_lm.models import llama
 
 import kvstate as kv
-from kvstate import _decoder, _quantized, kernels
+from kvstate import _decoder, kernels
 from kvstate import mlx_lm as bridge
+from test_bridge_routes import record_routes
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernel_available(), reason="needs MLX's CUDA backend (the routed reads run there)"
@@ -110,14 +111,7 @@ def test_quantized_rows_prefill_and_decode_on_cuda(monkeypatch, geometry, bits):
     model = model_of(*geometry)
     ps = prompts([20, 70, 9])
     make = dict(kv_bits=bits, kv_group_size=32)
-    routes = []
-    real = _quantized.quantized_read
-
-    def recorded(route, q, *a, **kw):
-        routes.append((route, q.shape[2]))
-        return real(route, q, *a, **kw)
-
-    monkeypatch.setattr(_quantized, "quantized_read", recorded)
+    routes = record_routes(monkeypatch)
     got, toks = run(model, ps, **make)
     assert ("dequantized", 69) in routes and ("kernel", 1) in routes
     assert {r for r, _ in routes} == {"dequantized", "kernel"}

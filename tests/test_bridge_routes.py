@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import tiny_models as tm
+from test_shared_compiled import run
 
 import kvstate as kv
 from kvstate import _decoder, _quantized, kernels
@@ -26,14 +27,9 @@ def prompts(lengths=PROMPTS):
 
 
 def decode(model, logits, states, steps=3):
-    """Greedy steps: (logits of every step, tokens, states)."""
-    seen, toks = [logits], []
-    for _ in range(steps):
-        tok = mx.argmax(logits, axis=-1)
-        toks.append(tok.tolist())
-        logits, states = bridge.step(model, tok, states)
-        seen.append(logits)
-    return seen, toks, states
+    """Greedy steps after ``logits``: (logits of every step, tokens, states)."""
+    seen, toks, states = run(bridge.step, model, mx.argmax(logits, -1).tolist(), states, steps)
+    return [logits, *seen], toks, states
 
 
 def close(got, want, atol=ATOL):
@@ -115,25 +111,37 @@ def test_a_windowed_mask_is_never_routed(monkeypatch, forced):
     assert rings[1] == plain[1]
 
 
+def record_routes(monkeypatch) -> list:
+    """Each quantized read's ``(route, queries)``, in order (``_quantized.reader``
+    wrapped)."""
+    seen = []
+    real = _quantized.reader
+
+    def recorded(record, q, *a, **kw):
+        route, read = real(record, q, *a, **kw)
+
+        def read_recorded(mask):
+            seen.append((route, q.shape[2]))
+            return read(mask)
+
+        return route, read_recorded
+
+    monkeypatch.setattr(_quantized, "reader", recorded)
+    return seen
+
+
 @pytest.fixture
 def quantized_routes(monkeypatch):
-    """The quantized read's routes as on CUDA: the kernel for decode and
-    verify widths, the dequantized columns for wider reads. Records each
+    """The quantized read's routes as on CUDA (forced): the kernel for decode
+    and verify widths, the dequantized columns for wider reads; records each
     read's route and query count."""
-    seen = []
-    real = _quantized.quantized_read
 
     def route(q, keys, gs, bits):
         return "kernel" if q.shape[2] <= kernels.MAX_QUERIES else "dequantized"
 
-    def recorded(route, q, *a, **kw):
-        seen.append((route, q.shape[2]))
-        return real(route, q, *a, **kw)
-
     monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
     monkeypatch.setattr(_quantized, "read_route", route)
-    monkeypatch.setattr(_quantized, "quantized_read", recorded)
-    return seen
+    return record_routes(monkeypatch)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
