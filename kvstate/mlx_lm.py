@@ -245,6 +245,12 @@ def vocab_size(model) -> Optional[int]:
     return n
 
 
+# Device ids are read as unsigned ints of their width (a negative id becomes one past
+# any vocabulary); narrower ints are widened first, so no cast can wrap a bad id
+# into the vocabulary.
+_UNSIGNED = {mx.int32: mx.uint32, mx.int64: mx.uint64, mx.uint32: None, mx.uint64: None}
+
+
 def token_ids(model: Model, tokens: Any, arg: str = "tokens") -> tuple[mx.array, mx.array | None]:
     """``tokens`` as an integer ``mx.array`` ``[B, N]`` the model can embed.
 
@@ -254,19 +260,29 @@ def token_ids(model: Model, tokens: Any, arg: str = "tokens") -> tuple[mx.array,
     is checked for an integer dtype only; its values are not read back, so
     a pipelined decode loop (the next step built while the device computes
     this one's tokens) never waits. Instead, on the device, an id outside the
-    vocabulary is replaced by 0 and its row's logits become NaN. Returns
-    ``(ids, poisoned)``: ``poisoned`` is ``None`` for host ids, else a bool
-    ``[B]`` array of the rows holding a bad id (``notes/invariants.md``).
+    vocabulary is clamped into it (negative ids included: they are read as
+    unsigned) and its row's logits become NaN. Returns ``(ids, poisoned)``:
+    ``poisoned`` is ``None`` for host ids, else a bool ``[B]`` array of the
+    rows holding a bad id (``notes/invariants.md``).
+
+    The device guard is one ``minimum`` on the ids the embedding reads, and
+    a compare, an ``any`` and a ``where`` over the logits off that path:
+    ops that come first in the graph are what ``forward``'s early start
+    evaluates, so the guard keeps that part to one op (``notes/invariants.md``).
     """
     if not isinstance(tokens, mx.array):
         return mx.array(_host_ids(model, tokens, arg, 2)), None
     V = vocab_size(model)
-    if not mx.issubdtype(tokens.dtype, mx.integer):
-        raise bad(f"{arg} dtype", "an integer dtype (token ids)", tokens.dtype)
+    dtype = tokens.dtype
+    if not mx.issubdtype(dtype, mx.integer):
+        raise bad(f"{arg} dtype", "an integer dtype (token ids)", dtype)
     if V is None or tokens.ndim != 2:
         return tokens, None
-    wrong = (tokens < 0) | (tokens >= V)
-    return mx.where(wrong, mx.zeros((), tokens.dtype), tokens), mx.any(wrong, axis=1)
+    if dtype not in _UNSIGNED:  # (int8/16, uint8/16, ...)
+        tokens, dtype = tokens.astype(mx.int64), mx.int64
+    unsigned = _UNSIGNED[dtype]
+    ids = tokens if unsigned is None else mx.view(tokens, unsigned)
+    return mx.minimum(ids, V - 1), mx.any(ids >= V, axis=1)
 
 
 def _host_ids(model, ids, arg: str, ndim: int) -> np.ndarray:
