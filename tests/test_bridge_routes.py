@@ -37,6 +37,13 @@ def close(got, want, atol=ATOL):
         np.testing.assert_allclose(np.array(g), np.array(w), atol=atol, rtol=1e-5)
 
 
+def unrouted(monkeypatch, run):
+    """``run()`` with the eager reads not routed (the model's own reads)."""
+    with monkeypatch.context() as m:
+        m.setattr(_decoder, "routes_reads", lambda: False)
+        return run()
+
+
 @pytest.fixture
 def forced(monkeypatch):
     """Route the eager reads; record each ``ragged_attention`` call's rows."""
@@ -52,12 +59,12 @@ def forced(monkeypatch):
     return calls
 
 
-def test_ragged_dense_rows_read_through_the_kernel_call(forced):
+def test_ragged_dense_rows_read_through_the_kernel_call(monkeypatch, forced):
     model = tm.llama_model(layers=2)
-    want = decode(model, *bridge.prefill(model, prompts()))
-    forced.clear()
-    # (forced from here: prefill's chunks are aligned (causal, not routed), its
-    # last step and every decode step ragged: routed)
+    want = unrouted(monkeypatch, lambda: decode(model, *bridge.prefill(model, prompts())))
+    assert forced == []
+    # (routed: prefill's chunks are aligned (causal, not routed), its last
+    # step and every decode step ragged: routed)
     got = decode(model, *bridge.prefill(model, prompts()))
     close(got[0], want[0])
     assert got[1] == want[1]
@@ -71,10 +78,9 @@ def test_ragged_dense_rows_read_through_the_kernel_call(forced):
             assert n == 1 and lp == [0, 0, 0] and en == [e + 1 + step for e in ends]
 
 
-def test_aligned_rows_keep_the_stock_unmasked_read(forced):
+def test_aligned_rows_keep_the_stock_unmasked_read(monkeypatch, forced):
     model = tm.llama_model(layers=2)
-    want = decode(model, *bridge.prefill(model, prompts([6, 6])))
-    forced.clear()
+    want = unrouted(monkeypatch, lambda: decode(model, *bridge.prefill(model, prompts([6, 6]))))
     got = decode(model, *bridge.prefill(model, prompts([6, 6])))
     close(got[0], want[0])
     assert got[1] == want[1] and forced == []
@@ -148,9 +154,11 @@ def quantized_routes(monkeypatch):
 def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_routes, bits):
     model = tm.llama_model(layers=2)
     ps = prompts([5, 14, 3])
-    with monkeypatch.context() as m:
-        m.setattr(_decoder, "routes_reads", lambda: False)
-        want = decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32))
+    want = unrouted(
+        monkeypatch,
+        lambda: decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32)),
+    )
+    del quantized_routes[:]  # (the unrouted run's stock reads)
     got = decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32))
     close(got[0], want[0], atol=1e-4)  # (dequantize + SDPA: another order of sums)
     assert got[1] == want[1]
@@ -175,11 +183,14 @@ def test_kv_attend_quantized_routes_give_the_stock_read(monkeypatch, n):
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
 
 
-def test_the_routes_are_chosen_by_kernels_decode_read():
-    """Off CUDA every quantized read is the stock one, and eager forwards are
-    not routed; the kernel route follows ``kernels.decode_read``."""
+def test_the_routes_follow_the_backend():
+    """Eager forwards are routed on CUDA only; there the quantized read is the
+    kernel at decode widths and the dequantized columns past them; elsewhere
+    always the stock read."""
     q = mx.zeros((1, 4, 1, 32))
-    keys = tuple(mx.quantize(mx.zeros((1, 2, 8, 32)), group_size=32, bits=4))
-    assert not kernels.kernel_available()
-    assert _quantized.read_route(q, keys, 32, 4) == "stock"
-    assert not _decoder.routes_reads()
+    wide = mx.zeros((1, 4, kernels.MAX_QUERIES + 1, 32))
+    keys = tuple(mx.quantize(mx.zeros((1, 2, 16, 32)), group_size=32, bits=4))
+    cuda = kernels.kernel_available()
+    assert _decoder.routes_reads() == cuda
+    assert _quantized.read_route(q, keys, 32, 4) == ("kernel" if cuda else "stock")
+    assert _quantized.read_route(wide, keys, 32, 4) == ("dequantized" if cuda else "stock")
