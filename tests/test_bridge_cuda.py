@@ -2,7 +2,8 @@
 dense rows through ``kernels.ragged_attention`` and quantized rows through
 the one quantized read (``_quantized.read_route``: the kernel over packed
 planes for decode widths, the dequantized columns for prefill), against the
-masked stock path in bf16 tolerance. Before these routes the eager bridge
+masked stock path in bf16 tolerance (for quantized rows: the masked stock
+SDPA over the dequantized planes at every width). Before these routes the eager bridge
 could not run quantized rows on CUDA at all (MLX 0.32.4's ``quantized_matmul``
 fails for KV shapes). The CPU side of the same wiring (routes forced, the
 kernels' stock paths) is ``tests/test_bridge_routes.py``."""
@@ -15,7 +16,7 @@ import pytest
 from mlx_lm.models import llama
 
 import kvstate as kv
-from kvstate import _decoder, kernels
+from kvstate import _decoder, _quantized, kernels
 from kvstate import mlx_lm as bridge
 from test_bridge_routes import record_routes
 
@@ -47,7 +48,7 @@ def model_of(heads, kv_heads, head_dim, seed=0):
     return model
 
 
-GEOMETRIES = [(4, 2, 32), (9, 3, 64), (8, 1, 128)]  # GQA 2/3/8, head dims 32/64/128
+GEOMETRIES = [(4, 2, 32), (9, 3, 64)]  # GQA 2/3, head dims 32/64 (SmolLM2: 9/3, 64)
 
 
 def prompts(lengths):
@@ -82,10 +83,10 @@ def replay(model, ps, toks, **make):
     return seen
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["gqa2-d32", "gqa3-d64", "gqa8-d128"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["gqa2-d32", "gqa3-d64"])
 def test_ragged_dense_rows_read_by_the_kernel(monkeypatch, geometry):
     model = model_of(*geometry)
-    ps = prompts([40, 300, 7, 129])
+    ps = prompts([40, 200, 7, 129])
     calls = []
     real = kernels.ragged_attention
 
@@ -103,11 +104,12 @@ def test_ragged_dense_rows_read_by_the_kernel(monkeypatch, geometry):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("geometry", GEOMETRIES[:2], ids=["gqa2-d32", "gqa3-d64"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=["gqa2-d32", "gqa3-d64"])
 def test_quantized_rows_prefill_and_decode_on_cuda(monkeypatch, geometry, bits):
     """Quantized rows through the eager bridge: prefill chunks read the
-    dequantized columns, decode steps the kernel; against the same run on the
-    CPU device (the stock quantized read, masked)."""
+    dequantized columns, decode steps the kernel over the packed planes;
+    against the same run reading every width by the masked stock SDPA over
+    the dequantized planes."""
     model = model_of(*geometry)
     ps = prompts([20, 70, 9])
     make = dict(kv_bits=bits, kv_group_size=32)
@@ -115,12 +117,8 @@ def test_quantized_rows_prefill_and_decode_on_cuda(monkeypatch, geometry, bits):
     got, toks = run(model, ps, **make)
     assert ("dequantized", 69) in routes and ("kernel", 1) in routes
     assert {r for r, _ in routes} == {"dequantized", "kernel"}
-    mx.set_default_device(mx.cpu)
-    try:
-        assert not _decoder.routes_reads()
-        want = replay(model, ps, [mx.array(np.array(t)) for t in toks], **make)
-    finally:
-        mx.set_default_device(mx.gpu)
+    monkeypatch.setattr(_quantized, "read_route", lambda *a: "dequantized")
+    want = replay(model, ps, toks, **make)
     for t, (g, w) in enumerate(zip(got, want, strict=True)):
         assert rel(g, w) < TOL, f"step {t}: {rel(g, w)}"
 
