@@ -368,6 +368,9 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     lengths = row_lengths(B, ctx, layout)
     room = args.warmup + args.steps * args.rounds + 1
     cap = round_up(ctx + room, 256)
+    scatter = {(kernels, "FUSED_BYTES"): 0}  # the write by scatter, never in the read
+    fused = {(kernels, "FUSED_BYTES"): 1 << 50}  # the write in the read's launch
+    split = {(kernels, "SINGLE_SPAN"): 0}  # short rows split over blocks too (B=1)
     no_write = {(_rows, "column_writer"): lambda ends, N, **kw: lambda plane, new: plane}
 
     def fused_nomask(q, k, v, lp, en, *, scale):  # wrong result: timing only
@@ -382,19 +385,38 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
     if decoders_ok:
         variants.update(
             {
-                "kernel, scatter writes": ("kernel", {}, "scatter"),
-                "kernel, slice_update writes": ("kernel", {}, "slice"),
-                "kernel, scatter writes, wait": ("kernel", {}, "scatter"),
-                "kernel, slice_update writes, wait": ("kernel", {}, "slice"),
-                "kernel, scatter writes, sync each step": ("kernel", {}, "scatter"),
-                "kernel, no cache write": ("kernel", no_write, "scatter"),
+                "kernel, scatter writes": ("kernel", scatter, "scatter"),
+                "kernel, slice_update writes": ("kernel", scatter, "slice"),
+                "kernel, scatter writes, wait": ("kernel", scatter, "scatter"),
+                "kernel, slice_update writes, wait": ("kernel", scatter, "slice"),
+                "kernel, scatter writes, sync each step": ("kernel", scatter, "scatter"),
+                "kernel, no cache write": ("kernel", {**no_write, **scatter}, "scatter"),
                 "kernel -> fused SDPA, no mask (wrong, timing)": (
                     "kernel",
-                    {(kernels, "ragged_attention"): fused_nomask},
+                    {(kernels, "ragged_attention"): fused_nomask, **scatter},
                     "scatter",
                 ),
+                "kernel, fused write": ("kernel", fused, "scatter"),
+                "kernel, fused write, wait": ("kernel", fused, "scatter"),
+                "kernel, fused write, split reads": ("kernel", {**fused, **split}, "scatter"),
+                "kernel, scatter writes, split reads": ("kernel", {**scatter, **split}, "scatter"),
             }
         )
+        for u in (1, 4, 8):
+            unroll = {(kernels, "UNROLL"): u}
+            variants[f"kernel, scatter writes, unroll {u}"] = (
+                "kernel",
+                {**scatter, **unroll},
+                "scatter",
+            )
+            variants[f"kernel, fused write, unroll {u}"] = (
+                "kernel",
+                {**fused, **unroll},
+                "scatter",
+            )
+    if args.ablate_variants:
+        keep = set(args.ablate_variants.split(";"))
+        variants = {k: v for k, v in variants.items() if k in keep}
     runs = {}
     for name, v in variants.items():
         kvs = random_kv(model, B, cap, dtype, seed=3)
@@ -407,10 +429,12 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
             runs[name] = [patched(dec, names), tokens, kv_states(kvs, lengths, ctx)]
         del kvs
     runs["floor"] = [floor_step(model), mx.zeros((B,), mx.int32), None]
-    times = time_interleaved(runs, args.warmup, args.steps, args.rounds)
-    print(f"ablation B={B} ctx={ctx} {layout}:")
+    spread: dict = {}
+    times = time_interleaved(runs, args.warmup, args.steps, args.rounds, spread)
+    print(f"ablation B={B} ctx={ctx} {layout} (median [min-max] of {args.rounds} rounds):")
     for name, t in times.items():
-        print(f"  {name:<48} {t * 1e3:8.2f} ms")
+        lo, hi = min(spread[name]) * 1e3, max(spread[name]) * 1e3
+        print(f"  {name:<48} {t * 1e3:8.2f} ms [{lo:.2f}-{hi:.2f}]")
     return {name: t * 1e3 for name, t in times.items()}
 
 
@@ -454,6 +478,11 @@ def main(argv=None):
         "--ablate",
         default="",
         help="cases B:ctx:layout,... to take apart (e.g. 1:2048:aligned,32:2048:ragged)",
+    )
+    p.add_argument(
+        "--ablate-variants",
+        default="",
+        help="only these ablation variants (names as printed, ';'-separated; floor always)",
     )
     p.add_argument("--out", default=None, help="folder for results.csv/json and the PNG")
     args = p.parse_args(argv)

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import mlx.core as mx
 
 from . import _buckets, _quantized, _shells, compiled, kernels
@@ -132,6 +133,12 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
     Not routed: sinks; dense and quantized reads of a model call that asked
     for a windowed mask (the kernel would need the window, which only the
     mask carries); shapes the kernel does not cover (``kernels.kernel_fits``).
+
+    In a compiled step, dense rows whose planes are small
+    (``kernels.decode_read(..., written=True)`` answers ``"fused"``):
+    ``kernels.write_and_read`` writes the new tokens in the read's launch, and
+    the layer's shell takes its planes in place of the scatter's (which the
+    compiled graph then drops).
     """
     if sinks is not None or not isinstance(cache, _shells.Shell):
         return None
@@ -163,6 +170,15 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
         return None if route == "stock" else read(mask)
     if kind is CacheState and isinstance(mask, mx.array) and kernels.kernel_fits(queries, keys):
         ends, left_pad = cache.positions()  # after the write
+        content = cache.content
+        if isinstance(content, compiled.Traced) and content.written:
+            if kernels.decode_read(queries.shape[2], queries, keys, written=True) == "fused":
+                (k0, v0), (kn, vn) = content.written
+                out, keys, values = kernels.write_and_read(
+                    queries, k0, v0, kn, vn, left_pad, ends, scale=scale
+                )
+                cache.content = attrs.evolve(content, planes=(keys, values), written=())
+                return out
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
     return None
 

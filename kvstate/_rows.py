@@ -716,7 +716,9 @@ def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v, ctx: compiled.
     planes = tuple([write(p, x) for p, x in zip(view.planes, new)])
     after = ctx.shared(("rows-after", N), (ends,), lambda: ends + N)
     held = with_planes(proto, planes)
-    return compiled.Traced(proto, planes, (after, lp), view.same_end), held.keys, held.values
+    written = (view.planes, new) if len(planes) == 2 else ()  # (dense planes: a fusable write)
+    after_view = compiled.Traced(proto, planes, (after, lp), view.same_end, written=written)
+    return after_view, held.keys, held.values
 
 
 @compiled.traced_mask.register

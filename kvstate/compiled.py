@@ -292,13 +292,16 @@ class Traced:
     """One record inside a compiled step: ``proto`` (its kind and static
     fields), ``planes`` (``[B, H, C, *]``, traced) and ``positions`` (int32
     ``[B]`` arrays, traced, as ``host_positions`` orders them); ``same_end``
-    from the spec."""
+    from the spec. ``written``: after a dense write of the last ``N`` columns,
+    ``(planes before the write, the written tokens)``, so that a read may do
+    the write itself (``kernels.write_and_read``); ``()`` otherwise."""
 
     proto: object
     planes: tuple
     positions: tuple
     same_end: bool = False
     held: tuple = ()
+    written: tuple = ()
 
     @classmethod
     def of(cls, flat, key: tuple) -> "Traced":

@@ -49,6 +49,7 @@ _SPLIT_BODY = r"""
     const int tid = threadIdx.x;
     const int g = tid / LPK;
     const int lane = tid % LPK;
+    COPY_BLOCKS
     const int sl = lp[b];
     const int plen_b = PLEN_B;
     const int hi = plen_b + (en[b] - sl) - (NQ - 1 - n);  // one past query n's last column
@@ -140,8 +141,7 @@ _SPLIT_BODY = r"""
         }
     };
     PREFIX_RUN
-    run(k + (size_t)bh * CAP * RS + lane * LS, v + (size_t)bh * CAP * RS + lane * LS,
-        sl - plen_b, max(start, plen_b), stop);
+    OWN_RUN
     #pragma unroll
     for (int r = 0; r < REP; ++r) {
         if (lane == 0) { sm_m[g][r] = m[r]; sm_l[g][r] = l[r]; }
@@ -162,6 +162,62 @@ _SPLIT_BODY = r"""
         }
         const size_t qrow = ((size_t)(b * HKV + h) * REP + r) * NQ + n;
         EPILOGUE
+    }
+"""
+
+_OWN_RUN = r"""
+    run(k + (size_t)bh * CAP * RS + lane * LS, v + (size_t)bh * CAP * RS + lane * LS,
+        sl - plen_b, max(start, plen_b), stop);
+"""
+
+# A write fused into the read (``write_and_read``): the last NQ columns of the row,
+# [en[b] - NQ, en[b]), are the new tokens kn/vn [B, H, NQ, D] (not yet in k/v), and
+# blocks S .. S + COPIES - 1 copy the planes into ko/vo with those columns written.
+_FUSED_RUN = r"""
+    const int hold = plen_b + (en[b] - NQ - sl);  // run columns before the new tokens
+    run(k + (size_t)bh * CAP * RS + lane * LS, v + (size_t)bh * CAP * RS + lane * LS,
+        sl - plen_b, max(start, plen_b), min(stop, hold));
+    run(kn + (size_t)bh * NQ * D + lane * ELEMS, vn + (size_t)bh * NQ * D + lane * ELEMS,
+        -hold, max(start, hold), stop);
+"""
+
+_COPY_BLOCKS = r"""
+    if (split >= S) {  // a copy block: columns [c0, c1) of row bh of the written planes
+        if (n != 0) return;
+        constexpr int VR = D / QE;  // 16-byte vectors per key row
+        constexpr int CU = 4;  // vectors per thread in flight
+        const int cchunk = (CAP + COPIES - 1) / COPIES;
+        const int c0 = (split - S) * cchunk;
+        const int c1 = min(c0 + cchunk, CAP);
+        const int w0 = en[b] - NQ;  // the first written column
+        const size_t base = (size_t)bh * CAP * D;
+        const int c_end = c1 * VR;
+        for (int i0 = c0 * VR + tid; i0 < c_end; i0 += NT * CU) {
+            uint4 kk[CU], vv[CU];  // CU vectors of each plane loaded before any is stored
+            #pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                const int i = i0 + u * NT;
+                const int w = i / VR - w0;
+                if (i >= c_end) {
+                } else if (w >= 0 && w < NQ) {
+                    const size_t at = ((size_t)bh * NQ + w) * D + (i % VR) * QE;
+                    kk[u] = *reinterpret_cast<const uint4*>(kn + at);
+                    vv[u] = *reinterpret_cast<const uint4*>(vn + at);
+                } else {
+                    kk[u] = *reinterpret_cast<const uint4*>(k + base + (size_t)i * QE);
+                    vv[u] = *reinterpret_cast<const uint4*>(v + base + (size_t)i * QE);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < CU; ++u) {
+                const int i = i0 + u * NT;
+                if (i < c_end) {
+                    *reinterpret_cast<uint4*>(ko + base + (size_t)i * QE) = kk[u];
+                    *reinterpret_cast<uint4*>(vo + base + (size_t)i * QE) = vv[u];
+                }
+            }
+        }
+        return;
     }
 """
 
@@ -223,8 +279,10 @@ _EPILOGUE_DIRECT = r"""
 """
 
 
-def _split_source(prefix: bool, direct: bool, quant: bool = False) -> str:
+def _split_source(prefix: bool, direct: bool, quant: bool = False, fused: bool = False) -> str:
     src = _SPLIT_BODY.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
+    src = src.replace("OWN_RUN", _FUSED_RUN if fused else _OWN_RUN)
+    src = src.replace("COPY_BLOCKS", _COPY_BLOCKS if fused else "")
     src = src.replace("PLEN_B", "plen[b]" if prefix else "0")
     for key, text in (_QUANT if quant else _PLAIN).items():
         src = src.replace(key, text)
@@ -251,12 +309,17 @@ _MERGE_SRC = r"""
 _kernels: dict = {}
 
 
-def _split_kernel(prefix: bool, direct: bool, quant: bool = False):
-    """The split pass (with a prefix source or not, over quantized planes or not;
-    partial results or, with one split, the output itself), built once per variant."""
-    key = ("split", prefix, direct, quant)
+def _split_kernel(prefix: bool, direct: bool, quant: bool = False, fused: bool = False):
+    """The split pass (with a prefix source or not, over quantized planes or not,
+    writing the new tokens' planes or not; partial results or, with one split,
+    the output itself), built once per variant."""
+    key = ("split", prefix, direct, quant, fused)
     if key not in _kernels:
         inputs = ["q", "k", "v", "lp", "en", "scale"]
+        outputs = ["out"] if direct else ["po", "pm", "pl"]
+        if fused:
+            inputs += ["kn", "vn"]
+            outputs += ["ko", "vo"]
         if prefix:
             inputs += ["pk", "pv", "prow", "pstart", "plen"]
         if quant:
@@ -265,10 +328,11 @@ def _split_kernel(prefix: bool, direct: bool, quant: bool = False):
             name="kvstate_ragged_decode"
             + ("_prefix" if prefix else "")
             + ("_q" if quant else "")
+            + ("_w" if fused else "")
             + ("_1" if direct else ""),
             input_names=inputs,
-            output_names=["out"] if direct else ["po", "pm", "pl"],
-            source=_split_source(prefix, direct, quant),
+            output_names=outputs,
+            source=_split_source(prefix, direct, quant, fused),
             header=_QUANT_HEADER,
         )
     return _kernels[key]
@@ -304,6 +368,12 @@ THREADS = 256
 #: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL;
 #: measured: 2 beat 1, 4 and 8 at 256 threads).
 UNROLL = 2
+#: Largest pair of planes (``2 * B * H * C * D`` bytes) whose write ``write_and_read``
+#: fuses into the read: the launch copies both planes whole, so it pays where the two
+#: launches it saves cost more than the copy (small batches; measured in ``notes/gpu.md``).
+FUSED_BYTES = 32 * 1024 * 1024
+#: Bytes of one plane that one copy block of ``write_and_read`` copies.
+COPY_BYTES = 32 * 1024
 #: Shared memory the split pass may use for its in-block combine (static limit).
 _SMEM = 48 * 1024
 
@@ -352,7 +422,9 @@ def kernel_fits(q, k) -> bool:
     )
 
 
-def decode_read(N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0) -> str:
+def decode_read(
+    N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0, written: bool = False
+) -> str:
     """THE choice of attention read over a fixed-capacity buffer (a compiled
     decode or verify step, or shared-prefix rows), in one place: ``"kernel"``
     (``ragged_attention``'s split-K kernel: only the valid columns, no mask)
@@ -372,10 +444,17 @@ def decode_read(N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0) -
     way: the kernel reads the packed planes where ``quantized_fits``; else the
     stock quantized read (``quantized_matmul``) under a mask.
 
+    With ``written`` (a compiled step whose last ``N`` columns were just
+    written by scatter, and the planes before that write are at hand),
+    ``"fused"`` where the kernel reads and the two planes together take at
+    most ``FUSED_BYTES``: ``write_and_read`` then does the write in the read's
+    launch (one launch per layer instead of three; it copies the planes whole).
+
     Args:
         N: queries per row.
         q, k: the arrays (for the shape check), when known.
         group_size, bits: a quantized ``k``'s format.
+        written: whether a fused write may be chosen (dense ``k`` only).
     """
     if q is None:
         fits = 1 <= N <= MAX_QUERIES
@@ -383,7 +462,11 @@ def decode_read(N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0) -
         fits = quantized_fits(q, k, group_size, bits)
     else:
         fits = kernel_fits(q, k)
-    return "kernel" if kernel_available() and fits else "masked"
+    if not (kernel_available() and fits):
+        return "masked"
+    if written and k is not None and not isinstance(k, tuple) and 2 * k.nbytes <= FUSED_BYTES:
+        return "fused"
+    return "kernel"
 
 
 def _prefix_fits(prefix, k) -> bool:
@@ -480,16 +563,81 @@ def ragged_attention(
         v,
         left_pad,
         ends,
-        scale,
-        window,
-        splits or splits_for(B, H, span, N),
-        threads,
-        unroll,
-        D * k.dtype.size // 16,
-        extra,
-        template,
-        prefix is not None,
-        False,
+        scale=scale,
+        window=window,
+        splits=splits or splits_for(B, H, span, N),
+        lanes=D * k.dtype.size // 16,
+        threads=threads,
+        unroll=unroll,
+        extra=extra,
+        template=template,
+        prefix=prefix is not None,
+    )
+
+
+def copies_for(C: int, D: int, itemsize: int) -> int:
+    """Copy blocks per (row, KV head) of ``write_and_read``: ``COPY_BYTES`` of a
+    plane row each (at least one, at most one per 16 columns)."""
+    return max(1, min(C // 16 or 1, -(-C * D * itemsize // COPY_BYTES)))
+
+
+def write_and_read(
+    q,
+    k,
+    v,
+    new_k,
+    new_v,
+    left_pad,
+    ends,
+    *,
+    scale: float,
+    window: int = 0,
+    splits: int = 0,
+    threads: int = 0,
+    unroll: int = 0,
+) -> tuple:
+    """Write ``N`` new tokens at each row's columns ``[ends - N, ends)`` and read
+    them with the rows: ``(out, keys, values)``, ``keys``/``values`` the planes
+    with the tokens written, ``out`` what ``ragged_attention(q, keys, values,
+    left_pad, ends, ...)`` gives.
+
+    ``q`` ``[B, Hq, N, D]``, ``k``/``v`` ``[B, H, C, D]`` the planes before the
+    write, ``new_k``/``new_v`` ``[B, H, N, D]``, ``ends`` the rows' ends after
+    the write (int32 ``[B]``; ``N <= ends - left_pad``, ``ends <= C``). On MLX's
+    CUDA backend, where ``decode_read`` fits, one launch: the read takes the
+    new columns from ``new_k``/``new_v``, and extra blocks copy ``k``/``v``
+    into fresh planes with those columns written (a custom kernel cannot
+    write its inputs in place, so the planes are copied whole: worth it
+    where the two scatter launches it saves cost more, ``FUSED_BYTES``).
+    Elsewhere, the compiled step's scatter write (``_rows.column_writer``)
+    and ``ragged_attention``.
+    """
+    from ._rows import column_writer
+
+    B, Hq, N, D = q.shape
+    H, C = k.shape[1], k.shape[2]
+    new_k, new_v = new_k.astype(k.dtype), new_v.astype(v.dtype)
+    if decode_read(N, q, k) != "kernel":
+        write = column_writer(ends - N, N)
+        keys, values = write(k, new_k), write(v, new_v)
+        out = ragged_attention(q, keys, values, left_pad, ends, scale=scale, window=window)
+        return out, keys, values
+    if q.dtype != k.dtype:
+        q = q.astype(k.dtype)
+    return _launch(
+        q,
+        k,
+        v,
+        left_pad,
+        ends,
+        scale=scale,
+        window=window,
+        splits=splits or splits_for(B, H, C, N),
+        lanes=D * k.dtype.size // 16,
+        threads=threads,
+        unroll=unroll,
+        new=(new_k, new_v),
+        copies=copies_for(C, D, k.dtype.size),
     )
 
 
@@ -499,27 +647,44 @@ def _launch(
     v,
     left_pad,
     ends,
-    scale,
-    window,
-    S,
-    threads,
-    unroll,
-    lanes,
-    extra,
-    template,
-    prefix,
-    quant,
+    *,
+    scale: float,
+    window: int,
+    splits: int,
+    lanes: int,
+    threads: int = 0,
+    unroll: int = 0,
+    extra: list | tuple = (),
+    template: list | tuple = (),
+    prefix: bool = False,
+    quant: bool = False,
+    new: tuple | None = None,
+    copies: int = 0,
 ):
-    """The split pass (and, for ``S > 1``, the merge) over ``k``/``v`` planes
-    ``[B, H, C, *]`` (dense, or packed with ``extra`` scales and biases)."""
+    """The split pass (and, for ``splits > 1``, the merge) over ``k``/``v`` planes
+    ``[B, H, C, *]`` (dense, or packed with ``extra`` scales and biases).
+
+    Args:
+        splits: key splits per (row, KV head, query); 1 is one launch.
+        lanes: threads that read one key row (16 bytes each).
+        extra, template: more inputs (a prefix's or the scales and biases) and
+            template constants of the variant.
+        prefix, quant: the variant (a prefix source; packed planes).
+        new: ``(kn, vn)`` ``[B, H, N, D]``: the tokens of the last ``N`` columns
+            ``[ends - N, ends)``, not yet in ``k``/``v``; the launch also returns
+            ``k``/``v`` with them written (``copies`` blocks per row and head copy).
+    """
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
     rep = Hq // H
     NT = threads or THREADS
     while NT > 64 and (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
         NT //= 2
+    S = splits
+    fused = new is not None
+    copies = copies if fused else 0
     launch = dict(
-        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32), *extra],
+        inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32), *(new or ()), *extra],
         template=[
             ("T", q.dtype),
             ("D", D),
@@ -532,20 +697,24 @@ def _launch(
             ("NT", NT),
             ("U", unroll or UNROLL),
             *([] if quant else [("QB", 0)]),
+            *([("COPIES", copies)] if fused else []),
             *template,
         ],
-        grid=(NT * S, B * H, N),
+        grid=(NT * (S + copies), B * H, N),
         threadgroup=(NT, 1, 1),
     )
+    planes = [k.shape, v.shape] if fused else []
     if S == 1:  # one split: the split pass writes the output (one launch)
-        (out,) = _split_kernel(prefix, True, quant)(
-            **launch, output_shapes=[(B, Hq, N, D)], output_dtypes=[q.dtype]
+        out, *written = _split_kernel(prefix, True, quant, fused)(
+            **launch,
+            output_shapes=[(B, Hq, N, D), *planes],
+            output_dtypes=[q.dtype] + [k.dtype] * len(planes),
         )
-        return out
-    po, pm, pl = _split_kernel(prefix, False, quant)(
+        return (out, *written) if fused else out
+    po, pm, pl, *written = _split_kernel(prefix, False, quant, fused)(
         **launch,
-        output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S), *planes],
+        output_dtypes=[mx.float32, mx.float32, mx.float32] + [k.dtype] * len(planes),
     )
     (out,) = _merge_kernel()(
         inputs=[po, pm, pl],
@@ -555,7 +724,7 @@ def _launch(
         output_shapes=[(B, Hq, N, D)],
         output_dtypes=[q.dtype],
     )
-    return out
+    return (out, *written) if fused else out
 
 
 #: Bits per element the quantized read takes (each packs evenly into 16-byte loads).
@@ -625,16 +794,15 @@ def quantized_attention(
         values[0],
         left_pad,
         ends,
-        scale,
-        window,
-        splits or splits_for(B, H, C, N),
-        threads,
-        unroll,
-        D * bits // 128,
-        [keys[1], keys[2], values[1], values[2]],
-        [("QB", bits), ("QGS", group_size)],
-        False,
-        True,
+        scale=scale,
+        window=window,
+        splits=splits or splits_for(B, H, C, N),
+        lanes=D * bits // 128,
+        threads=threads,
+        unroll=unroll,
+        extra=[keys[1], keys[2], values[1], values[2]],
+        template=[("QB", bits), ("QGS", group_size)],
+        quant=True,
     )
 
 

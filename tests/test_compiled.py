@@ -225,7 +225,14 @@ def test_kernel_mode_routes_dense_reads_without_a_mask(monkeypatch):
             calls.append(q.shape)
         return real(q, k, v, left_pad, ends, scale=scale)
 
+    real_fused = kernels.write_and_read
+
+    def spy_fused(q, *a, **kw):  # (CUDA, small planes: the write in the read's launch)
+        calls.append(q.shape)
+        return real_fused(q, *a, **kw)
+
     monkeypatch.setattr(kernels, "ragged_attention", spy)
+    monkeypatch.setattr(kernels, "write_and_read", spy_fused)
     kernel = br.Decoder(model, attention="kernel")
 
     def decode(tokens, states):

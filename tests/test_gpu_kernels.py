@@ -181,13 +181,17 @@ def test_kernel_decoder_equals_eager_steps(N):
     states = br.merge_rows(rows)
     decode = br.Decoder(model, attention="kernel")
     calls = []
-    real = kernels.ragged_attention
+    real, real_fused = kernels.ragged_attention, kernels.write_and_read
 
     def spy(*a, **kw):
         calls.append(a[0].shape)
         return real(*a, **kw)
 
-    kernels.ragged_attention = spy
+    def spy_fused(*a, **kw):  # small planes: the write in the read's launch
+        calls.append(a[0].shape)
+        return real_fused(*a, **kw)
+
+    kernels.ragged_attention, kernels.write_and_read = spy, spy_fused
     try:
         se = sc = states
         for t in range(3):
@@ -199,7 +203,7 @@ def test_kernel_decoder_equals_eager_steps(N):
             lc, sc = decode(tokens if N > 1 else tokens[:, 0], sc)
             assert mx.abs(le - lc).max().item() < 2e-3
     finally:
-        kernels.ragged_attention = real
+        kernels.ragged_attention, kernels.write_and_read = real, real_fused
     assert calls and all(shape[2] == N for shape in calls)
 
 

@@ -1,0 +1,125 @@
+"""The cache write fused into the decode read (``kernels.write_and_read``, issue 15).
+
+``write_and_read`` writes a step's new tokens and reads the rows in one launch on
+MLX's CUDA backend; elsewhere it is the compiled step's scatter write followed by
+``ragged_attention``. The first test runs everywhere (on the CPU it checks the
+fallback, on CUDA the kernel) against ``kv.append``'s record and the masked stock
+SDPA; the others need the kernel.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kvstate as kv
+from kvstate import kernels
+from kvstate import mlx_lm as br
+from kvstate.masks import rows_mask
+
+import tiny_models as tm
+
+cuda_only = pytest.mark.skipif(
+    not kernels.kernel_available(),
+    reason="needs MLX's CUDA backend (elsewhere decode_read never fuses the write)",
+)
+
+
+def _bytes(a):
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+def _rel(got, want):
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    return (mx.sqrt(((got - want) ** 2).sum()) / mx.sqrt((want**2).sum())).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("gqa,D", [(1, 64), (4, 128), (4, 64)])
+@pytest.mark.parametrize("N", [1, 3])
+@pytest.mark.parametrize("splits", [0, 4])
+def test_write_and_read_is_append_then_read(dtype, gqa, D, N, splits):
+    """Ragged and left-padded rows: the planes equal ``kv.append``'s byte for byte
+    (every column of the capacity, spare ones included), the read equals the
+    masked stock SDPA over them."""
+    B, H, C = 3, 2, 96
+    mx.random.seed(gqa * 10 + D + N + splits)
+    k0 = mx.random.normal((B, H, C, D)).astype(dtype)
+    v0 = mx.random.normal((B, H, C, D)).astype(dtype)
+    state = kv.from_arrays(k0, v0, lengths=[70, 33, 5], left_pad=[0, 20, 60], step=32)
+    kn = mx.random.normal((B, H, N, D)).astype(dtype)
+    vn = mx.random.normal((B, H, N, D)).astype(dtype)
+    q = mx.random.normal((B, H * gqa, N, D)).astype(dtype)
+    want_state = kv.append(state, kn, vn)
+    Cw = want_state.planes[0].shape[2]
+    pad = [(0, 0), (0, 0), (0, Cw - state.keys.shape[2]), (0, 0)]
+    k1, v1 = (mx.pad(p, pad) for p in (state.keys, state.values))  # (hidden columns cleared)
+    lp = mx.array(want_state.left_pad, mx.int32)
+    ends = mx.array(want_state.ends, mx.int32)
+    out, keys, values = kernels.write_and_read(
+        q, k1, v1, kn, vn, lp, ends, scale=D**-0.5, splits=splits
+    )
+    assert _bytes(keys) == _bytes(want_state.keys)
+    assert _bytes(values) == _bytes(want_state.values)
+    f = mx.float32
+    mask = rows_mask(N, want_state.left_pad, want_state.ends, Cw)
+    ref = mx.fast.scaled_dot_product_attention(
+        q.astype(f), keys.astype(f), values.astype(f), scale=D**-0.5, mask=mask
+    )
+    assert out.shape == q.shape and out.dtype == dtype
+    assert _rel(out, ref) < (1e-5 if dtype == mx.float32 else 2e-2)
+
+
+@cuda_only
+def test_decode_read_fuses_small_planes_only(monkeypatch):
+    q = mx.zeros((1, 4, 1, 64), mx.bfloat16)
+    k = mx.zeros((1, 2, 256, 64), mx.bfloat16)
+    assert kernels.decode_read(1, q, k, written=True) == "fused"
+    assert kernels.decode_read(1, q, k) == "kernel"  # no write at hand: a read alone
+    monkeypatch.setattr(kernels, "FUSED_BYTES", 2 * k.nbytes - 1)
+    assert kernels.decode_read(1, q, k, written=True) == "kernel"
+
+
+def _decode(model, states, steps, N):
+    decode = br.Decoder(model, attention="kernel")
+    logits = []
+    for t in range(steps):
+        tokens = mx.array([[(5 * b + t + i) % 50 + 1 for i in range(N)] for b in range(3)])
+        lg, states = decode(tokens if N > 1 else tokens[:, 0], states)
+        logits.append(lg)
+    return logits, states
+
+
+@cuda_only
+@pytest.mark.parametrize("N", [1, 4])
+def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
+    """The compiled Decoder with the write fused into the read gives the logits and
+    the records (every plane byte) of the same Decoder writing by scatter."""
+    model = tm.llama_model(layers=2)
+    rows = []
+    for i, n in enumerate([5, 17, 9]):
+        s = br.make_states(model, 1)
+        _, s = br.forward(model, mx.array([tm.prompt(30 + i, n)]), s)
+        rows.append(s)
+    states = br.merge_rows(rows)
+    calls = []
+    real = kernels.write_and_read
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kernels, "write_and_read", spy)
+    fused_logits, fused = _decode(model, states, 3, N)
+    assert calls and all(shape[2] == N for shape in calls)
+    monkeypatch.setattr(kernels, "FUSED_BYTES", 0)  # the scatter write, the same read
+    calls.clear()
+    plain_logits, plain = _decode(model, states, 3, N)
+    assert not calls
+    for a, b in zip(fused_logits, plain_logits):
+        assert mx.abs(a - b).max().item() < 1e-3
+    for a, b in zip(fused, plain):
+        assert a.lengths == b.lengths and a.left_pad == b.left_pad
+        for pa, pb in zip(a.planes, b.planes):
+            assert _bytes(pa) == _bytes(pb)
