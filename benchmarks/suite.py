@@ -282,7 +282,29 @@ def kernel_check(model, dtype, B=8, ctx=2048):
             err.max().item(),
             (mx.sqrt((err**2).sum() / (want**2).sum())).item(),
         )
+    out["write_and_read"] = fused_check(model, dtype, 32, ctx)
     return out
+
+
+def fused_check(model, dtype, B, ctx):
+    """``kernels.write_and_read`` at a step's size (B ragged rows, the suite's
+    capacity) against the compiled step's scatter and ``ragged_attention``:
+    ``(planes byte-equal, max |out - out|)``."""
+    a = model.args
+    mx.random.seed(2)
+    Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    C = round_up(ctx + 117, 256)
+    q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
+    k, v, kn, vn = (mx.random.normal((B, H, c, D)).astype(dtype) for c in (C, C, 1, 1))
+    lens = row_lengths(B, ctx, "ragged")
+    lp = mx.array([ctx - n for n in lens], mx.int32)
+    en = mx.array([ctx + 1] * B, mx.int32)
+    out, keys, values = kernels.write_and_read(q, k, v, kn, vn, lp, en, scale=D**-0.5)
+    write = _rows.column_writer(en - 1, 1)
+    wk, wv = write(k, kn), write(v, vn)
+    want = kernels.ragged_attention(q, wk, wv, lp, en, scale=D**-0.5)
+    same = mx.array_equal(keys, wk).item() and mx.array_equal(values, wv).item()
+    return same, mx.abs(out.astype(mx.float32) - want.astype(mx.float32)).max().item()
 
 
 def attention_micro(model, dtype, B, ctx, layout, reps=50, splits=(1, 16, 64)):
@@ -534,6 +556,7 @@ def main(argv=None):
             print("kernel check (max abs err, rel l2) vs masked SDPA in float32:", checks)
             low = checks[str(dtype).replace("mlx.core.", "")]
             bad = checks["float32"][1] > 1e-4 or low[1] > 2e-2
+            bad = bad or not checks["write_and_read"][0] or checks["write_and_read"][1] > 5e-2
             if bad:
                 print("kernel check FAILED: kernel rows skipped")
                 impls = [i for i in impls if i != "kernel"]

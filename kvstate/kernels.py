@@ -368,10 +368,12 @@ THREADS = 256
 #: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL;
 #: measured: 2 beat 1, 4 and 8 at 256 threads).
 UNROLL = 2
-#: Largest pair of planes (``2 * B * H * C * D`` bytes) whose write ``write_and_read``
-#: fuses into the read: the launch copies both planes whole, so it pays where the two
-#: launches it saves cost more than the copy (small batches; measured in ``notes/gpu.md``).
-FUSED_BYTES = 32 * 1024 * 1024
+#: Largest pair of planes (``2 * B * H * C * D * itemsize`` bytes) whose write
+#: ``write_and_read`` fuses into the read: the launch copies both planes whole, so it
+#: pays while the copy costs less than the two scatter launches it replaces (measured
+#: on the H200, ``notes/gpu.md``: a scatter costs 25-50 us whatever the capacity; fused
+#: won at pairs of 4, 17 and 151 MB, lost at 604 MB).
+FUSED_BYTES = 160 * 1024 * 1024
 #: Bytes of one plane that one copy block of ``write_and_read`` copies.
 COPY_BYTES = 32 * 1024
 #: Shared memory the split pass may use for its in-block combine (static limit).
