@@ -552,14 +552,8 @@ def ragged_attention(
             return _prefix_reference(q, k, v, left_pad, ends, prefix, scale)
         mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    if q.dtype != k.dtype:
-        q = q.astype(k.dtype)
     span = C + (prefix[0].shape[2] if prefix is not None else 0)
-    extra, template = [], []
-    if prefix is not None:
-        extra = list(prefix)
-        template = [("PCAP", prefix[0].shape[2])]
-    return _launch(
+    return _dense_launch(
         q,
         k,
         v,
@@ -568,13 +562,19 @@ def ragged_attention(
         scale=scale,
         window=window,
         splits=splits or splits_for(B, H, span, N),
-        lanes=D * k.dtype.size // 16,
         threads=threads,
         unroll=unroll,
-        extra=extra,
-        template=template,
+        extra=list(prefix) if prefix is not None else [],
+        template=[("PCAP", prefix[0].shape[2])] if prefix is not None else [],
         prefix=prefix is not None,
     )
+
+
+def _dense_launch(q, k, v, left_pad, ends, **variant):
+    """``_launch`` over dense planes (``q`` in their dtype; one lane per 16 bytes)."""
+    if q.dtype != k.dtype:
+        q = q.astype(k.dtype)
+    return _launch(q, k, v, left_pad, ends, lanes=q.shape[3] * k.dtype.size // 16, **variant)
 
 
 def copies_for(C: int, D: int, itemsize: int) -> int:
@@ -624,9 +624,7 @@ def write_and_read(
         keys, values = write(k, new_k), write(v, new_v)
         out = ragged_attention(q, keys, values, left_pad, ends, scale=scale, window=window)
         return out, keys, values
-    if q.dtype != k.dtype:
-        q = q.astype(k.dtype)
-    return _launch(
+    return _dense_launch(
         q,
         k,
         v,
@@ -635,7 +633,6 @@ def write_and_read(
         scale=scale,
         window=window,
         splits=splits or splits_for(B, H, C, N),
-        lanes=D * k.dtype.size // 16,
         threads=threads,
         unroll=unroll,
         new=(new_k, new_v),

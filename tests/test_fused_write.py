@@ -107,12 +107,7 @@ def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
 
         monkeypatch.setattr(kernels, "decode_read", route)
     model = tm.llama_model(layers=2)
-    rows = []
-    for i, n in enumerate([5, 17, 9]):
-        s = br.make_states(model, 1)
-        _, s = br.forward(model, mx.array([tm.prompt(30 + i, n)]), s)
-        rows.append(s)
-    states = br.merge_rows(rows)
+    states = tm.ragged_states(model, [5, 17, 9], seed=30)
     calls = []
     real = kernels.write_and_read
 

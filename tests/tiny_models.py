@@ -75,3 +75,16 @@ def gemma3_model(seed=2, layers=4, sliding_window=8):
 def prompt(seed, n):
     """``n`` token ids in [1, VOCAB), deterministic per seed."""
     return mx.random.randint(1, VOCAB, (n,), key=mx.random.key(seed)).tolist()
+
+
+def ragged_states(model, lens, seed=10):
+    """Ragged rows: prompts of ``lens`` tokens, each prefilled alone through the
+    bridge, merged into one batch of records (one per layer)."""
+    from kvstate import mlx_lm as br
+
+    rows = []
+    for i, n in enumerate(lens):
+        s = br.make_states(model, 1)
+        _, s = br.forward(model, mx.array([prompt(seed + i, n)]), s)
+        rows.append(s)
+    return br.merge_rows(rows)
