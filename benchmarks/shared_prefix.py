@@ -22,6 +22,7 @@ rows and sampling keys: compiled shared against compiled unshared.
     python benchmarks/shared_prefix.py --part model --rounds 5 --compiled
     python benchmarks/shared_prefix.py --part bytes     # peak KV bytes only, no forward
     python benchmarks/shared_prefix.py --part traces --tiny  # traces of the shared read under churn
+    python benchmarks/shared_prefix.py --part host --batch 1 32  # host time of a decode step
 
 ``--part traces``: a server's churn over rows sharing one prompt: every
 step one row leaves and a new one joins, reading a different number of the
@@ -29,11 +30,21 @@ prompt's tokens (as requests whose prompts match more or less of a cached
 prefix); counts the traces of the shared read (``shared.cascade_attention``
 calls: Python runs only while tracing) through the eager bridge and, where
 the compiled decoder takes shared rows, through it.
+
+``--part host``: the host time of one decode step of the real model (the
+Python and graph building before the device runs: nothing is evaluated),
+B rows reading a ``--prefix``-token prefix plus ``--suffix`` own tokens
+(random keys and values), shared against the same rows stored unshared,
+through the eager bridge (``kvstate.mlx_lm.step``) and the compiled decoder;
+for the compiled decoder also the part spent inside the compiled call (MLX
+replaying its trace; that graph differs between CPU and CUDA, the rest does
+not). Where a step is host-bound (a small model on a GPU) this is the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -50,6 +61,16 @@ def timed(fn, reps):
     for _ in range(reps):
         mx.eval(fn())
     return (time.perf_counter() - t) / reps
+
+
+def host_timed(fn, reps):
+    """Median seconds per call of ``fn``, nothing evaluated (host work only)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def spread(xs):
@@ -139,7 +160,7 @@ def attention_read(args, B):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--part", choices=["attention", "model", "bytes", "traces"], default="attention"
+        "--part", choices=["attention", "model", "bytes", "traces", "host"], default="attention"
     )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=20)
@@ -179,6 +200,8 @@ def main(argv=None):
         bytes_part(args)
     elif args.part == "traces":
         traces_part(args)
+    elif args.part == "host":
+        host_part(args)
     else:
         model_part(args)
 
@@ -395,6 +418,81 @@ def traces_part(args):
             print(f"{side:9s} shared-read traces (layer calls): {count[0]} over {steps} steps{why}")
         except kv.KVStateError as e:
             print(f"{side:9s} refused: {e}")
+
+
+def host_part(args):
+    """Host time of a decode step, shared against unshared (see the module)."""
+    model, name = load(args)
+    print(
+        f"# host time per decode step: {name}, device={mx.default_device()}, rounds={args.rounds}"
+    )
+    print("| B | step | shared ms | unshared ms | shared / unshared |")
+    print("|---|---|---|---|---|")
+    for B in args.batch:
+        res = host_rounds(model, args, B)
+        for step in ("eager", "compiled", "compiled call"):
+            a, b = res[(step, "shared")], res[(step, "unshared")]
+            print(f"| {B} | {step} | {spread(a)} | {spread(b)} | {ratio_spread(a, b)} |")
+
+
+def host_rounds(model, args, B) -> dict:
+    """{(step, side): seconds per round} of ``host_part`` for ``B`` rows."""
+    from kvstate import mlx_lm as bridge
+    from kvstate._decoder import Decoder
+
+    H = model.args.num_key_value_heads
+    D = model.args.hidden_size // model.args.num_attention_heads
+    dtype = getattr(mx, args.dtype)
+
+    def kv_rand(b, n):
+        return mx.random.normal((b, H, n, D)).astype(dtype)
+
+    base = [
+        kv.append(s, kv_rand(1, args.prefix), kv_rand(1, args.prefix))
+        for s in bridge.make_states(model, 1)
+    ]
+    own = [(kv_rand(B, args.suffix), kv_rand(B, args.suffix)) for _ in base]
+    rows = {
+        "shared": [kv.append(s, *o) for s, o in zip(kv.fork(base, 0, B - 1), own)],
+        "unshared": [kv.append(kv.filter_rows(s, [0] * B), *o) for s, o in zip(base, own)],
+    }
+    mx.eval(
+        [p for s in base for p in s.planes], [p for r in rows.values() for s in r for p in s.planes]
+    )
+    tok = mx.zeros((B,), mx.int32)
+    inside: list = []
+    decoders = {side: Decoder(model) for side in rows}
+    for side, d in decoders.items():
+        mx.eval(d(tok, rows[side])[0])  # the trace
+        ((key, fn),) = d._fns.items()
+        d._fns[key] = _timed_calls(fn, inside)
+    steps = {
+        "eager": lambda side: bridge.step(model, tok, rows[side]),
+        "compiled": lambda side: decoders[side](tok, rows[side]),
+    }
+    res: dict = {}
+    for _ in range(args.rounds):
+        for step, fn in steps.items():
+            for side in rows:
+                inside.clear()
+                res.setdefault((step, side), []).append(
+                    host_timed(functools.partial(fn, side), args.reps)
+                )
+                if step == "compiled":
+                    res.setdefault(("compiled call", side), []).append(statistics.median(inside))
+    return res
+
+
+def _timed_calls(fn, times: list):
+    """``fn``, appending the seconds of each call to ``times``."""
+
+    def call(*a):
+        t = time.perf_counter()
+        out = fn(*a)
+        times.append(time.perf_counter() - t)
+        return out
+
+    return call
 
 
 def bytes_part(args):
