@@ -543,7 +543,10 @@ def readable(state: SharedState) -> tuple:
     """The prefix records holding keys, in the order a read takes them: by shape
     (rows, capacity), so one set of shapes is one trace whatever order rows
     joined in (an empty record is read by no row: its rows' ``shared`` is 0)."""
-    return tuple(state.prefixes[i] for i in _read_order(_records_key(state)))
+    prefixes = state.prefixes
+    if len(prefixes) == 1:  # (forks of a prompt, a prefix cache entry: every decode step)
+        return prefixes if prefixes[0].planes else ()
+    return tuple(prefixes[i] for i in _read_order(_records_key(state)))
 
 
 def _records_key(state: SharedState) -> tuple:
