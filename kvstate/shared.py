@@ -800,13 +800,17 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
 
     The suffix is read over its whole capacity (a per-row mask built inside
     the read from the rows' ``left_pad``/``ends``, or none where the kernel
-    reads), and the read runs as one ``mx.compile``'d function per scale:
-    the rows' layout (which prefix row each reads, from which column, how
-    many tokens) goes in as int32 arrays (``view_arrays``), so the trace
-    depends only on the shapes (batch, queries, suffix capacity bucket, the
-    prefix records' shapes) and the number of prefix records: a decode loop
-    traces once per capacity bucket, and a fork, filter or admission that
-    keeps those shapes traces nothing (measured: ``notes/prefix.md``).
+    reads). A decode read (at most ``kernels.MAX_QUERIES`` queries per row)
+    runs as one ``mx.compile``'d function per scale: the rows' layout
+    (which prefix row each reads, from which column, how many tokens) goes
+    in as int32 arrays (``view_arrays``), so the trace depends only on the
+    shapes (batch, queries, suffix capacity bucket, the prefix records'
+    shapes) and the number of prefix records: a decode loop traces once per
+    capacity bucket, and a fork, filter or admission that keeps those
+    shapes traces nothing (measured: ``notes/prefix.md``). A wider read (a
+    prompt's uncached rest, prefilled over a cached prefix) runs the same
+    function uncompiled: its width is the request's, so a compiled read
+    would trace once per prompt length.
 
     ``layouts``: the forward's ``Layouts`` (its arrays are equal for every
     layer; default: built for this call).
@@ -814,7 +818,8 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
     if layouts is None:
         layouts = Layouts()
     suffix = state.suffix
-    fn = _compiled_read(float(scale))
+    scale = float(scale)
+    fn = _compiled_read(scale) if q.shape[2] <= kernels.MAX_QUERIES else _read_fn(scale)
     return fn(
         q,
         suffix.keys,
@@ -825,18 +830,28 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled_read(scale: float):
-    """The shared read for one softmax scale, compiled (shapes and the number of
-    prefix records are what it traces again for)."""
+def _read_fn(scale: float):
+    """The shared read for one softmax scale, over ``read``'s flat arguments."""
 
     def fn(q, suffix_k, suffix_v, left_pad, ends, *arrays):
-        _TRACES[0] += 1  # Python runs only while tracing
         views, prefix = arrays[:4], arrays[4:]
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
         return prefix_read(q, (suffix_k, suffix_v), left_pad, ends, pairs, views, scale=scale)
 
-    return mx.compile(fn)
+    return fn
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_read(scale: float):
+    """``_read_fn(scale)`` compiled (shapes and the number of prefix records are
+    what it traces again for; ``traces`` counts)."""
+    fn = _read_fn(scale)
+
+    def counted(*args):
+        _TRACES[0] += 1  # Python runs only while tracing
+        return fn(*args)
+
+    return mx.compile(counted)
 
 
 def dense_attend_reference(state: SharedState, q, *, scale: float):

@@ -225,3 +225,28 @@ def test_the_compiled_decoder_refuses_quantized_shared_rows_by_name():
     _, states = bridge.forward(model, mx.array([[1, 2, 3]]), states)
     with pytest.raises(kv.KVStateError, match="QuantizedState rows"):
         kv.compiled_decoder(model)(mx.array([1, 2]), kv.fork(states, 0, 1))
+
+
+def test_prefill_over_a_cached_prefix_traces_nothing_per_prompt_length():
+    """Requests whose prompts share a cached system prompt and differ in length
+    prefill their rest through the shared read uncompiled (its width is the
+    request's): no trace per prompt length (before: one per length). Only the
+    first-token step (one query per row) is compiled, once for its shapes; the
+    logits equal the request run alone from an empty cache."""
+    from kvstate import shared
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(3)
+    system = rng.integers(1, VOCAB, 40).tolist()
+    cache = PrefixCache(1 << 30)
+    prefill(model, [system + [7, 8]], cache)  # the system prompt is cached from here
+    before = shared.traces()
+    for width in (12, 17, 23, 30, 41):  # (rests of more than kernels.MAX_QUERIES tokens)
+        prompt = system + rng.integers(1, VOCAB, width).tolist()
+        logits, _, leases, ran = prefill(model, [prompt], cache)
+        assert ran == [width]  # the system prompt came from the cache
+        alone, _, _, _ = prefill(model, [prompt], None)
+        np.testing.assert_allclose(np.array(logits), np.array(alone), atol=2e-5, rtol=1e-5)
+        for lease in leases:
+            lease.release()
+    assert shared.traces() - before <= 1
