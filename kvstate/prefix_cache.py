@@ -32,13 +32,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from . import ops, persist
 from ._args import as_int
 from .errors import bad, check
 from .masks import Releasable
 from .records import CacheState, QuantizedState
-from .shared import SharedState, fork, held_bytes, materialize
+from .shared import SharedState, fork, held_records, materialize
 
 __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
 
@@ -61,19 +62,32 @@ def model_identity(path: str | os.PathLike) -> str:
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return _common(_ids(a), _ids(b))
+
+
+def _ids(tokens) -> np.ndarray:
+    return np.asarray(list(tokens), dtype=np.int64)
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """``common_prefix`` of two int64 arrays (compared vectorised: a lookup
+    compares a prompt with every entry)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
 class _Entry:
-    __slots__ = ("pins", "states", "tokens")
+    __slots__ = ("array", "pins", "states", "tokens")
 
     def __init__(self, tokens: tuple, states: list):
         self.tokens, self.states, self.pins = tokens, states, 0
+        self.array = _ids(tokens)  # (lookup compares vectorised)
+
+
+def _units(states) -> list:
+    """The records ``held_bytes`` counts once each for ``states``."""
+    return [x for s in states for x in held_records(s)]
 
 
 class PrefixLease(Releasable):
@@ -147,6 +161,8 @@ class PrefixCache:
             raise bad("identity", "a str (model_identity(path))", type(identity).__name__)
         self.max_bytes, self.identity = max_bytes, identity
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # oldest first
+        self._held: dict = {}  # id(record) -> [record, entries holding it]: bytes counted once
+        self._bytes = 0  # held_bytes(self.records()), kept as entries come and go
         self.peak_bytes = 0
         self.evictions = 0
 
@@ -162,8 +178,29 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the entries hold, each shared record counted once."""
-        return held_bytes(self.records())
+        """Bytes the entries hold, each shared record counted once
+        (``held_bytes(self.records())``, counted as entries come and go: an
+        insert costs its own records, not a walk over every entry)."""
+        return self._bytes
+
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.tokens] = entry
+        for x in _units(entry.states):
+            got = self._held.get(id(x))
+            if got is None:
+                self._held[id(x)] = [x, 1]
+                self._bytes += x.nbytes
+            else:
+                got[1] += 1
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._entries.pop(key)
+        for x in _units(entry.states):
+            got = self._held[id(x)]
+            got[1] -= 1
+            if not got[1]:
+                del self._held[id(x)]
+                self._bytes -= x.nbytes
 
     @property
     def pinned(self) -> int:
@@ -192,7 +229,7 @@ class PrefixCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
-        self._entries[key] = _Entry(key, [_compact(s) for s in states])
+        self._add(_Entry(key, [_compact(s) for s in states]))
         self._fit()
         return key in self._entries
 
@@ -207,11 +244,11 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> PrefixLease | None:
         """A lease on the entry sharing the longest prefix with ``tokens``
         (at most ``len(tokens) - 1`` tokens, at least ``min_tokens``), or ``None``."""
-        tokens = list(tokens)
-        limit = len(tokens) - 1
+        query = _ids(tokens)
+        limit = len(query) - 1
         best, best_n = None, 0
         for e in self._entries.values():
-            n = min(common_prefix(e.tokens, tokens), limit)
+            n = min(_common(e.array, query), limit)
             if n > best_n or (
                 n == best_n and best is not None and n and len(e.tokens) < len(best.tokens)
             ):
@@ -228,7 +265,7 @@ class PrefixCache:
             victim = next((k for k, e in self._entries.items() if not e.pins), None)
             if victim is None:
                 return  # everything left is pinned: rows read it
-            del self._entries[victim]
+            self._drop(victim)
             self.evictions += 1
             total = self.nbytes
 

@@ -135,11 +135,17 @@ def held_bytes(records) -> int:
     ``SharedState``s read it."""
     seen, total = set(), 0
     for r in records:
-        for x in (*r.prefixes, r.suffix) if isinstance(r, SharedState) else (r,):
+        for x in held_records(r):
             if id(x) not in seen:
                 seen.add(id(x))
                 total += x.nbytes
     return total
+
+
+def held_records(record) -> tuple:
+    """The records whose bytes ``record`` holds: a ``SharedState``'s prefixes
+    and suffix (each counted once however many hold it), any other record itself."""
+    return (*record.prefixes, record.suffix) if isinstance(record, SharedState) else (record,)
 
 
 @validate.register

@@ -106,6 +106,31 @@ def test_entries_sharing_a_prefix_count_its_bytes_once(rng):
     assert cache.nbytes == sum(s.nbytes for s in base) + own
 
 
+def test_byte_count_follows_inserts_and_evictions(rng):
+    """``nbytes`` (kept as entries come and go) always equals ``held_bytes``
+    over every record the entries hold, shared records counted once, through
+    inserts of dense and shared entries, leases and budget evictions."""
+    from kvstate.shared import held_bytes
+
+    sizes = [3, 8, 5, 12, 8, 2, 9, 6, 4, 10, 7, 11]
+    one = sum(s.nbytes for s in entry(rng, 8)[0])
+    cache, shared = PrefixCache(3 * one), 0
+    for i, n in enumerate(sizes):
+        tokens = [i % 3] * 4 + [100 + i] * (n - 4) if n > 4 else [i % 3] * n
+        hit = cache.lookup(tokens + [7])
+        if hit is not None and hit.matched < n:  # a longer entry built on the leased rows
+            extra = mx.array(rand(rng, 1, H, n - hit.matched, D))
+            cache.insert(tokens, [kv.append(s, extra, extra) for s in hit.states])
+            shared += 1
+        elif hit is None:
+            cache.insert(tokens, entry(rng, n)[0])
+        if hit is not None:
+            hit.release()
+        assert cache.nbytes == held_bytes(cache.records())
+        assert cache.nbytes <= cache.max_bytes or cache.pinned
+    assert cache.evictions > 0 and shared > 0
+
+
 def test_save_load_round_trip_and_identity(rng, tmp_path):
     a, a_rows = entry(rng, 5)
     cache = PrefixCache(1 << 20, identity="model-a")
