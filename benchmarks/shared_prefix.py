@@ -23,6 +23,7 @@ rows and sampling keys: compiled shared against compiled unshared.
     python benchmarks/shared_prefix.py --part bytes     # peak KV bytes only, no forward
     python benchmarks/shared_prefix.py --part traces --tiny  # traces of the shared read under churn
     python benchmarks/shared_prefix.py --part host --batch 1 32  # host time of a decode step
+    python benchmarks/shared_prefix.py --part cache --tiny --requests 64  # prefill host vs entries
 
 ``--part traces``: a server's churn over rows sharing one prompt: every
 step one row leaves and a new one joins, reading a different number of the
@@ -39,6 +40,11 @@ through the eager bridge (``kvstate.mlx_lm.step``) and the compiled decoder;
 for the compiled decoder also the part spent inside the compiled call (MLX
 replaying its trace; that graph differs between CPU and CUDA, the rest does
 not). Where a step is host-bound (a small model on a GPU) this is the step.
+
+``--part cache``: the host time of ``prefix_cache.prefill`` per request
+(before its evaluation) as the cache fills, ``--requests`` requests of
+``--system`` + ``--user`` tokens sharing the system prompt (``--tiny``:
+a random 30-layer llama, the real model's layer count).
 """
 
 from __future__ import annotations
@@ -160,7 +166,9 @@ def attention_read(args, B):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--part", choices=["attention", "model", "bytes", "traces", "host"], default="attention"
+        "--part",
+        choices=["attention", "model", "bytes", "traces", "host", "cache"],
+        default="attention",
     )
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=20)
@@ -202,6 +210,8 @@ def main(argv=None):
         traces_part(args)
     elif args.part == "host":
         host_part(args)
+    elif args.part == "cache":
+        cache_part(args)
     else:
         model_part(args)
 
@@ -418,6 +428,35 @@ def traces_part(args):
             print(f"{side:9s} shared-read traces (layer calls): {count[0]} over {steps} steps{why}")
         except kv.KVStateError as e:
             print(f"{side:9s} refused: {e}")
+
+
+def cache_part(args):
+    """Host time of each cached request's prefill as the cache fills (see the module)."""
+    from kvstate.prefix_cache import PrefixCache, prefill
+
+    if args.tiny:
+        from kvstate.models import tiny_llama
+
+        model, name = tiny_llama(0, layers=30), "tiny llama, 30 layers (random weights)"
+    else:
+        model, name = load(args)
+    rng = np.random.default_rng(0)
+    vocab = model.args.vocab_size
+    system = tokens(rng, args.system, vocab)
+    cache, times = PrefixCache(1 << 40), []
+    for _ in range(args.requests):
+        t = time.perf_counter()
+        logits, _, _, _ = prefill(model, [system + tokens(rng, args.user, vocab)], cache)
+        times.append(time.perf_counter() - t)
+        mx.eval(logits)
+    at = sorted({1, 2, 3, 4, len(times) // 4, len(times) // 2, 3 * len(times) // 4, len(times) - 1})
+    print(
+        f"# prefill host ms per request (nothing evaluated), {name}, "
+        f"{len(cache)} entries at the end"
+    )
+    print("| request | " + " | ".join(str(i + 1) for i in at) + " |")
+    print("|---|" + "---|" * len(at))
+    print("| host ms | " + " | ".join(f"{times[i] * 1e3:.1f}" for i in at) + " |")
 
 
 def host_part(args):
