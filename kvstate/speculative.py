@@ -55,6 +55,57 @@ Drafter = Union[Lookup, DraftModel, None]  # what proposes each round's drafts
 Forward = Callable  # (tokens [B, N], states) -> (logits [B, N, V], states)
 
 
+class _Read:
+    """A plain round's next tokens ``[B]``: read to the host once, when first needed.
+
+    A plain round does not wait for the device inside ``step``: the caller drops
+    the round's input records first (``spec, r = step(model, spec)``), so the
+    device appends to them in place, as in a plain decode loop (waiting inside
+    ``step`` would make every layer's append copy its record: ~0.5 ms a round on
+    the H200 at B = 1). The tokens are read when ``Round.emitted`` or
+    ``Speculation.context`` is, or by the next ``step``, whichever comes first;
+    ``seconds`` is then the round's wall time (its start to the tokens read).
+    """
+
+    __slots__ = ("tokens", "start", "B", "_host", "seconds")
+
+    def __init__(self, tokens: mx.array, start: float, B: int):
+        self.tokens, self.start, self.B = tokens, start, B
+        self._host: tuple | None = None
+        self.seconds = 0.0
+
+    def host(self) -> tuple:
+        """The tokens as ints (the round's one sync, the first time)."""
+        if self._host is None:
+            mx.eval(self.tokens)
+            self._host = tuple(cast(list, self.tokens.tolist()))
+            self.seconds = time.perf_counter() - self.start
+        return self._host
+
+
+class _Context:
+    """Rows' contexts whose last token (a plain round's) is not read yet: a
+    ``Speculation.context`` that reads it (``_Read``) when first looked at."""
+
+    __slots__ = ("before", "read", "_rows")
+
+    def __init__(self, before: tuple, read: _Read):
+        self.before, self.read = before, read
+        self._rows: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self.before)
+
+    def rows(self) -> tuple:
+        if self._rows is None:
+            self._rows = tuple(c + (t,) for c, t in zip(self.before, self.read.host()))
+        return self._rows
+
+
+def _contexts(c) -> tuple | _Context:
+    return c if isinstance(c, _Context) else tuple(tuple(r) for r in c)
+
+
 @attrs.frozen
 class Speculation:
     """A batch of rows in flight (data only; ``step``, ``join``, ``leave`` make new ones).
@@ -75,10 +126,12 @@ class Speculation:
         seen: per row, its decayed ``(accepted, tried)`` drafts (``Window.alpha``).
         draft_lag: per row, context tokens the draft model has not been fed
             (plain rounds do not run it; the next drafting round feeds them).
+        unrecorded: the last round when it was a plain round whose cost the
+            window rule has not recorded yet (the next ``step`` records it).
     """
 
     batch: Batch
-    context: tuple = attrs.field(converter=lambda c: tuple(tuple(r) for r in c))
+    _context: tuple | _Context = attrs.field(alias="context", converter=_contexts)
     num_draft: tuple = attrs.field(converter=_tuple)
     max_draft: tuple = attrs.field(converter=_tuple)
     draft_states: tuple | None = attrs.field(
@@ -86,17 +139,26 @@ class Speculation:
     )
     window: Window | None = None
     seen: tuple = attrs.field(
-        default=attrs.Factory(lambda self: ((0.0, 0.0),) * len(self.context), takes_self=True),
+        default=attrs.Factory(lambda self: ((0.0, 0.0),) * len(self._context), takes_self=True),
         converter=lambda s: tuple(tuple(x) for x in s),
     )
     draft_lag: tuple = attrs.field(
-        default=attrs.Factory(lambda self: (0,) * len(self.context), takes_self=True),
+        default=attrs.Factory(lambda self: (0,) * len(self._context), takes_self=True),
         converter=_tuple,
     )
 
+    unrecorded: _Read | None = attrs.field(default=None, eq=False, repr=False)
+
+    @property
+    def context(self) -> tuple:
+        """Per row, every token so far (prompt, then output): a plain round's
+        last token is read from the device here if nothing read it yet."""
+        c = self._context
+        return c if isinstance(c, tuple) else c.rows()
+
     @property
     def batch_size(self) -> int:
-        return len(self.context)
+        return len(self._context)
 
     states = forwarded("batch.states", "The target's records.")
 
@@ -105,10 +167,17 @@ class Speculation:
 class Round:
     """What one round did, per row: tokens emitted, drafted and accepted."""
 
-    emitted: tuple
+    _emitted: tuple | _Read = attrs.field(alias="emitted")
     drafted: tuple
     accepted: tuple
     width: int  # the verify window (1 + the longest draft)
+
+    @property
+    def emitted(self) -> tuple:
+        """Per row, the tokens the round emitted (a plain round's are read here
+        from the device if nothing read them yet)."""
+        e = self._emitted
+        return e if isinstance(e, tuple) else tuple((t,) for t in e.host())
 
 
 # --- distributions and the acceptance rules ------------------------------------------
@@ -285,7 +354,7 @@ def join(spec: Speculation, other: Speculation) -> Speculation:
     """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records).
 
     The batch keeps ``spec``'s window rule and measured costs (``other``'s when
-    ``spec`` has none)."""
+    ``spec`` has none) and ``spec``'s last round still to record."""
     check(
         (spec.draft_states is None) == (other.draft_states is None),
         "other.draft_states",
@@ -304,6 +373,7 @@ def join(spec: Speculation, other: Speculation) -> Speculation:
         spec.window if spec.window is not None else other.window,
         spec.seen + other.seen,
         spec.draft_lag + other.draft_lag,
+        spec.unrecorded,  # its own B: recorded by the next step as measured
     )
 
 
@@ -326,6 +396,7 @@ def leave(spec: Speculation, rows: PerRowInts) -> Speculation:
         spec.window,
         pick(spec.seen),
         pick(spec.draft_lag),
+        spec.unrecorded,
     )
 
 
@@ -403,16 +474,16 @@ def _settle_model(drafter: DraftModel, states, anchors, drafts, accepted):
     return [ops.commit(s, a, keep) for s, a in zip(states, anchors)]
 
 
-def _asked(spec: Speculation, drafter, alphas) -> tuple:
+def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
     """Each row's draft request before drafting: its adapted ``num_draft``
     without a window rule; with one, ``min(max_draft, W - 1)`` for the width
     the rule picks when every row had its whole limit at hand (a bound:
     ``W = 1`` means no row drafts and the round is a plain step)."""
     if drafter is None:
         return (0,) * spec.batch_size
-    if spec.window is None:
+    if rule is None:
         return spec.num_draft
-    bound = spec.window.choose(spec.batch_size, alphas, spec.max_draft)
+    bound = rule.choose(spec.batch_size, alphas, spec.max_draft)
     return tuple(min(m, bound - 1) for m in spec.max_draft)
 
 
@@ -446,7 +517,10 @@ def step(
     which no row drafts is a plain decode step, operation for operation (tested
     on the device graph): one forward of ``[B, 1]`` and the argmax (or, with
     sampled rows, ``kv.sample_arrays``, as ``kvstate.mlx_lm.advance``); no
-    lookup, checkpoint, rollback or draft-model step.
+    lookup, checkpoint, rollback or draft-model step; and it does not wait for
+    the device: its tokens are read when ``Round.emitted``, ``spec.context`` or
+    the next ``step`` first needs them, after the caller dropped ``spec`` (so
+    the records' appends write in place, as in a plain decode loop).
 
     Args:
         target: the mlx-lm model (for the default ``forward``).
@@ -460,7 +534,6 @@ def step(
         ``(new_spec, Round)``: the rows after the round, and per row the
         emitted tokens (the accepted drafts, then the target's token).
     """
-    t0 = time.perf_counter()
     drafter = validate_drafter(drafter)
     if not isinstance(spec, Speculation):
         raise bad(
@@ -476,9 +549,15 @@ def step(
     )
     forward = forward or eager(target)
     batch, B, rule = spec.batch, spec.batch_size, spec.window
+    last = spec.unrecorded
+    if last is not None:  # the last (plain) round: its tokens read now if nothing read them
+        last.host()
+        if rule is not None:
+            rule = rule.record(last.B, 1, last.seconds)
+    t0 = time.perf_counter()
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
-    asked = _asked(spec, drafter, alphas)
+    asked = _asked(spec, drafter, rule, alphas)
     Kmax = max(asked) if is_model else 0
     params = sampling_arrays(batch) if sampled else None
 
@@ -513,9 +592,7 @@ def step(
     logits, states = forward(window, list(batch.states))
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         pending, carry = _plain_next(logits[:, -1, :], batch.keys, params)
-        mx.eval(pending)  # the round's one sync, as the other widths' (timed by benchmarks)
-        nxt, accepted = tuple(cast(list, pending.tolist())), (0,) * B
-        drafts = host if host is not None else [[]] * B
+        read, accepted = _Read(pending, t0, B), (0,) * B  # read after the caller drops spec
     elif not sampled:
         target_tokens = mx.argmax(logits, axis=-1)
         mx.eval(target_tokens, *([drafts_dev] if host is None else []))
@@ -550,7 +627,6 @@ def step(
         lag = (0,) * B
     elif is_model:  # a plain round: the draft model catches up when it next drafts
         lag = tuple(n + 1 for n in lag)
-    emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
     num_draft, seen = spec.num_draft, spec.seen
     if rule is None:
         num_draft = tuple(
@@ -570,18 +646,25 @@ def step(
     batch = derived(batch, states=tuple(states), tokens=pending, keys=carry)
     if draft_states is not None:
         draft_states = tuple(draft_states)
-    context = tuple(c + e for c, e in zip(spec.context, emitted))
-    if rule is not None:
-        rule = rule.record(B, 1 + K, time.perf_counter() - t0)
+    emitted: tuple | _Read
+    context: tuple | _Context
+    if K == 0:  # read later (``_Read``); the next step records its cost
+        emitted, context, unrecorded = read, _Context(spec.context, read), read
+    else:
+        emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
+        context, unrecorded = tuple(c + e for c, e in zip(spec.context, emitted)), None
+        if rule is not None:
+            rule = rule.record(B, 1 + K, time.perf_counter() - t0)
     new = derived(
         spec,
         batch=batch,
-        context=context,
+        _context=context,
         num_draft=num_draft,
         draft_states=draft_states,
         window=rule,
         seen=seen,
         draft_lag=lag,
+        unrecorded=unrecorded,
     )
     return new, Round(emitted, counts, accepted, 1 + K)
 

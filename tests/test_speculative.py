@@ -477,12 +477,15 @@ def record_arrays(states):
 
 
 @pytest.mark.parametrize("case", ["no drafter", "lookup", "draft model", "sampled"])
-def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, case):
+def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, monkeypatch, case):
     """A round of width 1 builds the same device graph as a plain decode step
     (``kvstate.mlx_lm.step`` and an argmax; for a batch with sampled rows,
     ``kvstate.mlx_lm.advance``): the same primitives, nothing more (no key split
-    for greedy rows, no draft-model step, no checkpoint), and the same tokens and
-    keys. Checked over rounds, from the same records each time."""
+    for greedy rows, no draft-model step, no checkpoint), and does not wait for
+    the device: its tokens are read once, after the caller has dropped the
+    round's input records (so the appends can write in place), by whoever reads
+    first (``Round.emitted``, ``Speculation.context`` or the next ``step``).
+    Same tokens and keys. Checked over rounds, from the same records each time."""
     prompts = [repetitive(41, 10, 3), repetitive(42, 7, 2), repetitive(43, 12, 4)]
     drafter = {"lookup": Lookup(), "sampled": Lookup(), "draft model": None}.get(case)
     if case == "draft model":
@@ -496,7 +499,10 @@ def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, case):
         sampling=sampling if case == "sampled" else None,
         seeds=[5, 6, 7],
     )
-    for _ in range(3):
+    syncs = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: syncs.append(1) or real_eval(*a))
+    for i in range(3):
         mx.eval(spec.batch.tokens, spec.batch.keys, record_arrays(spec.states))
         if case == "sampled":
             plain_batch = br.advance(llama, spec.batch)
@@ -504,18 +510,45 @@ def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, case):
         else:
             logits, states = br.step(llama, spec.batch.tokens, list(spec.states))
             want, keys = mx.argmax(logits, axis=-1), spec.batch.keys
-        want.tolist()  # the plain loop's one sync
+        syncs.clear()
         new, r = sp.step(llama, spec, drafter=drafter)
-        assert r.width == 1
+        assert r.width == 1 and syncs == []  # nothing waited for
         got = graph_ops(new.batch.tokens, new.batch.keys, *record_arrays(new.states))
         assert got == graph_ops(want, keys, *record_arrays(states))
-        assert new.batch.tokens.tolist() == want.tolist()
-        assert new.batch.keys.tolist() == keys.tolist()
         if case != "sampled":
             assert new.batch.keys is spec.batch.keys  # greedy rows: no key split
         if case == "draft model":
             assert new.draft_states == spec.draft_states  # not run: it catches up later
         spec = new
+        first = r.emitted if i % 2 else spec.context  # whichever is read first syncs once
+        assert len(syncs) == 1 and r.emitted == tuple((t,) for t in want.tolist())
+        assert [c[-1] for c in spec.context] == want.tolist() and len(syncs) == 1
+        assert first is not None and new.batch.keys.tolist() == keys.tolist()
+
+
+def test_a_plain_rounds_cost_is_timed_until_its_tokens_are_read(llama, monkeypatch):
+    """A fake clock: a plain round is timed from its start to its tokens read
+    (by the caller, or else by the next ``step``), and the next ``step``
+    records it in the window rule; a row leaving keeps the measurement."""
+    now = [10.0]
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    never = sp.Window(samples=1, discard=0, margin=float("inf"))
+    prompts = [repetitive(51, 9, 3), repetitive(52, 8, 2)]
+    spec, r = sp.step(
+        llama, sp.start(llama, prompts, drafter=Lookup(), window=never), drafter=Lookup()
+    )
+    assert spec.unrecorded is not None and spec.window.rounds == {}
+    now[0] = 10.25
+    assert len(r.emitted) == 2  # the caller reads the tokens: the round took 0.25 s
+    now[0] = 20.0
+    spec, r = sp.step(llama, spec, drafter=Lookup())
+    assert spec.window.measured(2, 1) == 0.25
+    now[0] = 21.0  # nobody reads: the next step does, 1 s after the round began
+    spec = sp.leave(spec, [1])
+    now[0] = 30.0
+    spec, _ = sp.step(llama, spec, drafter=Lookup())
+    assert spec.window.costs[(2, 1)].seconds == (0.25, 1.0)  # the round of B = 2
+    assert spec.batch_size == 1 and spec.unrecorded.start == 30.0
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma"])
