@@ -117,9 +117,11 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     batch = sp.start(model, prompts, drafter=drafter, num_draft=k, **kw)
     mx.eval(batch.states, batch.draft_states)  # both prefills done before the clock
     drafted = accepted = rounds = plain = 0
+    made = [1] * len(prompts)  # tokens per row so far (the first came with the prefill)
     t0 = time.perf_counter()
-    while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T:
+    while min(made) < T:
         batch, r = sp.step(model, batch, drafter=drafter)
+        made = [n + len(e) for n, e in zip(made, r.emitted)]  # the round's read, as plain's
         drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
         plain += r.width == 1
     dt = time.perf_counter() - t0

@@ -573,7 +573,8 @@ def step(
         )
         found = counts = asked
     else:
-        host = _propose_lookup(spec, drafter, asked) if isinstance(drafter, Lookup) else [[]] * B
+        lookups = isinstance(drafter, Lookup) and any(asked)
+        host = _propose_lookup(spec, drafter, asked) if lookups else [[]] * B
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
             host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
