@@ -636,6 +636,8 @@ class Scheduler:
             for job in {job for job, _ in payload}:
                 if len(job.cancelled) == job.n:
                     job.release()
+            if not keep:  # the batch empties: the rule keeps its last round's cost
+                self.window = speculative.recorded(self.spec)
             self.spec = speculative.leave(self.spec, keep) if keep else None
 
 

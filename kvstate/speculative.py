@@ -487,6 +487,17 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
     return tuple(min(m, bound - 1) for m in spec.max_draft)
 
 
+def recorded(spec: Speculation) -> Window | None:
+    """``spec``'s window rule with its last round's cost recorded when that was a
+    plain round not recorded yet (its tokens read now if nothing read them): what a
+    caller keeps when the rows stop (``step`` does this first)."""
+    rule, last = spec.window, spec.unrecorded
+    if last is None:
+        return rule
+    last.host()
+    return None if rule is None else rule.record(last.B, 1, last.seconds)
+
+
 def _round_keys(keys: mx.array, K: int) -> tuple:
     """``(round_keys [B, K + 2, 2], carry [B, 2])`` for a round that drafts: each row's
     key split (``split_keys``), its ``use`` half split into the round's ``K + 2`` keys
@@ -548,12 +559,7 @@ def step(
         type(drafter).__name__,
     )
     forward = forward or eager(target)
-    batch, B, rule = spec.batch, spec.batch_size, spec.window
-    last = spec.unrecorded
-    if last is not None:  # the last (plain) round: its tokens read now if nothing read them
-        last.host()
-        if rule is not None:
-            rule = rule.record(last.B, 1, last.seconds)
+    batch, B, rule = spec.batch, spec.batch_size, recorded(spec)
     t0 = time.perf_counter()
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
@@ -561,7 +567,8 @@ def step(
     Kmax = max(asked) if is_model else 0
     params = sampling_arrays(batch) if sampled else None
 
-    q = host = round_keys = None
+    q = round_keys = None
+    host: list | None = None
     carry = batch.keys  # greedy rows: nothing draws from the keys
     if draft_model is not None and Kmax:
         if sampled:
@@ -573,8 +580,9 @@ def step(
         )
         found = counts = asked
     else:
-        lookups = isinstance(drafter, Lookup) and any(asked)
-        host = _propose_lookup(spec, drafter, asked) if lookups else [[]] * B
+        host = [[]] * B  # no row asks: the context is not read
+        if isinstance(drafter, Lookup) and any(asked):
+            host = _propose_lookup(spec, drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
             host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
@@ -685,6 +693,7 @@ __all__ = [
     "leave",
     "next_num_draft",
     "probabilities",
+    "recorded",
     "start",
     "step",
 ]

@@ -528,8 +528,9 @@ def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, monkeypatch,
 
 def test_a_plain_rounds_cost_is_timed_until_its_tokens_are_read(llama, monkeypatch):
     """A fake clock: a plain round is timed from its start to its tokens read
-    (by the caller, or else by the next ``step``), and the next ``step``
-    records it in the window rule; a row leaving keeps the measurement."""
+    (by the caller, or else by the next ``step``), and the next ``step`` (or
+    ``recorded``, when the rows stop) records it in the window rule; a row
+    leaving keeps the measurement."""
     now = [10.0]
     monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
     never = sp.Window(samples=1, discard=0, margin=float("inf"))
@@ -549,6 +550,8 @@ def test_a_plain_rounds_cost_is_timed_until_its_tokens_are_read(llama, monkeypat
     spec, _ = sp.step(llama, spec, drafter=Lookup())
     assert spec.window.costs[(2, 1)].seconds == (0.25, 1.0)  # the round of B = 2
     assert spec.batch_size == 1 and spec.unrecorded.start == 30.0
+    now[0] = 30.5  # the rows stop here: recorded() reads and records the last round
+    assert sp.recorded(spec).costs[(1, 1)].seconds == (0.5,)
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma"])
