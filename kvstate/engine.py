@@ -389,6 +389,14 @@ class MlxLmEngine:
         self.peak_bytes = 0
 
 
+def _read_later(r):
+    """A round's emitted tokens per row, read when first iterated: after ``serve``
+    has dropped the old batch, so that a plain round's appends write in place
+    (``kvstate.speculative._Read``)."""
+    for e in r.emitted:
+        yield list(e)
+
+
 class SpeculativeEngine:
     """Rows speculate (``kvstate.speculative``): each round drafts, verifies every
     row's window in one target forward and emits each row's accepted tokens.
@@ -462,7 +470,7 @@ class SpeculativeEngine:
         self.window = spec.window
         self.drafted += sum(r.drafted)
         self.accepted += sum(r.accepted)
-        return [list(e) for e in r.emitted], spec, spec.batch.keys
+        return _read_later(r), spec, spec.batch.keys
 
     def nbytes(self, spec):
         held = sum(s.nbytes for s in spec.states) + sum(s.nbytes for s in (spec.draft_states or ()))
