@@ -70,9 +70,10 @@ def rounds_spec(model, prompts, n, window, profile=None):
         if profile is not None:
             profile.enable()
         spec, r = sp.step(model, spec, drafter=Lookup())
+        made = len(r.emitted)  # read, as a plain loop's tolist (after spec is rebound)
         if profile is not None:
             profile.disable()
-        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, r.width))
+        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, r.width, made))
     return out
 
 
