@@ -15,6 +15,7 @@ rounds through ``speculative.step`` with a window rule that never widens
 run); prompt lookup without a rule (k <= 4); the cost-aware window.
 
     python benchmarks/speculative_host.py --batch 8 --rounds 40
+    python benchmarks/speculative_host.py --model tiny --batch 8 --rounds 60 --repeat 3 --plain-only
 """
 
 from __future__ import annotations
@@ -101,12 +102,24 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="plain step / plain round pairs")
     ap.add_argument("--plain-only", action="store_true", help="only the plain step / round pairs")
+    ap.add_argument("--tiny-layers", type=int, default=8, help="--model tiny: its layers")
+    ap.add_argument("--prompt-tokens", type=int, default=300, help="--model tiny: prompt length")
     args = ap.parse_args(argv)
-    model, tok = bench.load(args.model, not args.quantized)
-    texts = bench.KINDS[args.kind]
-    prompts = [
-        tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(args.batch)
-    ]
+    if args.model == "tiny":  # kvstate's tiny llama, random weights: host work shows more
+        from kvstate.models import tiny_llama
+
+        model = tiny_llama(0, layers=args.tiny_layers)
+        prompts = [
+            [(7 * b + 3 * (i % 40)) % 500 + 1 for i in range(args.prompt_tokens)]
+            for b in range(args.batch)
+        ]
+    else:
+        model, tok = bench.load(args.model, not args.quantized)
+        texts = bench.KINDS[args.kind]
+        prompts = [
+            tok.chat([{"role": "user", "content": texts[i % len(texts)]}])
+            for i in range(args.batch)
+        ]
     mx.eval = timed_eval  # every sync, including the library's, is timed
     sp.mx.eval = timed_eval
     print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
