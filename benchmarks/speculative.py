@@ -126,7 +126,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
         plain += r.width == 1
     dt = time.perf_counter() - t0
     if window is not None:
-        WINDOWS[window] = batch.window
+        WINDOWS[window] = sp.recorded(batch)  # with its last plain round
     out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
     return dt, out, (drafted, accepted, rounds, plain)
 
