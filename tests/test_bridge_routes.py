@@ -19,6 +19,14 @@ from kvstate import _decoder, _quantized, kernels
 from kvstate import mlx_lm as bridge
 
 ATOL = 1e-5
+CUDA = kernels.kernel_available()
+# On CUDA the routed kernels read exactly where the stock masked SDPA runs its
+# matmuls in TF32: a routed and an unrouted run differ by up to 3.0e-4 there
+# (the H200, session 3).
+CUDA_ATOL = 2e-3
+STOCK_PATHS = (
+    "forces the kernels' CPU stock paths (on CUDA the real routes run: tests/test_bridge_cuda.py)"
+)
 PROMPTS = [5, 11, 3]  # ragged rows
 
 
@@ -113,7 +121,7 @@ def test_a_windowed_mask_is_never_routed(monkeypatch, forced):
     assert forced and all(lp == [0, 0] for _, lp, _ in forced)  # the ring's reads only
     monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
     plain = decode(model, *bridge.prefill(model, ps))
-    close(rings[0], plain[0])
+    close(rings[0], plain[0], atol=CUDA_ATOL if CUDA else ATOL)
     assert rings[1] == plain[1]
 
 
@@ -150,6 +158,7 @@ def quantized_routes(monkeypatch):
     return record_routes(monkeypatch)
 
 
+@pytest.mark.skipif(CUDA, reason=STOCK_PATHS + "; the unrouted reference calls quantized_matmul")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_routes, bits):
     model = tm.llama_model(layers=2)
@@ -166,6 +175,7 @@ def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_route
     assert quantized_routes == [("dequantized", 13)] * 2 + [("kernel", 1)] * 8
 
 
+@pytest.mark.skipif(CUDA, reason=STOCK_PATHS)
 @pytest.mark.parametrize("n", [1, 12])
 def test_kv_attend_quantized_routes_give_the_stock_read(monkeypatch, n):
     rng = np.random.default_rng(3)
@@ -190,7 +200,6 @@ def test_the_routes_follow_the_backend():
     q = mx.zeros((1, 4, 1, 32))
     wide = mx.zeros((1, 4, kernels.MAX_QUERIES + 1, 32))
     keys = tuple(mx.quantize(mx.zeros((1, 2, 16, 32)), group_size=32, bits=4))
-    cuda = kernels.kernel_available()
-    assert _decoder.routes_reads() == cuda
-    assert _quantized.read_route(q, keys, 32, 4) == ("kernel" if cuda else "stock")
-    assert _quantized.read_route(wide, keys, 32, 4) == ("dequantized" if cuda else "stock")
+    assert _decoder.routes_reads() == CUDA
+    assert _quantized.read_route(q, keys, 32, 4) == ("kernel" if CUDA else "stock")
+    assert _quantized.read_route(wide, keys, 32, 4) == ("dequantized" if CUDA else "stock")

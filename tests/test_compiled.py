@@ -142,7 +142,8 @@ def test_trace_count_600_tokens_ragged():
     assert decode.traces == len(caps)  # exactly one trace per capacity bucket
 
 
-def test_llama_compiled_equals_eager_across_buckets():
+def test_llama_compiled_equals_eager_across_buckets(monkeypatch):
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)  # eager reads as "mask" does
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], step=16)
     states = [kv.trim(s, (0, 2, 1)) for s in states]  # ends differ: per-row scatter writes
@@ -153,6 +154,11 @@ def test_llama_compiled_equals_eager_across_buckets():
     assert sc[0].capacity == 48 and decode.traces == 3  # buckets 16, 32, 48: one trace each
 
 
+@pytest.mark.skipif(
+    kernels.kernel_available(),
+    reason="attention='mask' reads quantized rows with the stock quantized_matmul, which "
+    "MLX 0.32.4's CUDA lacks for these shapes (the H200, session 3)",
+)
 def test_quantized_batch_compiled_equals_eager():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
