@@ -15,7 +15,7 @@ that stopped drafting is tried again later). ``cost(B, W)`` is the median
 of the last rounds measured on the device in use (wall time of a whole
 round, host work included); a width's first round at a batch bucket is not
 kept (it pays one-time compilation), and a width not measured for ``stale``
-rounds of its bucket is stale: it is modelled again (no dearer than its old
+rounds of its bucket times its cost in plain rounds is stale: it is modelled again (no dearer than its old
 median), so the rule can choose it and re-measure it, and its old samples
 are dropped when it is. Until a width has ``samples`` fresh rounds, the model
 ``1 + slope * (W - 1)`` plain steps, ``slope`` taken from the widest fresh
@@ -97,8 +97,9 @@ class Window:
         samples: fresh measured rounds of a ``(B, W)`` before its median replaces the model.
         keep: measured rounds kept per ``(B, W)``.
         discard: first rounds of each ``(B, W)`` not kept (compilation, tracing).
-        stale: rounds of its bucket after which a width's last measurement is
-            stale (the width is modelled again until re-measured).
+        stale: rounds of its bucket, times the width's cost in plain rounds,
+            after which its last measurement is stale (the width is modelled
+            again until re-measured).
         prior: a row's acceptance before (and long after) it drafted.
         weight: pseudo-drafts behind the prior.
         decay: per round, how much of a row's older acceptance evidence is kept.
@@ -112,7 +113,7 @@ class Window:
     samples: int = 3
     keep: int = 9
     discard: int = 1
-    stale: int = 128
+    stale: int = 256
     prior: float = 0.5
     weight: float = 1.0
     decay: float = 0.9
@@ -128,10 +129,21 @@ class Window:
         check(self.weight > 0, "weight", "> 0", self.weight)
         check(self.slope >= 0, "slope", ">= 0", self.slope)
 
+    def _fresh(self, b: int, W: int, s: Samples) -> bool:
+        """Measured within ``stale * cost`` rounds of its bucket (``cost`` in plain
+        rounds, at least 1): re-measuring a width costs its price, so a dear width
+        is retried less often and re-measuring takes under ``samples / stale`` of the
+        time however dear it is."""
+        age = self.rounds.get(b, 0) - s.at
+        if age <= self.stale or W == 1 or s.median is None:
+            return age <= self.stale
+        plain = self._median(b, 1)
+        return age <= self.stale * max(1.0, s.median / plain if plain else 1.0)
+
     def _median(self, b: int, W: int) -> float | None:
         """``measured`` for a bucket ``b``."""
         s = self.costs.get((b, W))
-        if s is None or len(s.seconds) < self.samples or self.rounds.get(b, 0) - s.at > self.stale:
+        if s is None or len(s.seconds) < self.samples or not self._fresh(b, W, s):
             return None
         return s.median
 
@@ -190,8 +202,7 @@ class Window:
         if s.uses < self.discard:
             new = Samples(s.seconds, s.median, now, s.uses + 1)
         else:
-            fresh = self.rounds.get(b, 0) - s.at <= self.stale
-            kept = ((s.seconds if fresh else ()) + (seconds,))[-self.keep :]
+            kept = ((s.seconds if self._fresh(b, W, s) else ()) + (seconds,))[-self.keep :]
             new = Samples(kept, statistics.median(kept), now, s.uses + 1)
         # derived from a valid rule: not converted or checked again (every round records)
         return derived(self, costs={**self.costs, (b, W): new}, rounds={**self.rounds, b: now})
