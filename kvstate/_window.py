@@ -15,13 +15,13 @@ that stopped drafting is tried again later). ``cost(B, W)`` is the median
 of the last rounds measured on the device in use (wall time of a whole
 round, host work included); a width's first round at a batch bucket is not
 kept (it pays one-time compilation), and a width not measured for ``stale``
-rounds of its bucket times its cost in plain rounds is stale: it is modelled again (no dearer than its old
-median), so the rule can choose it and re-measure it, and its old samples
-are dropped when it is. Until a width has ``samples`` fresh rounds, the model
-``1 + slope * (W - 1)`` plain steps, ``slope`` taken from the widest fresh
-width measured (the prior ``slope`` before any). The chosen width maximizes
-``value``; ``W = 1`` (a plain step) unless a wider round beats it by
-``margin``. Decisions and the reasons: ``notes/speculative.md``.
+rounds of its bucket times its cost in plain rounds is stale: it is modelled
+again (no dearer than its old median), so the rule can choose it and
+re-measure it, and its old samples are dropped when it is. Until a width has
+``samples`` fresh rounds, the model ``1 + slope * (W - 1)`` plain steps,
+``slope`` taken from the widest fresh width measured (the prior ``slope``
+before any). The chosen width maximizes ``value``; ``W = 1`` (a plain step)
+unless a wider round beats it by ``margin``. Decisions and the reasons: ``notes/speculative.md``.
 """
 
 from __future__ import annotations
