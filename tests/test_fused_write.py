@@ -83,6 +83,9 @@ def test_decode_read_fuses_small_planes_only(monkeypatch):
     assert kernels.decode_read(1, q, k, written=True) == "kernel"
 
 
+ROUNDING = 2e-3  # float32 rounding differences, as amplified by TF32 matmuls on CUDA
+
+
 def _decode(model, states, steps, N):
     decode = br.Decoder(model, attention="kernel")
     logits = []
@@ -124,11 +127,13 @@ def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
     calls.clear()
     plain_logits, plain = _decode(model, states, 3, N)
     assert not calls
-    for a, b in zip(fused_logits, plain_logits):
-        assert mx.abs(a - b).max().item() < 1e-4
     # the first layer's planes hold only what the tokens give: byte for byte; later
     # layers' new columns come from an attention read whose sums the fused launch
-    # orders differently (the new columns last), so they agree to float rounding
+    # orders differently (the new columns last), so they agree to float rounding, which
+    # on CUDA the model's TF32 matmuls of N > 1 rows amplify (measured: 5.9e-4 at N=4;
+    # a wrong or missing column moves them by 1e-1 and more)
+    for a, b in zip(fused_logits, plain_logits):
+        assert mx.abs(a - b).max().item() < ROUNDING
     for i, (a, b) in enumerate(zip(fused, plain)):
         assert a.lengths == b.lengths and a.left_pad == b.left_pad
         for pa, pb in zip(a.planes, b.planes):
@@ -136,4 +141,4 @@ def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
             if i == 0:
                 assert _bytes(pa) == _bytes(pb)
             else:
-                assert mx.abs(pa - pb).max().item() < 1e-5
+                assert mx.abs(pa - pb).max().item() < ROUNDING
