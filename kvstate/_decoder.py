@@ -241,7 +241,10 @@ class Decoder:
             ``put_along_axis`` per plane, per-row ends) or ``"slice"`` (a
             dynamic-start ``slice_update`` when every row ends at one column).
             Both write in place when the old buffer is free; which is faster
-            depends on the backend (``notes/compile.md``).
+            depends on the backend (``notes/compile.md``). With
+            ``attention="kernel"`` on CUDA, planes under
+            ``kernels.FUSED_BYTES`` are written by the read's own launch
+            instead (``kernels.write_and_read``; ``notes/gpu.md``).
         wait: before dispatching a step, wait until the previous step has
             finished. A buffer that an in-flight read still holds cannot be
             written in place, so without the wait a pipelined loop may copy
