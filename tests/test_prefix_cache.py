@@ -106,6 +106,31 @@ def test_entries_sharing_a_prefix_count_its_bytes_once(rng):
     assert cache.nbytes == sum(s.nbytes for s in base) + own
 
 
+def test_a_lease_inside_the_prefix_holds_no_suffix_planes(rng):
+    """A lease whose matched tokens all lie in an entry's prefix records (the
+    entry's own tokens cut away) holds no suffix planes, as a fork of a prompt:
+    the request's tokens go to fresh planes of the suffix's step, never into a
+    copy of the entry's exact-width compacted suffix."""
+    base, rows = entry(rng, 16)
+    cache = PrefixCache(1 << 20)
+    cache.insert(list(range(16)), base)
+    with cache.lookup(list(range(16)) + [99]) as hit:
+        t = mx.array(rand(rng, 1, H, 4, D))
+        cache.insert(list(range(16)) + [1, 2, 3, 4], [kv.append(s, t, t) for s in hit.states])
+    # Only the entry built on shared rows matches 18 tokens; its own tokens start at 16.
+    cache._drop(tuple(range(16)))
+    with cache.lookup(list(range(16)) + [1, 2, 7]) as hit:
+        assert hit.matched == 18 and all(s.suffix.planes for s in hit.states)
+    with cache.lookup(list(range(14)) + [5, 5]) as hit:
+        assert hit.matched == 14
+        for s, (k, v) in zip(hit.states, rows):
+            assert s.suffix.planes == () and s.lengths == (14,)
+            got = visible(kv.materialize(s))[0]
+            np.testing.assert_array_equal(got[0], k[:, :14])
+        grown = [kv.append(s, t, t) for s in hit.states]
+        assert grown[0].suffix.capacity == grown[0].suffix.step
+
+
 def test_byte_count_follows_inserts_and_evictions(rng):
     """``nbytes`` (kept as entries come and go) always equals ``held_bytes``
     over every record the entries hold, shared records counted once, through
