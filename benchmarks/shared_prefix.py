@@ -479,9 +479,8 @@ def host_rounds(model, args, B) -> dict:
     from kvstate import mlx_lm as bridge
     from kvstate._decoder import Decoder
 
-    H = model.args.num_key_value_heads
-    D = model.args.hidden_size // model.args.num_attention_heads
-    dtype = getattr(mx, args.dtype)
+    _, probe = bridge.forward(model, mx.array([[1]]), bridge.make_states(model, 1))
+    H, D, dtype = probe[0].keys.shape[1], probe[0].keys.shape[3], probe[0].keys.dtype
 
     def kv_rand(b, n):
         return mx.random.normal((b, H, n, D)).astype(dtype)
