@@ -336,8 +336,9 @@ def geometry_shared(state: SharedState):
 def _cut(state: SharedState, target: tuple) -> SharedState:
     """Rows shortened to ``target`` tokens: the suffix first, then the prefix view.
 
-    When no row keeps a token of its own, the suffix keeps no planes (as a
-    fork of a prompt has none): the next append starts fresh ones of the
+    When no row keeps a token of its own (nor any padding: the rows' layout
+    is then unchanged), the suffix keeps no planes (as a fork of a prompt
+    has none): the next append starts fresh ones of the
     suffix's step instead of writing into planes another record may hold
     (a prefix cache entry's compacted suffix: a copy, of its exact width).
     Measured on the H200: cached requests whose lease read such planes took
@@ -346,7 +347,7 @@ def _cut(state: SharedState, target: tuple) -> SharedState:
     new_shared = tuple(min(s, t) for s, t in zip(state.shared, target))
     cut = tuple(m - max(0, t - s) for m, s, t in zip(suffix_len, state.shared, target))
     suffix = ops.trim(state.suffix, cut)
-    if suffix.planes and not any(suffix.lengths):
+    if suffix.planes and not any(suffix.lengths) and not any(suffix.left_pad):
         suffix = _empty_like(suffix, suffix.batch_size)
     return attrs.evolve(state, shared=new_shared, suffix=suffix)
 
