@@ -127,6 +127,7 @@ def test_a_lease_inside_the_prefix_holds_no_suffix_planes(rng):
             assert s.suffix.planes == () and s.lengths == (14,)
             got = visible(kv.materialize(s))[0]
             np.testing.assert_array_equal(got[0], k[:, :14])
+            np.testing.assert_array_equal(got[1], v[:, :14])
         grown = [kv.append(s, t, t) for s in hit.states]
         assert grown[0].suffix.capacity == grown[0].suffix.step
 
