@@ -352,13 +352,10 @@ class Decoder:
             Bb = B
         else:
             tokens, states = padded
-        flats, specs, prepared, layouts = [], [], [], {}
+        flats, specs, prepared, positions = [], [], [], compiled.Positions()
         for s in states:
             s = compiled.prepare(s, N)
-            lay = compiled.host_positions(s)
-            if lay not in layouts:
-                layouts[lay] = compiled.position_arrays(s)
-            flat, spec = compiled.flatten(s, room=N, positions=layouts[lay], prepared=True)
+            flat, spec = compiled.flatten(s, room=N, positions=positions(s), prepared=True)
             held = compiled.held_planes(s)  # (read, never written: a shared prefix)
             flats.append((*flat, held) if held else flat)
             specs.append(spec)

@@ -54,8 +54,8 @@ class Eager:
         "started",
         "route",
         "windowed",
+        "positions",
         "_positions",
-        "_arrays",
         "_last",
     )
 
@@ -67,7 +67,9 @@ class Eager:
         self.started = not start_early
         self.windowed = False  # a mask with a window was asked for (no routed dense read)
         self._positions: dict = {}
-        self._arrays: dict = {}
+        # ``positions(record)``: its per-row positions as int32 ``[B]`` arrays,
+        # once per layout per forward (every layer shares them)
+        self.positions = compiled.Positions()
         self._last = None
 
     def start(self, keys, values):
@@ -108,15 +110,6 @@ class Eager:
             off = self._positions[key] = int(lengths[0]) if pos is None else pos
         self._last = (lengths, left_pad, kind, off)
         return off
-
-    def positions(self, record) -> tuple:
-        """``compiled.position_arrays(record)``: its per-row positions as int32
-        ``[B]`` arrays, once per layout per forward (every layer shares them)."""
-        key = (type(record), *compiled.host_positions(record))
-        got = self._arrays.get(key)
-        if got is None:
-            got = self._arrays[key] = compiled.position_arrays(record)
-        return got
 
     def update(self, record, keys, values):
         if not self.started:

@@ -210,6 +210,26 @@ def position_arrays(state: Any) -> tuple:
     return tuple(mx.array(p, dtype=mx.int32) for p in host_positions(state))
 
 
+class Positions:
+    """``position_arrays`` once per layout: called with a record, the arrays of
+    an earlier record of the same kind and ``host_positions``, else new ones.
+    The layers of one forward or step share their rows' layout, so one of
+    these per forward (``_shells.Eager``, ``shared.Layouts``) or per step
+    (the compiled decoder) builds each layout's arrays once."""
+
+    __slots__ = ("_got",)
+
+    def __init__(self) -> None:
+        self._got: dict = {}
+
+    def __call__(self, state: Any) -> tuple:
+        key = (type(state), *host_positions(state))
+        got = self._got.get(key)
+        if got is None:
+            got = self._got[key] = position_arrays(state)
+        return got
+
+
 # --- host-side, per kind ------------------------------------------------------------
 
 

@@ -166,7 +166,7 @@ class _cascade:
         self.mods, self.ctx = _decoder._attention_modules(model), ctx
         self.kernel = _decoder.routes_reads()
         self.pending = {}
-        self.layouts = SharedLayouts()  # row maps and positions: once per forward
+        self.layouts = SharedLayouts(ctx.positions)  # row maps, positions: once per forward
 
     def _read(self, queries, keys, values, cache, scale, sinks, mask):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:

@@ -626,31 +626,27 @@ def view_arrays(state: SharedState) -> tuple:
 class Layouts:
     """The int32 arrays the shared reads of one forward take, each built once
     for every layer: the row map (``view_arrays``, per ``layout_key``) and the
-    suffix rows' ``left_pad``/``ends`` (per their values). The eager bridge
-    keeps one per forward (``kvstate.mlx_lm``); ``read`` makes its own when
-    given none."""
+    suffix rows' ``left_pad``/``ends`` (per layout, through ``positions``: the
+    forward's ``compiled.Positions`` when given). The eager bridge keeps one
+    per forward (``kvstate.mlx_lm``); ``read`` makes its own when given none."""
 
-    __slots__ = ("_got",)
+    __slots__ = ("_got", "_positions")
 
-    def __init__(self) -> None:
+    def __init__(self, positions: compiled.Positions | None = None) -> None:
         self._got: dict = {}
-
-    def _memo(self, key, build):
-        got = self._got.get(key)
-        if got is None:
-            got = self._got[key] = build()
-        return got
+        self._positions = compiled.Positions() if positions is None else positions
 
     def views(self, state: SharedState) -> tuple:
-        return self._memo(("views", layout_key(state)), lambda: view_arrays(state))
+        key = layout_key(state)
+        got = self._got.get(key)
+        if got is None:
+            got = self._got[key] = view_arrays(state)
+        return got
 
     def positions(self, suffix) -> tuple:
         """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
-        lp, ends = suffix.left_pad, suffix.ends
-        return self._memo(
-            ("positions", lp, ends),
-            lambda: (mx.array(lp, dtype=mx.int32), mx.array(ends, dtype=mx.int32)),
-        )
+        ends, left_pad = self._positions(suffix)  # (compiled.host_positions's order)
+        return left_pad, ends
 
 
 def _partial(q, k, v, mask, scale):
