@@ -135,10 +135,18 @@ class Window:
         is retried less often and re-measuring takes under ``samples / stale`` of the
         time however dear it is."""
         age = self.rounds.get(b, 0) - s.at
-        if age <= self.stale or W == 1 or s.median is None:
-            return age <= self.stale
+        if age <= self.stale:  # fresh at any price (a price is at least 1)
+            return True
+        return age <= self.stale * self._price(b, W, s)
+
+    def _price(self, b: int, W: int, s: Samples) -> float:
+        """A measured width's cost in plain rounds of bucket ``b``, at least 1: its
+        median over the plain rounds' fresh median; 1 for plain rounds themselves
+        and where either median is missing."""
+        if W == 1 or s.median is None:
+            return 1.0
         plain = self._median(b, 1)
-        return age <= self.stale * max(1.0, s.median / plain if plain else 1.0)
+        return max(1.0, s.median / plain) if plain else 1.0
 
     def _median(self, b: int, W: int) -> float | None:
         """``measured`` for a bucket ``b``."""

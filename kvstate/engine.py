@@ -209,14 +209,14 @@ def _drop(engine, batch) -> None:
 
 def _sample(logits, keys, requests) -> tuple:
     """Each row's next token (host ints) and next key, with its request's settings."""
-    if all(r.temperature == 0 for r in requests):  # greedy: no key is used or advanced
-        return mx.argmax(logits, axis=-1).tolist(), keys
-    tokens, keys = sampling.sample(
-        logits,
-        keys,
-        temperature=[r.temperature for r in requests],
-        top_p=[r.top_p for r in requests],
-    )
+    params = None  # every row greedy: no key is used or advanced
+    if any(r.temperature != 0 for r in requests):
+        params = sampling.parameters(
+            len(requests),
+            temperature=[r.temperature for r in requests],
+            top_p=[r.top_p for r in requests],
+        )
+    tokens, keys = sampling.next_tokens(logits, keys, params)
     return tokens.tolist(), keys
 
 

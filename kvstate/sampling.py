@@ -220,6 +220,20 @@ def sample_arrays(
     return tokens, carry
 
 
+def next_tokens(logits: mx.array, keys, params: tuple | None) -> tuple:
+    """``(tokens [B], keys)``: each row's next token from ``logits`` ``[B, V]``.
+
+    ``params`` ``None`` means every row is greedy: the argmax, and ``keys``
+    returned untouched (nothing draws from them, so a greedy loop's keys never
+    advance); else ``sample_arrays(logits, keys, *params)``. The one greedy
+    rule of the loops that skip sampling when no row samples (speculative
+    rounds, the serve engine).
+    """
+    if params is None:
+        return mx.argmax(logits, axis=-1), keys
+    return sample_arrays(logits, keys, *params)
+
+
 def sample(
     logits: mx.array,
     keys: mx.array,
@@ -252,10 +266,21 @@ def sample(
         )
     B = logits.shape[0]
     check_keys(keys, B)
-    params = (
+    return sample_arrays(logits, keys, *parameters(B, temperature, top_p, top_k, min_p))
+
+
+def parameters(
+    B: int,
+    temperature: PerRow = 0.0,
+    top_p: PerRow = 1.0,
+    top_k: PerRow = 0,
+    min_p: PerRow = 0.0,
+) -> tuple:
+    """``sample``'s per-row parameters, checked on the host, as ``sample_arrays``
+    takes them: ``(temperature, top_p, top_k, min_p)``, each ``[B]``."""
+    return (
         mx.array(_floats(temperature, B, "temperature", 0.0, math.inf), mx.float32),
         mx.array(_floats(top_p, B, "top_p", 0.0, 1.0), mx.float32),
         mx.array(_ints(top_k, B, "top_k"), mx.int32),
         mx.array(_floats(min_p, B, "min_p", 0.0, 1.0), mx.float32),
     )
-    return sample_arrays(logits, keys, *params)

@@ -45,7 +45,7 @@ from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import PerRowInts, per_row, row_list
 from .errors import bad, check
 from .records import _tuple, derived, forwarded
-from .sampling import Sampling, filter_logprobs, sample_arrays, split_keys
+from .sampling import Sampling, filter_logprobs, next_tokens, sample_arrays, split_keys
 
 if TYPE_CHECKING:
     from ._shells import Model
@@ -452,9 +452,7 @@ def _propose_model(spec: Speculation, drafter: DraftModel, states, K, params, ke
         logits, states = bridge.step(drafter.model, y, states)
         if sampled:
             qs.append(probabilities(logits, *params))
-            y, _ = sample_arrays(logits, keys[:, j], *params)
-        else:
-            y = mx.argmax(logits, axis=-1)
+        y, _ = next_tokens(logits, keys[:, j] if sampled else None, params)
         drafts.append(y)
     return mx.stack(drafts, axis=1), (mx.stack(qs, axis=1) if qs else None), states
 
@@ -504,15 +502,6 @@ def _round_keys(keys: mx.array, K: int) -> tuple:
     (``K`` draft-model samples, the uniforms, the next token)."""
     use, carry = split_keys(keys)
     return mx.vmap(lambda k: mx.random.split(k, K + 2))(use), carry
-
-
-def _plain_next(last: mx.array, keys: mx.array, params) -> tuple:
-    """``(next tokens [B], keys)`` of a plain round from the last logits ``[B, V]``, as a
-    plain decode step makes them: greedy rows only: the argmax, keys untouched (nothing
-    draws from them); else ``kv.sample_arrays`` (what ``kvstate.mlx_lm.advance`` runs)."""
-    if params is None:
-        return mx.argmax(last, axis=-1), keys
-    return sample_arrays(last, keys, *params)
 
 
 def step(
@@ -600,7 +589,9 @@ def step(
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
-        pending, carry = _plain_next(logits[:, -1, :], batch.keys, params)
+        # as a plain decode step makes them: greedy rows only: the argmax, keys
+        # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)
+        pending, carry = next_tokens(logits[:, -1, :], batch.keys, params)
         read, accepted = _Read(pending, t0, B), (0,) * B  # read after the caller drops spec
     elif not sampled:
         target_tokens = mx.argmax(logits, axis=-1)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 import kvstate as kv
-from kvstate.sampling import filter_logprobs
+from kvstate.sampling import filter_logprobs, next_tokens, parameters
 
 V = 40
 
@@ -112,6 +112,22 @@ def test_temperature_zero_is_argmax_and_ignores_the_key():
     for seeds in ([1, 2, 3, 4, 5], [9, 9, 9, 9, 9]):
         tokens, _ = kv.sample(logits, kv.row_keys(seeds), temperature=0, top_k=3, top_p=0.5)
         assert tokens.tolist() == mx.argmax(logits, axis=-1).tolist()
+
+
+def test_the_greedy_rule_is_sampling_at_temperature_zero_without_keys():
+    """``next_tokens`` (the loops that skip sampling when no row samples): with no
+    parameters, the tokens ``sample`` gives every row at temperature 0, and the
+    keys back untouched; with parameters, exactly ``sample_arrays``."""
+    logits, keys = logits_of(2, 6), kv.row_keys([3, 4, 5, 6, 7, 8])
+    tokens, same = next_tokens(logits, keys, None)
+    assert same is keys
+    want, advanced = kv.sample(logits, keys, temperature=0)
+    assert tokens.tolist() == want.tolist()
+    params = parameters(6, temperature=[0, 0.7, 1.0, 0, 2.0, 0.5], top_p=0.9)
+    got, got_keys = next_tokens(logits, keys, params)
+    ref, ref_keys = kv.sample_arrays(logits, keys, *params)
+    assert got.tolist() == ref.tolist() and got_keys.tolist() == ref_keys.tolist()
+    assert got_keys.tolist() == advanced.tolist()  # (sampling splits every row's key)
 
 
 def test_samples_follow_the_filtered_distribution():
