@@ -20,6 +20,8 @@ ignored. A cost-aware method keeps one ``Window`` for the whole process
 (what a server does: its measured round costs carry from the warm-up runs
 and earlier runs on the same device into later ones; rows start at the
 prior acceptance every run); its measured cost ratios are printed at the end.
+Acceptance, tokens per round and the share of plain rounds are summed over
+the timed runs (not the warm-up).
 
     python benchmarks/speculative.py --rounds 5 --tokens 64
 """
@@ -230,8 +232,8 @@ def main(argv=None):
                     dt, out, st = methods[m]()
                     print(f"  {kind} B={B} round {r} {m}: {dt:.2f} s", file=sys.stderr, flush=True)
                     times[m].append(dt)
-                    if st is not None:
-                        stats[m] = st
+                    if st is not None:  # summed over the timed runs
+                        stats[m] = tuple(a + b for a, b in zip(stats.get(m, (0,) * 4), st))
                     if m == "plain":
                         ref = out
                     elif not m.startswith("mlx-lm") and ref is not None and out != ref:
@@ -242,7 +244,7 @@ def main(argv=None):
                 ratios = [b / t for b, t in zip(times[base], ts)]
                 d, a, n, p = stats.get(m, (0, 0, 0, 0))
                 acc = f"{a / d:.0%} ({a}/{d})" if d else "-"
-                per_round = f"{B * T / n:.2f}" if n else "-"
+                per_round = f"{B * T * len(ts) / n:.2f}" if n else "-"
                 plain_share = f"{p / n:.0%}" if n and not m.startswith("mlx-lm") else "-"
                 print(
                     f"{kind} | {B} | {m} | {B * T / statistics.median(ts):.1f} | "
