@@ -40,7 +40,7 @@ import mlx.core as mx
 from . import mlx_lm as bridge
 from . import ops
 from .batch import Batch, sampling_arrays
-from ._window import Window, expected_accepted
+from ._window import Window, bucket, expected_accepted
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from ._args import PerRowInts, per_row, row_list
 from .errors import bad, check
@@ -422,12 +422,22 @@ def _propose_lookup(spec: Speculation, drafter: Lookup, asked: Sequence[int]) ->
 
 def _catch_up(drafter: DraftModel, spec: Speculation) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
-    tokens) in one block forward, right-padded, the pad rolled back."""
+    tokens) in one block forward, right-padded, the pad rolled back.
+
+    The block is ``[B, bucket(max lag)]`` (the power of two at or above the
+    longest lag), not ``[B, max lag]``: every new block shape is a new kernel
+    set for the device (graph tracing, kernel selection, on CUDA first-use
+    compilation), and a lag can take any value, so unbucketed a long run meets
+    a new shape at nearly every catch-up. With buckets a context of ``N``
+    tokens meets at most ``log2 N + 1`` of them, for at most twice the block's
+    tokens (the pad is rolled back with the rows' other pad; it is right of
+    every real token, so no real token attends to it).
+    """
     assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
     states, lag = list(spec.draft_states), spec.draft_lag
-    L = max(lag)
-    if L == 0:
+    if max(lag) == 0:
         return states
+    L = bucket(max(lag))
     block = mx.array(
         [list(c[len(c) - 1 - n : len(c) - 1]) + [0] * (L - n) for c, n in zip(spec.context, lag)],
         dtype=mx.uint32,

@@ -579,6 +579,46 @@ def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
         assert list(spec.context[b][len(p) : len(p) + 13]) == want, f"row {b}"
 
 
+def test_draft_catch_up_blocks_take_a_bounded_set_of_shapes(llama, monkeypatch):
+    """Runs of 1..11 plain rounds between drafting rounds (ragged: a row joins
+    with no lag) make the draft model catch up lags of every length; its
+    catch-up blocks are ``[B, power of two]``, so they take at most
+    ``log2(max lag) + 1`` shapes (each new shape is a new kernel set for the
+    device), and the tokens stay the plain loop's."""
+    drafter = DraftModel(truncated(llama, 1))
+    prompts = [repetitive(61, 10, 3), repetitive(62, 7, 2), repetitive(63, 12, 4)]
+    costly, cheap = seeded([1, 9, 9, 9, 9]), seeded([1, 1, 1, 1, 1], prior=0.9)
+    widths = []
+    real_forward = sp.bridge.forward
+
+    def spy(model, tokens, states, **kw):
+        if model is drafter.model and tokens.shape[1] > 1:
+            widths.append(tokens.shape[1])
+        return real_forward(model, tokens, states, **kw)
+
+    spec = sp.start(llama, prompts[:2], drafter=drafter, num_draft=2, window=costly)
+    monkeypatch.setattr(sp.bridge, "forward", spy)
+    lags = []
+    for i, n in enumerate([3, 5, 6, 7, 1, 11, 9, 2, 10]):
+        spec = attrs.evolve(spec, window=costly)
+        for _ in range(n):
+            spec, r = sp.step(llama, spec, drafter=drafter)
+            assert r.width == 1
+        if i == 1:
+            one = sp.start(llama, prompts[2:], drafter=drafter, num_draft=2)
+            spec, widths[:] = sp.join(spec, one), widths[:-1]  # not its prefill
+        lags.append(max(spec.draft_lag))
+        spec, r = sp.step(llama, attrs.evolve(spec, window=cheap), drafter=drafter)
+        assert r.width > 1 and spec.draft_lag == (0,) * spec.batch_size
+    assert len(set(lags)) == 9  # every catch-up had its own lag
+    assert widths == [bucket(n) for n in lags if n > 1]  # one block per catch-up (a lag
+    # of 1 is a [B, 1] block, not told from a draft step here), bucketed
+    assert len(set(widths)) <= math.log2(max(lags)) + 1
+    for b, p in enumerate(prompts):
+        n = len(spec.context[b]) - len(p)
+        assert list(spec.context[b][len(p) :]) == plain(llama, [p], n - 1)[0], f"row {b}"
+
+
 def test_window_rule_measures_then_picks_what_pays():
     """The plain step is measured first; a width is modelled until measured;
     rows that keep failing stop drafting, and come back as evidence decays."""
