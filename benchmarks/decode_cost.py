@@ -1,0 +1,335 @@
+"""Where a compiled decode step's cache time goes on the H200 (issue 15), in one process.
+
+``--part step``: one case (B rows x context x layout) of whole greedy decode
+steps, variants interleaved round by round (``suite.ablation``'s harness),
+each timed three ways: pipelined wall ms/step (the next token fed back
+lazily, as mlx-lm's generator does), the host's share of it (time spent
+inside the step call and ``async_eval``: the graph replay and its launches),
+and ms/step when every step is waited for (host + device, no overlap; so
+"sync - host" is about the device's time). Each variant's graph is counted
+(primitives by name, ``mx.export_to_dot``). Variants remove or swap one
+part: the fused write, the split count (``splits_for`` forced), the read
+itself (identity or the stock unmasked SDPA over the capacity: wrong
+results, timing only), the write (dropped).
+
+``--part read``: per-layer reads, ``--layers`` of them chained in one
+compiled call (layer i's output is layer i+1's query, each layer its own
+planes), so a call's host cost is that of a compiled step's reads; µs per
+layer pipelined and waited for, against a trivial custom kernel chained the
+same way (the floor of one custom-kernel launch) and the stock SDPA as
+mlx-lm reads (no mask over the exact width: cuDNN's decode path).
+
+    python3 benchmarks/decode_cost.py --part step --batch 1 --context 2048
+    python3 benchmarks/decode_cost.py --part read --batch 1 --context 2048 --splits 1,2,4,8,16,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import suite  # noqa: E402
+
+from kvstate import _rows, kernels  # noqa: E402
+from kvstate import mlx_lm as br  # noqa: E402
+from kvstate._rows import round_up  # noqa: E402
+from kvstate.masks import rows_mask  # noqa: E402
+
+
+def graph_counts(*arrays) -> dict:
+    """Primitives in the lazy graph of ``arrays``, by name."""
+    s = io.StringIO()
+    mx.export_to_dot(s, *arrays)
+    names = [
+        line.split('label ="', 1)[1].split('"', 1)[0]
+        for line in s.getvalue().splitlines()
+        if "shape=rectangle" in line
+    ]
+    return dict(collections.Counter(names))
+
+
+def timed_steps(runs, warmup, steps, rounds, sync_rounds):
+    """Per name: pipelined wall, host and synced ms/step (lists over rounds)."""
+    out = {n: dict(wall=[], host=[], sync=[]) for n in runs}
+    for r in runs.values():
+        r[1], r[2] = suite.run_steps(r[0], warmup, r[1], r[2])
+
+    def one(r, sync):
+        host = 0.0
+        tok, st = r[1], r[2]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            h0 = time.perf_counter()
+            logits, st = r[0](tok, st)
+            tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+            (mx.eval if sync else mx.async_eval)(tok)
+            host += time.perf_counter() - h0
+        mx.eval(tok)
+        r[1], r[2] = tok, st
+        return (time.perf_counter() - t0) / steps * 1e3, host / steps * 1e3
+
+    for _ in range(rounds):
+        for name, r in runs.items():
+            wall, host = one(r, False)
+            out[name]["wall"].append(wall)
+            out[name]["host"].append(host)
+    for _ in range(sync_rounds):
+        for name, r in runs.items():
+            out[name]["sync"].append(one(r, True)[0])
+    return out
+
+
+def step_part(model, args, dtype):
+    B, ctx, layout = args.batch, args.context, args.layout
+    lengths = suite.row_lengths(B, ctx, layout)
+    room = args.warmup + args.steps * (args.rounds + args.sync_rounds) + 8
+    cap = round_up(ctx + room, 256)
+    fused = {(kernels, "FUSED_BYTES"): 1 << 50}
+    scatter = {(kernels, "FUSED_BYTES"): 0}
+    no_write = {(_rows, "column_writer"): lambda ends, N, **kw: lambda plane, new: plane}
+
+    def split(S):
+        return {(kernels, "splits_for"): lambda *a, **k: S}
+
+    def stock(q, k, v, lp, en, *, scale, **kw):  # wrong result: timing only
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def identity(q, k, v, lp, en, *, scale, **kw):  # no read at all: timing only
+        return q
+
+    variants = {
+        "mlx-lm": None,
+        "floor": "floor",
+        "kernel, fused write (default route)": {},
+        "kernel, fused write": fused,
+        "kernel, scatter writes": scatter,
+        "kernel, no write": {**scatter, **no_write},
+        "kernel, no write, stock SDPA no mask over C (timing)": {
+            **scatter,
+            **no_write,
+            (kernels, "ragged_attention"): stock,
+        },
+        "kernel, no write, no read (timing)": {
+            **scatter,
+            **no_write,
+            (kernels, "ragged_attention"): identity,
+        },
+    }
+    for S in args.step_splits:
+        variants[f"kernel, fused write, splits {S}"] = {**fused, **split(S)}
+        variants[f"kernel, no write, splits {S}"] = {**scatter, **no_write, **split(S)}
+    if args.only:
+        keep = set(args.only.split(";"))
+        variants = {k: v for k, v in variants.items() if k in keep}
+    runs, counts = {}, {}
+    for name, v in variants.items():
+        tokens = mx.array([(7 * b) % 1000 + 1 for b in range(B)], mx.int32)
+        if v == "floor":
+            runs[name] = [suite.floor_step(model), mx.zeros((B,), mx.int32), None]
+            continue
+        kvs = suite.random_kv(model, B, cap, dtype, seed=3)
+        if v is None:
+            caches = suite.mlx_lm_caches(kvs, lengths, ctx)
+            runs[name] = [suite.impl_step("mlx-lm", model, {}), tokens, caches]
+        else:
+            dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
+            runs[name] = [suite.patched(dec, v), tokens, suite.kv_states(kvs, lengths, ctx)]
+        del kvs
+    for name, r in runs.items():  # graphs (one step each, then evaluated)
+        logits, st = r[0](r[1], r[2])
+        counts[name] = graph_counts(logits)
+        print(f"  built {name}: {sum(counts[name].values())} primitives", flush=True)
+        r[1], r[2] = mx.argmax(logits, axis=-1).astype(mx.int32), st
+        mx.eval(r[1], r[2])
+    t = timed_steps(runs, args.warmup, args.steps, args.rounds, args.sync_rounds)
+    print(f"step B={B} ctx={ctx} {layout}: ms/step median [min-max] of {args.rounds} rounds")
+    print(f"  {'variant':<56} {'wall':>18} {'host':>18} {'sync':>18} prims")
+    for name, d in t.items():
+        cols = [f"{statistics.median(x):6.3f} [{min(x):.2f}-{max(x):.2f}]" for x in d.values() if x]
+        print(f"  {name:<56} " + " ".join(f"{c:>18}" for c in cols), sum(counts[name].values()))
+    return dict(times=t, counts=counts)
+
+
+_COPY_SRC = r"""
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n[0]) out[i] = q[i];
+"""
+
+
+def read_part(model, args, dtype):
+    """Chained per-layer reads at B x ctx, µs per layer."""
+    a = model.args
+    Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    B, ctx, layout, L = args.batch, args.context, args.layout, args.layers
+    C = round_up(ctx + 1, 256)
+    distinct = max(1, min(L, (args.plane_mb << 20) // (2 * B * H * C * D * dtype.size)))
+    planes = []
+    for i in range(distinct):
+        k1, k2 = mx.random.split(mx.random.key(100 + i))
+        planes.append(
+            (
+                (0.5 * mx.random.normal((B, H, C, D), key=k1)).astype(dtype),
+                (0.5 * mx.random.normal((B, H, C, D), key=k2)).astype(dtype),
+            )
+        )
+    new = [(p[0][:, :, :1] * 1, p[1][:, :, :1] * 1) for p in planes]
+    mx.eval(planes, new)
+    lens = suite.row_lengths(B, ctx, layout)
+    lp = mx.array([ctx - n for n in lens], mx.int32)
+    en = mx.array([ctx] * B, mx.int32)
+    q = mx.random.normal((B, Hq, 1, D)).astype(dtype)
+    mx.eval(q, lp, en)
+    s = D**-0.5
+    n = mx.array([q.size], mx.int32)
+    copy = (
+        mx.fast.cuda_kernel(
+            name="kvstate_bench_copy",
+            input_names=["q", "n"],
+            output_names=["out"],
+            source=_COPY_SRC,
+        )
+        if kernels.kernel_available()
+        else None
+    )
+
+    def chain(read):
+        def f(q, lp, en, *kv):
+            for i in range(L):
+                j = i % distinct
+                q = read(q, kv[2 * j], kv[2 * j + 1], lp, en, j)
+            return q
+
+        return mx.compile(f)
+
+    flat = [x for p in planes for x in p]
+    cases = {
+        "trivial custom kernel (copy q)": chain(
+            lambda q, k, v, lp, en, j: copy(
+                inputs=[q, n],
+                output_shapes=[q.shape],
+                output_dtypes=[q.dtype],
+                grid=(q.size, 1, 1),
+                threadgroup=(256, 1, 1),
+            )[0]
+        ),
+        "stock SDPA, no mask, exact width (mlx-lm aligned)": chain(
+            lambda q, k, v, lp, en, j: mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :ctx], v[:, :, :ctx], scale=s
+            )
+        ),
+    }
+    if layout != "aligned":
+        cases["stock SDPA, bool mask, width ctx (mlx-lm ragged)"] = chain(
+            lambda q, k, v, lp, en, j: mx.fast.scaled_dot_product_attention(
+                q, k[:, :, :ctx], v[:, :, :ctx], scale=s, mask=rows_mask(1, lp, en, ctx)
+            )
+        )
+    auto = kernels.splits_for(B, H, C)
+    shapes = [(S, U, T) for S in args.splits for U in args.unroll for T in args.threads]
+    for S, U, T in shapes:
+        cases[f"kernel S={S} U={U} T={T}" + (" (auto S)" if S == auto else "")] = chain(
+            lambda q, k, v, lp, en, j, S=S, U=U, T=T: kernels.ragged_attention(
+                q, k, v, lp, en, scale=s, splits=S, unroll=U, threads=T
+            )
+        )
+    for S in args.fused_splits:
+        cases[f"fused write_and_read S={S}"] = chain(
+            lambda q, k, v, lp, en, j, S=S: kernels.write_and_read(
+                q, k, v, new[j][0], new[j][1], lp, en, scale=s, splits=S
+            )[0]
+        )
+    results = {}
+    for name, f in cases.items():
+        try:
+            for _ in range(3):
+                mx.eval(f(q, lp, en, *flat))
+        except Exception as e:  # a variant that does not build is reported, not fatal
+            print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        results[name] = dict(wall=[], sync=[], host=[])
+    for _ in range(args.rounds):
+        for name in results:
+            f = cases[name]
+            host = 0.0
+            t0 = time.perf_counter()
+            for _ in range(args.reps):
+                h0 = time.perf_counter()
+                y = f(q, lp, en, *flat)
+                mx.async_eval(y)
+                host += time.perf_counter() - h0
+            mx.eval(y)
+            wall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(max(1, args.reps // 4)):
+                mx.eval(f(q, lp, en, *flat))
+            sync = (time.perf_counter() - t0) / max(1, args.reps // 4)
+            r = results[name]
+            r["wall"].append(wall / args.reps / L * 1e6)
+            r["host"].append(host / args.reps / L * 1e6)
+            r["sync"].append(sync / L * 1e6)
+        print(".", end="", flush=True)
+    print()
+    kv_bytes = sum(lens) * H * D * 2 * dtype.size
+    print(
+        f"read B={B} ctx={ctx} {layout}, {L} chained layers ({distinct} distinct plane pairs), "
+        f"valid KV {kv_bytes / 1e6:.1f} MB/layer: us/layer median [min-max] of {args.rounds}"
+    )
+    print(f"  {'case':<52} {'wall':>20} {'host':>20} {'sync':>20}  TB/s(wall)")
+    for name, r in results.items():
+        if not r["wall"]:
+            continue
+        cols = [f"{statistics.median(x):7.1f} [{min(x):.1f}-{max(x):.1f}]" for x in r.values()]
+        bw = kv_bytes / (statistics.median(r["wall"]) * 1e-6) / 1e12
+        print(f"  {name:<52} " + " ".join(f"{c:>20}" for c in cols) + f"  {bw:.2f}")
+    return dict(results=results, kv_bytes=kv_bytes, auto_splits=auto)
+
+
+def ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", choices=["step", "read"], required=True)
+    p.add_argument("--model", default="llama-3.2-1b", choices=sorted(suite.MODELS))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--layout", default="aligned", choices=["aligned", "ragged"])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--sync-rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--step-splits", type=ints, default=[])
+    p.add_argument("--only", help="only these step variants (names as printed, ';'-separated)")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--plane-mb", type=int, default=8192, help="most MiB of distinct planes")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--splits", type=ints, default=[1])
+    p.add_argument("--unroll", type=ints, default=[2])
+    p.add_argument("--threads", type=ints, default=[256])
+    p.add_argument("--fused-splits", type=ints, default=[])
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    dtype = getattr(mx, args.dtype)
+    print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model} {dtype}", flush=True)
+    model = suite.build_model(args.model, dtype)
+    res = (step_part if args.part == "step" else read_part)(model, args, dtype)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), **res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
