@@ -484,6 +484,12 @@ def main(argv=None):
     )
     p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
     p.add_argument(
+        "--micro-cases",
+        default="",
+        help="attention micro-benchmarks of only these cases, B:ctx:layout,... "
+        "(e.g. 32:8192:ragged; implies --micro)",
+    )
+    p.add_argument(
         "--write",
         choices=["scatter", "slice", "auto"],
         default="scatter",
@@ -708,14 +714,20 @@ def main(argv=None):
                     )
                 mx.clear_cache()
     micro = {}
-    if args.micro:
-        for B, ctx, layout in [
+    if args.micro or args.micro_cases:
+        cases = [
             (B, c, lay)
             for B in batches
             for c in contexts
             for lay in layouts
             if not (lay == "ragged" and B == 1)
-        ]:
+        ]
+        if args.micro_cases:
+            cases = [
+                (int(B), int(c), lay)
+                for B, c, lay in (x.split(":") for x in args.micro_cases.split(","))
+            ]
+        for B, ctx, layout in cases:
             res, kvb = attention_micro(model, dtype, B, ctx, layout)
             micro[f"B={B} ctx={ctx} {layout}"] = dict(us=res, kv_bytes=kvb)
             print(
