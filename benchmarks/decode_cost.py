@@ -126,6 +126,9 @@ def step_part(model, args, dtype):
             (kernels, "ragged_attention"): identity,
         },
     }
+    if args.step_prefetch:
+        variants["kernel, fused write, prefetch"] = {**fused, (kernels, "PREFETCH"): True}
+        variants["kernel, scatter writes, prefetch"] = {**scatter, (kernels, "PREFETCH"): True}
     for S in args.step_splits:
         variants[f"kernel, fused write, splits {S}"] = {**fused, **split(S)}
         variants[f"kernel, no write, splits {S}"] = {**scatter, **no_write, **split(S)}
@@ -236,24 +239,40 @@ def read_part(model, args, dtype):
             )
         )
     auto = kernels.splits_for(B, H, C)
-    shapes = [(S, U, T) for S in args.splits for U in args.unroll for T in args.threads]
-    for S, U, T in shapes:
-        cases[f"kernel S={S} U={U} T={T}" + (" (auto S)" if S == auto else "")] = chain(
-            lambda q, k, v, lp, en, j, S=S, U=U, T=T: kernels.ragged_attention(
-                q, k, v, lp, en, scale=s, splits=S, unroll=U, threads=T
+    shapes = [
+        (S, U, T, P)
+        for S in args.splits
+        for U in args.unroll
+        for T in args.threads
+        for P in args.prefetch
+    ]
+    for S, U, T, P in shapes:
+        name = (
+            f"kernel S={S} U={U} T={T}" + (" PF" if P else "") + (" (auto S)" if S == auto else "")
+        )
+        cases[name] = chain(
+            lambda q, k, v, lp, en, j, S=S, U=U, T=T, P=P: kernels.ragged_attention(
+                q, k, v, lp, en, scale=s, splits=S, unroll=U, threads=T, prefetch=bool(P)
             )
         )
     for S in args.fused_splits:
-        cases[f"fused write_and_read S={S}"] = chain(
-            lambda q, k, v, lp, en, j, S=S: kernels.write_and_read(
-                q, k, v, new[j][0], new[j][1], lp, en, scale=s, splits=S
-            )[0]
-        )
-    results = {}
+        for P in args.prefetch:
+            cases[f"fused write_and_read S={S}" + (" PF" if P else "")] = chain(
+                lambda q, k, v, lp, en, j, S=S, P=P: kernels.write_and_read(
+                    q, k, v, new[j][0], new[j][1], lp, en, scale=s, splits=S, prefetch=bool(P)
+                )[0]
+            )
+    results, ref = {}, None
     for name, f in cases.items():
         try:
             for _ in range(3):
-                mx.eval(f(q, lp, en, *flat))
+                y = f(q, lp, en, *flat)
+                mx.eval(y)
+            if name.startswith("kernel"):  # every kernel variant against the first one
+                if ref is None:
+                    ref = y.astype(mx.float32)
+                diff = mx.abs(y.astype(mx.float32) - ref).max().item()
+                print(f"  {name}: max |out - first kernel case's| = {diff:.3g}", flush=True)
         except Exception as e:  # a variant that does not build is reported, not fatal
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -312,6 +331,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--step-splits", type=ints, default=[])
+    p.add_argument("--step-prefetch", action="store_true", help="step variants with PREFETCH")
     p.add_argument("--only", help="only these step variants (names as printed, ';'-separated)")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--plane-mb", type=int, default=8192, help="most MiB of distinct planes")
@@ -319,6 +339,7 @@ def main(argv=None):
     p.add_argument("--splits", type=ints, default=[1])
     p.add_argument("--unroll", type=ints, default=[2])
     p.add_argument("--threads", type=ints, default=[256])
+    p.add_argument("--prefetch", type=ints, default=[0], help="0 and/or 1 (kernels.PREFETCH)")
     p.add_argument("--fused-splits", type=ints, default=[])
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)

@@ -80,22 +80,7 @@ _SPLIT_BODY = r"""
     QUANT_BASES
     // Columns [a, z) of the run, where run column j is row column j + off of kp/vp.
     auto run = [&](const KT* kp, const KT* vp, int off, int a, int z) {
-        for (int base = a; base < z; base += U * G) {
-            uint4 rk[U], rv[U];
-            QUANT_DECL
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int j = base + u * G + g;
-                if (j < z) {
-                    rk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * RS);
-                    rv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * RS);
-                    QUANT_LOAD
-                } else {
-                    rk[u] = make_uint4(0, 0, 0, 0);
-                    rv[u] = rk[u];
-                    QUANT_ZERO
-                }
-            }
+LOADS
             float s[U][REP];
             #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -163,6 +148,57 @@ _SPLIT_BODY = r"""
         const size_t qrow = ((size_t)(b * HKV + h) * REP + r) * NQ + n;
         EPILOGUE
     }
+"""
+
+# The loads of one group step: U keys' 16 bytes of K and V per thread, issued before any
+# is used (LOADS); with PREFETCH, the next step's are issued before this step's compute
+# (a second set of registers: the loads of step i + 1 are in flight while step i computes).
+_LOADS = r"""
+        for (int base = a; base < z; base += U * G) {
+            uint4 rk[U], rv[U];
+            QUANT_DECL
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = base + u * G + g;
+                if (j < z) {
+                    rk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * RS);
+                    rv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * RS);
+                    QUANT_LOAD
+                } else {
+                    rk[u] = make_uint4(0, 0, 0, 0);
+                    rv[u] = rk[u];
+                    QUANT_ZERO
+                }
+            }
+"""
+
+_LOADS_PREFETCH = r"""
+        uint4 nk[U], nv[U];  // the next step's keys and values, in flight
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = a + u * G + g;
+            nk[u] = make_uint4(0, 0, 0, 0);
+            nv[u] = nk[u];
+            if (j < z) {
+                nk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * RS);
+                nv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * RS);
+            }
+        }
+        for (int base = a; base < z; base += U * G) {
+            uint4 rk[U], rv[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                rk[u] = nk[u];
+                rv[u] = nv[u];
+                const int j = base + U * G + u * G + g;
+                if (j < z) {
+                    nk[u] = *reinterpret_cast<const uint4*>(kp + (size_t)(j + off) * RS);
+                    nv[u] = *reinterpret_cast<const uint4*>(vp + (size_t)(j + off) * RS);
+                } else {
+                    nk[u] = make_uint4(0, 0, 0, 0);
+                    nv[u] = nk[u];
+                }
+            }
 """
 
 _OWN_RUN = r"""
@@ -279,8 +315,11 @@ _EPILOGUE_DIRECT = r"""
 """
 
 
-def _split_source(prefix: bool, direct: bool, quant: bool = False, fused: bool = False) -> str:
-    src = _SPLIT_BODY.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
+def _split_source(
+    prefix: bool, direct: bool, quant: bool = False, fused: bool = False, prefetch: bool = False
+) -> str:
+    src = _SPLIT_BODY.replace("LOADS\n", _LOADS_PREFETCH if prefetch and not quant else _LOADS)
+    src = src.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
     src = src.replace("OWN_RUN", _FUSED_RUN if fused else _OWN_RUN)
     src = src.replace("COPY_BLOCKS", _COPY_BLOCKS if fused else "")
     src = src.replace("PLEN_B", "plen[b]" if prefix else "0")
@@ -309,11 +348,14 @@ _MERGE_SRC = r"""
 _kernels: dict = {}
 
 
-def _split_kernel(prefix: bool, direct: bool, quant: bool = False, fused: bool = False):
+def _split_kernel(
+    prefix: bool, direct: bool, quant: bool = False, fused: bool = False, prefetch: bool = False
+):
     """The split pass (with a prefix source or not, over quantized planes or not,
-    writing the new tokens' planes or not; partial results or, with one split,
-    the output itself), built once per variant."""
-    key = ("split", prefix, direct, quant, fused)
+    writing the new tokens' planes or not, loading one step ahead or not; partial
+    results or, with one split, the output itself), built once per variant."""
+    prefetch = prefetch and not quant
+    key = ("split", prefix, direct, quant, fused, prefetch)
     if key not in _kernels:
         inputs = ["q", "k", "v", "lp", "en", "scale"]
         outputs = ["out"] if direct else ["po", "pm", "pl"]
@@ -329,10 +371,11 @@ def _split_kernel(prefix: bool, direct: bool, quant: bool = False, fused: bool =
             + ("_prefix" if prefix else "")
             + ("_q" if quant else "")
             + ("_w" if fused else "")
+            + ("_pf" if prefetch else "")
             + ("_1" if direct else ""),
             input_names=inputs,
             output_names=outputs,
-            source=_split_source(prefix, direct, quant, fused),
+            source=_split_source(prefix, direct, quant, fused, prefetch),
             header=_QUANT_HEADER,
         )
     return _kernels[key]
@@ -368,6 +411,9 @@ THREADS = 256
 #: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL;
 #: measured: 2 beat 1, 4 and 8 at 256 threads).
 UNROLL = 2
+#: Whether the split pass issues the next group step's loads before this step's compute
+#: (dense planes; measured on the H200 in ``notes/gpu.md``).
+PREFETCH = False
 #: Largest pair of planes (``2 * B * H * C * D * itemsize`` bytes) whose write
 #: ``write_and_read`` fuses into the read: the launch copies both planes whole, so it
 #: pays while the copy costs less than the two scatter launches it replaces (measured
@@ -513,6 +559,7 @@ def ragged_attention(
     prefix=None,
     threads: int = 0,
     unroll: int = 0,
+    prefetch: bool | None = None,
 ):
     """Attention of each row's last ``N`` positions over its own columns.
 
@@ -540,7 +587,8 @@ def ragged_attention(
             the queries stand in the row's own columns (``N <= ends -
             left_pad``). Off CUDA, the gathered columns and one masked SDPA.
         splits: overrides ``splits_for`` (for measurements); 1 is one launch.
-        threads, unroll: override ``THREADS`` / ``UNROLL`` (for measurements).
+        threads, unroll, prefetch: override ``THREADS`` / ``UNROLL`` / ``PREFETCH``
+            (for measurements).
     """
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
@@ -564,6 +612,7 @@ def ragged_attention(
         splits=splits or splits_for(B, H, span, N),
         threads=threads,
         unroll=unroll,
+        prefetch=prefetch,
         extra=list(prefix) if prefix is not None else [],
         template=[("PCAP", prefix[0].shape[2])] if prefix is not None else [],
         prefix=prefix is not None,
@@ -597,6 +646,7 @@ def write_and_read(
     splits: int = 0,
     threads: int = 0,
     unroll: int = 0,
+    prefetch: bool | None = None,
 ) -> tuple:
     """Write ``N`` new tokens at each row's columns ``[ends - N, ends)`` and read
     them with the rows: ``(out, keys, values)``, ``keys``/``values`` the planes
@@ -635,6 +685,7 @@ def write_and_read(
         splits=splits or splits_for(B, H, C, N),
         threads=threads,
         unroll=unroll,
+        prefetch=prefetch,
         new=(new_k, new_v),
         copies=copies_for(C, D, k.dtype.size),
     )
@@ -653,6 +704,7 @@ def _launch(
     lanes: int,
     threads: int = 0,
     unroll: int = 0,
+    prefetch: bool | None = None,
     extra: list | tuple = (),
     template: list | tuple = (),
     prefix: bool = False,
@@ -680,6 +732,7 @@ def _launch(
     while NT > 64 and (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
         NT //= 2
     S = splits
+    pf = PREFETCH if prefetch is None else prefetch
     fused = new is not None
     copies = copies if fused else 0
     launch = dict(
@@ -704,13 +757,13 @@ def _launch(
     )
     planes = [k.shape, v.shape] if fused else []
     if S == 1:  # one split: the split pass writes the output (one launch)
-        out, *written = _split_kernel(prefix, True, quant, fused)(
+        out, *written = _split_kernel(prefix, True, quant, fused, pf)(
             **launch,
             output_shapes=[(B, Hq, N, D), *planes],
             output_dtypes=[q.dtype] + [k.dtype] * len(planes),
         )
         return (out, *written) if fused else out
-    po, pm, pl, *written = _split_kernel(prefix, False, quant, fused)(
+    po, pm, pl, *written = _split_kernel(prefix, False, quant, fused, pf)(
         **launch,
         output_shapes=[(B, Hq, N, S, D), (B, Hq, N, S), (B, Hq, N, S), *planes],
         output_dtypes=[mx.float32, mx.float32, mx.float32] + [k.dtype] * len(planes),
