@@ -76,10 +76,21 @@ def test_kernel_equals_masked_sdpa(gqa, D, N, window, splits):
 
 
 @pytest.mark.parametrize(
-    "splits,threads,unroll", [(1, 128, 4), (3, 128, 2), (64, 128, 4), (1, 256, 8), (5, 256, 1)]
+    "splits,threads,unroll,prefetch",
+    [
+        (1, 128, 4, False),
+        (3, 128, 2, False),
+        (64, 128, 4, False),
+        (1, 256, 8, False),
+        (5, 256, 1, False),
+        (1, 256, 2, True),
+        (3, 128, 4, True),
+        (64, 256, 1, True),
+    ],
 )
-def test_kernel_in_float32_is_exact_for_any_split(splits, threads, unroll):
-    """Any split count (one split: the single-launch read), block size and unroll."""
+def test_kernel_in_float32_is_exact_for_any_split(splits, threads, unroll, prefetch):
+    """Any split count (one split: the single-launch read), block size, unroll and
+    prefetch."""
     lp, en = ROWS["ragged"]
     q, k, v = _data(4, 8, 2, 160, 64, 3, mx.float32, seed=splits)
     got = kernels.ragged_attention(
@@ -92,6 +103,7 @@ def test_kernel_in_float32_is_exact_for_any_split(splits, threads, unroll):
         splits=splits,
         threads=threads,
         unroll=unroll,
+        prefetch=prefetch,
     )
     # the reference in float64 on the host (MLX CUDA's masked SDPA uses TF32 matmuls)
     qn, kn, vn = (np.array(x, dtype=np.float64) for x in (q, k, v))
@@ -101,6 +113,26 @@ def test_kernel_in_float32_is_exact_for_any_split(splits, threads, unroll):
     p = np.exp(s - s.max(-1, keepdims=True))
     want = mx.array(np.einsum("bhnc,bhcd->bhnd", p / p.sum(-1, keepdims=True), vn), mx.float32)
     assert _rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("splits,unroll", [(1, 2), (4, 1), (3, 4)])
+def test_prefetch_reads_the_same_bits(dtype, splits, unroll):
+    """Loading a step ahead changes when keys arrive, not which keys nor the sums:
+    the read and the fused write give the same bits with and without it (rows
+    shorter than one step, ragged, padded and spare-column rows, 3 new tokens)."""
+    q, k, v = _data(4, 8, 2, 160, 64, 3, dtype, seed=7 + splits)
+    kn, vn = (mx.random.normal((4, 2, 3, 64)).astype(dtype) for _ in range(2))
+    for rows in sorted(ROWS):
+        lp, en = (mx.array(x, mx.int32) for x in ROWS[rows])
+        got = {}
+        for pf in (False, True):
+            kw = dict(scale=0.125, splits=splits, unroll=unroll, prefetch=pf)
+            read = kernels.ragged_attention(q, k, v, lp, en, **kw)
+            fused = kernels.write_and_read(q, k, v, kn, vn, lp, en, **kw)
+            got[pf] = [np.array(x.astype(mx.float32)) for x in (read, *fused)]
+        for a, b in zip(got[False], got[True]):
+            assert a.tobytes() == b.tobytes(), rows
 
 
 @pytest.mark.parametrize("gqa,D", [(1, 64), (4, 128), (8, 64)])
