@@ -2,10 +2,11 @@
 
 ``--part step``: one case (B rows x context x layout) of whole greedy decode
 steps, variants interleaved round by round (``suite.ablation``'s harness),
-each timed three ways: pipelined wall ms/step (the next token fed back
+each timed four ways: pipelined wall ms/step (the next token fed back
 lazily, as mlx-lm's generator does), the host's share of it (time spent
 inside the step call and ``async_eval``: the graph replay and its launches),
-and ms/step when every step is waited for (host + device, no overlap; so
+the step call alone (Python and the compiled replay, no launch), and
+ms/step when every step is waited for (host + device, no overlap; so
 "sync - host" is about the device's time). Each variant's graph is counted
 (primitives by name, ``mx.export_to_dot``). Variants remove or swap one
 part: the fused write, the split count (``splits_for`` forced), the read
@@ -61,29 +62,32 @@ def graph_counts(*arrays) -> dict:
 
 def timed_steps(runs, warmup, steps, rounds, sync_rounds):
     """Per name: pipelined wall, host and synced ms/step (lists over rounds)."""
-    out = {n: dict(wall=[], host=[], sync=[]) for n in runs}
+    out = {n: dict(wall=[], host=[], call=[], sync=[]) for n in runs}
     for r in runs.values():
         r[1], r[2] = suite.run_steps(r[0], warmup, r[1], r[2])
 
     def one(r, sync):
-        host = 0.0
+        host = call = 0.0
         tok, st = r[1], r[2]
         t0 = time.perf_counter()
         for _ in range(steps):
             h0 = time.perf_counter()
             logits, st = r[0](tok, st)
             tok = mx.argmax(logits, axis=-1).astype(mx.int32)
+            call += time.perf_counter() - h0
             (mx.eval if sync else mx.async_eval)(tok)
             host += time.perf_counter() - h0
         mx.eval(tok)
         r[1], r[2] = tok, st
-        return (time.perf_counter() - t0) / steps * 1e3, host / steps * 1e3
+        wall = (time.perf_counter() - t0) / steps * 1e3
+        return wall, host / steps * 1e3, call / steps * 1e3
 
     for _ in range(rounds):
         for name, r in runs.items():
-            wall, host = one(r, False)
+            wall, host, call = one(r, False)
             out[name]["wall"].append(wall)
             out[name]["host"].append(host)
+            out[name]["call"].append(call)
     for _ in range(sync_rounds):
         for name, r in runs.items():
             out[name]["sync"].append(one(r, True)[0])
@@ -157,7 +161,7 @@ def step_part(model, args, dtype):
         mx.eval(r[1], r[2])
     t = timed_steps(runs, args.warmup, args.steps, args.rounds, args.sync_rounds)
     print(f"step B={B} ctx={ctx} {layout}: ms/step median [min-max] of {args.rounds} rounds")
-    print(f"  {'variant':<56} {'wall':>18} {'host':>18} {'sync':>18} prims")
+    print(f"  {'variant':<56} {'wall':>18} {'host':>18} {'call':>18} {'sync':>18} prims")
     for name, d in t.items():
         cols = [f"{statistics.median(x):6.3f} [{min(x):.2f}-{max(x):.2f}]" for x in d.values() if x]
         print(f"  {name:<56} " + " ".join(f"{c:>18}" for c in cols), sum(counts[name].values()))
