@@ -289,6 +289,8 @@ class Decoder:
         self._mods = None
         self._pending = None
         self._layers: int | None = None
+        # the records the last step returned: id -> (weak reference, their Spec)
+        self._returned: dict = {}
 
     def _compiled(self, key):
         fn = self._fns.get(key)
@@ -353,14 +355,25 @@ class Decoder:
         else:
             tokens, states = padded
         flats, specs, prepared, positions = [], [], [], compiled.Positions()
+        returned, self._returned, canon = self._returned, {}, {}
         for s in states:
-            s = compiled.prepare(s, N)
-            flat, spec = compiled.flatten(s, room=N, positions=positions(s), prepared=True)
-            held = compiled.held_planes(s)  # (read, never written: a shared prefix)
+            p = compiled.prepare(s, N)
+            mine = returned.get(id(s))
+            if p is s and mine is not None and mine[0]() is s:
+                # a record this decoder returned, unchanged since: its Spec is known
+                flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
+            else:
+                flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
+                spec = canon.setdefault(spec, spec)  # equal layouts: one Spec object
+            held = compiled.held_planes(p)  # (read, never written: a shared prefix)
             flats.append((*flat, held) if held else flat)
             specs.append(spec)
-            prepared.append(s)
-        keys = tuple(sp.key for sp in specs)
+            prepared.append(p)
+        key_of: dict = {}  # Spec objects are shared by the layers of one layout
+        for sp in specs:
+            if id(sp) not in key_of:
+                key_of[id(sp)] = sp.key
+        keys = tuple(key_of[id(sp)] for sp in specs)
         fn = self._compiled((keys, squeeze))
         if self._pending is not None:
             mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
@@ -374,11 +387,17 @@ class Decoder:
         del flats, states, padded
         if self.wait:
             self._pending = logits
-        new = [
-            compiled.rebuild(sp.replace(**compiled.advanced(s, N)), f)
-            for f, sp, s in zip(out, specs, prepared)
-        ]
+        new, advanced = [], {}
+        for f, sp, s in zip(out, specs, prepared):
+            # the layers of one layout (one Spec object) advance once per step
+            at = (id(sp), tuple(x.shape for x in s.planes))
+            spec = advanced.get(at)
+            if spec is None:
+                spec = advanced[at] = sp.replace(**compiled.advanced(s, N))
+            new.append(compiled.rebuild(spec, f))
+            self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
         if Bb != B:
+            self._returned = {}
             return self._padding.unpad(logits, new, B)
         return logits, new
 

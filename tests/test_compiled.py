@@ -204,6 +204,57 @@ def test_gemma3_rings_compiled_equals_mlx_lm_alone_and_eager():
     assert worst <= ATOL
 
 
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "dense",
+        "rings",
+        pytest.param(
+            "quantized",
+            marks=pytest.mark.skipif(
+                kernels.kernel_available(),
+                reason="attention='mask' reads quantized rows with the stock quantized_matmul, "
+                "which MLX 0.32.4's CUDA lacks for these shapes",
+            ),
+        ),
+    ],
+)
+def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
+    """A record the decoder returned and gets back unchanged skips ``flatten``
+    (its Spec is the advanced one the decoder built; batches that are their own
+    bucket, here 4 rows); the remembered Spec is
+    the record's own (``spec_of``) at every step, across capacity buckets;
+    anything else (a record changed since, a new one) is flattened."""
+    model = tm.gemma3_model() if kind == "rings" else tm.llama_model(layers=2)
+    make = dict(kv_bits=8, kv_group_size=32) if kind == "quantized" else {}
+    _, logits, states = prefill(model, [5, 9, 3, 7], step=16, **make)  # a batch bucket
+    flattened = []
+    flatten = kc.flatten
+    monkeypatch.setattr(kc, "flatten", lambda s, **kw: flattened.append(s) or flatten(s, **kw))
+    decode = br.Decoder(model, attention="mask")
+    tok = mx.argmax(logits, axis=-1)
+    grown = 0
+    for t in range(20):
+        before = len(flattened)
+        _, new = decode(tok, states)
+        moved = sum(a.capacity != b.capacity for a, b in zip(states, new))
+        grown += moved
+        for r in new:
+            assert kc.spec_of(r) == decode._returned[id(r)][1], t
+        if t > 0:  # flattened: only the records prepare moved to a new bucket
+            assert len(flattened) - before == moved, t
+        states = new
+    assert len(flattened) < 20 * len(states)  # the fast path ran
+    specs = {id(decode._returned[id(r)][1]) for r in states}
+    assert len(specs) == len({kc.spec_of(r) for r in states})  # one Spec per layout
+    if kind == "dense":
+        assert grown >= 1  # crossed a bucket
+    changed = [kv.trim(s, (1, 0, 0, 0)) for s in states]
+    before = len(flattened)
+    decode(tok, changed)
+    assert len(flattened) - before == len(changed)
+
+
 def test_inputs_unchanged_and_outputs_own_their_rows():
     model = tm.llama_model(layers=2)
     _, logits, states = prefill(model, [4, 7], step=16)
