@@ -116,6 +116,7 @@ def step_part(model, args, dtype):
         "mlx-lm": None,
         "floor": "floor",
         "kernel, fused write (default route)": {},
+        "kernel, fused write, no Spec reuse": "forget",
         "kernel, fused write": fused,
         "kernel, scatter writes": scatter,
         "kernel, no write": {**scatter, **no_write},
@@ -149,6 +150,14 @@ def step_part(model, args, dtype):
         if v is None:
             caches = suite.mlx_lm_caches(kvs, lengths, ctx)
             runs[name] = [suite.impl_step("mlx-lm", model, {}), tokens, caches]
+        elif v == "forget":  # the Decoder's host path before it reused its records' Specs
+            dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
+
+            def forget(tok, st, dec=dec):
+                dec._returned = {}
+                return dec(tok, st)
+
+            runs[name] = [forget, tokens, suite.kv_states(kvs, lengths, ctx)]
         else:
             dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
             runs[name] = [suite.patched(dec, v), tokens, suite.kv_states(kvs, lengths, ctx)]
