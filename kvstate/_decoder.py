@@ -355,7 +355,8 @@ class Decoder:
         else:
             tokens, states = padded
         flats, specs, prepared, positions = [], [], [], compiled.Positions()
-        returned, self._returned, canon = self._returned, {}, {}
+        returned, self._returned = self._returned, {}
+        canon: dict = {}
         for s in states:
             p = compiled.prepare(s, N)
             mine = returned.get(id(s))
@@ -387,7 +388,8 @@ class Decoder:
         del flats, states, padded
         if self.wait:
             self._pending = logits
-        new, advanced = [], {}
+        new: list = []
+        advanced: dict = {}
         for f, sp, s in zip(out, specs, prepared):
             # the layers of one layout (one Spec object) advance once per step
             at = (id(sp), tuple(x.shape for x in s.planes))
