@@ -365,7 +365,8 @@ class Decoder:
                 flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
             else:
                 flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
-                spec = canon.setdefault(spec, spec)  # equal layouts: one Spec object
+                if type(spec) is compiled.Spec:  # equal layouts: one Spec object
+                    spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
             held = compiled.held_planes(p)  # (read, never written: a shared prefix)
             flats.append((*flat, held) if held else flat)
             specs.append(spec)
