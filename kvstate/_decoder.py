@@ -197,9 +197,10 @@ class _TracedReads:
     def __call__(self, queries, keys, values, cache, scale, sinks, mask):
         content = getattr(cache, "content", None)
         if sinks is None and isinstance(content, compiled.Traced):
-            out = compiled.traced_read(content.proto, content, queries, scale, self.ctx)
-            if out is not None:
+            read = compiled.traced_read(content.proto, content, queries, scale, self.ctx)
+            if read is not None:
                 self.read += 1
+                out, cache.content = read
                 return out
         if self.kernel:
             return routed_read(queries, keys, values, cache, scale, sinks, mask)

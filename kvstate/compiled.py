@@ -386,10 +386,12 @@ def traced_mask(
 @singledispatch
 def traced_read(
     proto: Any, view: Traced, q: mx.array, scale: float, ctx: TraceContext
-) -> mx.array | None:
+) -> tuple[mx.array, Traced] | None:
     """The attention read of ``q`` ``[B, Hq, N, D]`` over ``view`` after its
     write, for kinds that read themselves (a ``SharedState``'s cascade):
-    the compiled decoder routes the model's attention call here. ``None``
+    the compiled decoder routes the model's attention call here. Returns
+    ``(out, view)``: the layer's view after the read (a read that did the
+    write itself, ``kernels.write_and_read``, hands back its planes). ``None``
     (the default): the model's own read of the columns ``traced_update``
     returned."""
     return None

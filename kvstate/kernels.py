@@ -592,15 +592,11 @@ def ragged_attention(
     """
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
-    if prefix is not None:
-        check(window == 0, "window", "0 with a prefix (no windowed shared read)", window)
-        check(len(prefix) == 5, "prefix", "(pk, pv, rows, starts, lens)", len(prefix))
-    if decode_read(N, q, k) != "kernel" or (prefix is not None and not _prefix_fits(prefix, k)):
+    if not _kernel_reads(q, k, window, prefix):
         if prefix is not None:
             return _prefix_reference(q, k, v, left_pad, ends, prefix, scale)
         mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    span = C + (prefix[0].shape[2] if prefix is not None else 0)
     return _dense_launch(
         q,
         k,
@@ -609,14 +605,34 @@ def ragged_attention(
         ends,
         scale=scale,
         window=window,
-        splits=splits or splits_for(B, H, span, N),
+        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), N),
         threads=threads,
         unroll=unroll,
         prefetch=prefetch,
-        extra=list(prefix) if prefix is not None else [],
-        template=[("PCAP", prefix[0].shape[2])] if prefix is not None else [],
-        prefix=prefix is not None,
+        **_prefix_variant(prefix),
     )
+
+
+def _kernel_reads(q, k, window: int, prefix) -> bool:
+    """Whether the split-K kernel reads ``q`` over ``k`` (and ``prefix``): the
+    checks of a prefix argument, then ``decode_read``'s answer and the prefix
+    planes' fit."""
+    if prefix is not None:
+        check(window == 0, "window", "0 with a prefix (no windowed shared read)", window)
+        check(len(prefix) == 5, "prefix", "(pk, pv, rows, starts, lens)", len(prefix))
+    return decode_read(q.shape[2], q, k) == "kernel" and (prefix is None or _prefix_fits(prefix, k))
+
+
+def _prefix_columns(prefix) -> int:
+    """Columns a row's run may take from ``prefix`` (its planes' capacity; 0 without)."""
+    return 0 if prefix is None else prefix[0].shape[2]
+
+
+def _prefix_variant(prefix) -> dict:
+    """``_launch``'s arguments for a prefix source (none without one)."""
+    if prefix is None:
+        return {}
+    return dict(extra=list(prefix), template=[("PCAP", prefix[0].shape[2])], prefix=True)
 
 
 def _dense_launch(q, k, v, left_pad, ends, **variant):
@@ -643,6 +659,7 @@ def write_and_read(
     *,
     scale: float,
     window: int = 0,
+    prefix=None,
     splits: int = 0,
     threads: int = 0,
     unroll: int = 0,
@@ -663,16 +680,23 @@ def write_and_read(
     where the two scatter launches it saves cost more, ``FUSED_BYTES``).
     Elsewhere, the compiled step's scatter write (``_rows.column_writer``)
     and ``ragged_attention``.
+
+    Args:
+        prefix: shared-prefix rows, as ``ragged_attention`` takes them: each
+            row's run is its prefix columns, then its own (``k``/``v`` are a
+            ``SharedState``'s suffix planes; only they are written).
     """
     from ._rows import column_writer
 
     B, Hq, N, D = q.shape
     H, C = k.shape[1], k.shape[2]
     new_k, new_v = new_k.astype(k.dtype), new_v.astype(v.dtype)
-    if decode_read(N, q, k) != "kernel":
+    if not _kernel_reads(q, k, window, prefix):
         write = column_writer(ends - N, N)
         keys, values = write(k, new_k), write(v, new_v)
-        out = ragged_attention(q, keys, values, left_pad, ends, scale=scale, window=window)
+        out = ragged_attention(
+            q, keys, values, left_pad, ends, scale=scale, window=window, prefix=prefix
+        )
         return out, keys, values
     return _dense_launch(
         q,
@@ -682,12 +706,13 @@ def write_and_read(
         ends,
         scale=scale,
         window=window,
-        splits=splits or splits_for(B, H, C, N),
+        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), N),
         threads=threads,
         unroll=unroll,
         prefetch=prefetch,
         new=(new_k, new_v),
         copies=copies_for(C, D, k.dtype.size),
+        **_prefix_variant(prefix),
     )
 
 

@@ -749,33 +749,40 @@ def _fold_mask(mask, rep):
     return mx.broadcast_to(mask[:, :, None], (Bm, 1, rep, N, W)).reshape(Bm, 1, rep * N, W)
 
 
-def use_kernel(q, k) -> bool:
-    """Whether the shared read of one prefix record goes to ``ragged_attention``'s
-    split-K kernel with a prefix source: where that kernel runs and covers
-    these shapes (``kernels.decode_read``: MLX's CUDA backend). Decided while
-    tracing (``prefix_read``)."""
-    return kernels.decode_read(q.shape[2], q, k) == "kernel"
-
-
-def prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix_mask=None):
-    """The shared rows' read of ``q`` (the suffix already holds the queries' tokens).
+def prefix_read(
+    q, suffix_kv, left_pad, ends, prefix_kv, views, *, scale, suffix_mask=None, written=()
+):
+    """The shared rows' read of ``q`` (the suffix already holds the queries' tokens):
+    ``(out, suffix planes)``.
 
     ``left_pad``/``ends``: int32 ``[B]`` arrays of the suffix rows (after the
-    write). Where ``kvstate.kernels`` has its split-K kernel with a prefix
-    source (MLX's CUDA backend, shapes ``kernels.decode_read`` covers)
-    and the rows read one prefix record, one ``ragged_attention`` call reads
-    prefix and suffix (the unshared read's launches); otherwise
-    ``cascade_attention`` with ``suffix_mask`` (built from ``left_pad`` and
-    ``ends`` when not given). Traceable.
+    write). The route is ``kernels.decode_read``'s, decided while tracing:
+    where the split-K kernel with a prefix source reads (MLX's CUDA backend,
+    the shapes it covers) and the rows read one prefix record, one
+    ``ragged_attention`` call reads prefix and suffix (the unshared read's
+    launches); with ``written`` (a compiled step's suffix write:
+    ``compiled.Traced.written``, the planes before it and the new tokens)
+    and the route ``"fused"``, ``kernels.write_and_read`` does the write in
+    that launch too, as for unshared rows, and its planes are returned in
+    place of ``suffix_kv`` (the scatter's, which the graph then drops).
+    Otherwise ``cascade_attention`` with ``suffix_mask`` (built from
+    ``left_pad`` and ``ends`` when not given). Traceable.
     """
-    if len(prefix_kv) == 1 and use_kernel(q, suffix_kv[0]):
+    route = kernels.decode_read(q.shape[2], q, suffix_kv[0], written=bool(written))
+    if len(prefix_kv) == 1 and route != "masked":
         _, rows, start, shared = views
-        return kernels.ragged_attention(
-            q, *suffix_kv, left_pad, ends, scale=scale, prefix=(*prefix_kv[0], rows, start, shared)
-        )
+        prefix = (*prefix_kv[0], rows, start, shared)
+        if route == "fused":
+            (k0, v0), (kn, vn) = written
+            out, *planes = kernels.write_and_read(
+                q, k0, v0, kn, vn, left_pad, ends, scale=scale, prefix=prefix
+            )
+            return out, tuple(planes)
+        out = kernels.ragged_attention(q, *suffix_kv, left_pad, ends, scale=scale, prefix=prefix)
+        return out, suffix_kv
     if suffix_mask is None:
         suffix_mask = rows_mask(q.shape[2], left_pad, ends, suffix_kv[0].shape[2])
-    return cascade_attention(q, prefix_kv, views, suffix_kv, suffix_mask, scale=scale)
+    return cascade_attention(q, prefix_kv, views, suffix_kv, suffix_mask, scale=scale), suffix_kv
 
 
 @ops.attend.register
@@ -849,7 +856,8 @@ def _read_fn(scale: float):
     def fn(q, suffix_k, suffix_v, left_pad, ends, *arrays):
         views, prefix = arrays[:4], arrays[4:]
         pairs = [(prefix[i], prefix[i + 1]) for i in range(0, len(prefix), 2)]
-        return prefix_read(q, (suffix_k, suffix_v), left_pad, ends, pairs, views, scale=scale)
+        out, _ = prefix_read(q, (suffix_k, suffix_v), left_pad, ends, pairs, views, scale=scale)
+        return out
 
     return fn
 
@@ -988,7 +996,9 @@ def traced_offset_shared(proto, view: compiled.Traced, ctx: compiled.TraceContex
 def traced_update_shared(proto, view: compiled.Traced, k, v, ctx: compiled.TraceContext):
     sview = _suffix_view(view)
     new, keys, values = compiled.traced_update(sview.proto, sview, k, v, ctx)
-    out = attrs.evolve(view, planes=new.planes, positions=new.positions + view.positions[2:])
+    out = attrs.evolve(
+        view, planes=new.planes, positions=new.positions + view.positions[2:], written=new.written
+    )
     return out, keys, values
 
 
@@ -1005,7 +1015,10 @@ def traced_read_shared(proto, view: compiled.Traced, q, scale, ctx: compiled.Tra
     pairs = [(held[i], held[i + 1]) for i in range(0, len(held), 2)]
     mask = ctx.shared(("shared-mask", N, C), (ends, lp), lambda: rows_mask(N, lp, ends, C))
     views = (source, rows, start, shared)
-    return prefix_read(q, view.planes, lp, ends, pairs, views, scale=scale, suffix_mask=mask)
+    out, planes = prefix_read(
+        q, view.planes, lp, ends, pairs, views, scale=scale, suffix_mask=mask, written=view.written
+    )
+    return out, attrs.evolve(view, planes=planes, written=())
 
 
 @_buckets.blank_rows.register(SharedState)

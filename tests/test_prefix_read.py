@@ -141,3 +141,49 @@ def test_prefix_rows_without_a_view_read_only_their_suffix():
     )
     want = kernels.ragged_attention(q, k, v, lp, en, scale=0.125)
     assert _rel(got, want) < 1e-2
+
+
+def _bytes(a):
+    import numpy as np
+
+    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("gqa,D,N", [(3, 64, 1), (4, 128, 1), (3, 64, 4)])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_write_and_read_with_a_prefix_is_append_then_read(dtype, gqa, D, N, splits):
+    """The shared step's fused write (``write_and_read(..., prefix=...)``): the suffix
+    planes equal ``kv.append``'s byte for byte (every column, spare ones included),
+    the read equals the same rows stored unshared (``kv.attend`` on ``materialize``,
+    float32). On the CPU the stock path (scatter, then the gathered read); on CUDA
+    the kernel: a prefix source and a fused write in one launch."""
+    H = 2
+    state = _shared_rows(dtype, H, D, N, seed=gqa * 7 + N + splits)
+    kn = mx.random.normal((6, H, N, D)).astype(dtype)
+    vn = mx.random.normal((6, H, N, D)).astype(dtype)
+    q = mx.random.normal((6, H * gqa, N, D)).astype(dtype)
+    want = kv.append(state, kn, vn)
+    k, v, lp, en, prefix = _prefix_args(want)
+    before = state.suffix
+    pad = [(0, 0), (0, 0), (0, k.shape[2] - before.keys.shape[2]), (0, 0)]
+    k0, v0 = (mx.pad(p, pad) for p in (before.keys, before.values))  # (grown columns: zeros)
+    out, keys, values = kernels.write_and_read(
+        q, k0, v0, kn, vn, lp, en, scale=D**-0.5, prefix=prefix, splits=splits
+    )
+    assert _bytes(keys) == _bytes(k) and _bytes(values) == _bytes(v)
+    assert out.shape == q.shape and out.dtype == dtype
+    # float32: 1e-5 on the CPU; MLX CUDA's masked SDPA reference runs TF32 matmuls
+    tol = BF16_RTOL if dtype == mx.bfloat16 else (1e-3 if kernels.kernel_available() else 1e-5)
+    assert _rel(out, _reference(want, q, D**-0.5)) < tol
+    # and the read of the written planes without the fused write (the kernel's own read)
+    alone = kernels.ragged_attention(q, keys, values, lp, en, scale=D**-0.5, prefix=prefix)
+    assert _rel(out, alone) < (1e-2 if dtype == mx.bfloat16 else 1e-5)
+
+
+def test_write_and_read_with_a_prefix_refuses_a_window():
+    state = _shared_rows(mx.float32, 2, 64, 1, seed=4)
+    k, v, lp, en, prefix = _prefix_args(state)
+    q = mx.zeros((6, 2, 1, 64))
+    with pytest.raises(kv.KVStateError, match="window"):
+        kernels.write_and_read(q, k, v, q, q, lp, en, scale=0.125, window=8, prefix=prefix)

@@ -162,8 +162,27 @@ def test_rows_reading_an_empty_prefix_record_decode_as_unshared():
     np.testing.assert_allclose(np.array(got[0][-1]), np.array(alone[0]), atol=ATOL, rtol=1e-5)
 
 
+def _force_route(monkeypatch, fused: bool):
+    """Off CUDA, ``kernels.decode_read`` made to answer ``"kernel"`` for decode
+    widths (``"fused"`` for a read with a write at hand, with ``fused``) while the
+    kernels' own launch gate stays shut (``kernels._kernel_reads``): they answer by
+    their stock paths, so the wiring runs everywhere. On CUDA, the real route."""
+    from kvstate import kernels
+
+    if kernels.kernel_available():
+        return
+
+    def route(N, q=None, k=None, **kw):
+        if N > kernels.MAX_QUERIES:
+            return "masked"
+        return "fused" if fused and kw.get("written") else "kernel"
+
+    monkeypatch.setattr(kernels, "decode_read", route)
+    monkeypatch.setattr(kernels, "_kernel_reads", lambda *a: False)
+
+
 def test_the_kernel_wiring_reads_the_same(monkeypatch):
-    """With the prefix-source read forced (``shared.use_kernel``; off CUDA
+    """With the prefix-source read forced (``kernels.decode_read``; off CUDA
     ``ragged_attention`` answers by its stock path), eager and compiled shared
     decode give the cascade's logits: the arrays handed to the kernel (the
     suffix's ``left_pad``/``ends``, the row map) are the right ones."""
@@ -183,7 +202,7 @@ def test_the_kernel_wiring_reads_the_same(monkeypatch):
         calls.append(k.get("prefix") is not None)
         return real(*a, **k)
 
-    monkeypatch.setattr(shared, "use_kernel", lambda q, k: True)
+    _force_route(monkeypatch, fused=False)
     monkeypatch.setattr(kernels, "ragged_attention", counted)
     shared._compiled_read.cache_clear()  # (decided while tracing)
     eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
@@ -194,3 +213,53 @@ def test_the_kernel_wiring_reads_the_same(monkeypatch):
         np.testing.assert_allclose(np.array(e), np.array(w), atol=ATOL, rtol=1e-5)
         np.testing.assert_allclose(np.array(g), np.array(w), atol=ATOL, rtol=1e-5)
     assert want_toks == eager_toks == got_toks
+
+
+def test_the_fused_write_wiring_reads_and_writes_the_same(monkeypatch):
+    """The compiled shared step with its suffix write fused into the read
+    (``kernels.write_and_read(..., prefix=...)``, the route ``"fused"``) gives the
+    logits and the suffix planes of the same step writing by scatter, and the eager
+    bridge's logits. Off CUDA the route is forced (``_force_route``) and the fused
+    call is its stock path; on CUDA it is the kernel."""
+    from kvstate import kernels
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(7)
+    p = rng.integers(0, VOCAB, 9).tolist()
+    _, one = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
+    rows = [kv.trim(s, [0, 0, 3]) for s in kv.fork(one, 0, 2, step=4)]
+    first = [3, 5, 7]
+    want, want_toks, _ = run(bridge.step, model, first, rows, 5)  # (crosses a suffix bucket)
+    _force_route(monkeypatch, fused=True)
+    calls = []
+    real = kernels.write_and_read
+
+    def spy(*a, **k):
+        calls.append(k.get("prefix") is not None)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernels, "write_and_read", spy)
+    fused, fused_toks, fused_out = run(_decoder.make_step(model), model, first, rows, 5)
+    assert calls and all(calls)
+    calls.clear()
+    monkeypatch.setattr(kernels, "FUSED_BYTES", 0)  # (on CUDA: the scatter write)
+    if not kernels.kernel_available():
+        _force_route(monkeypatch, fused=False)
+    plain, plain_toks, plain_out = run(_decoder.make_step(model), model, first, rows, 5)
+    assert not calls
+    assert fused_toks == plain_toks == want_toks
+    # CUDA: the fused launch sums the new columns last (float rounding, ROUNDING of
+    # test_fused_write); off CUDA the same operations
+    tol = 2e-3 if kernels.kernel_available() else ATOL
+    for f, g, w in zip(fused, plain, want):
+        np.testing.assert_allclose(np.array(f), np.array(g), atol=tol, rtol=1e-5)
+        np.testing.assert_allclose(np.array(f), np.array(w), atol=tol, rtol=1e-5)
+    for i, (a, b) in enumerate(zip(fused_out, plain_out)):
+        assert a.lengths == b.lengths and a.shared == b.shared
+        assert all(x is y for x, y in zip(a.prefixes, b.prefixes))
+        for pa, pb in zip(a.suffix.planes, b.suffix.planes):
+            assert pa.shape == pb.shape
+            if i == 0 or not kernels.kernel_available():  # (layer 0: the tokens alone)
+                assert np.array_equal(np.array(pa), np.array(pb))
+            else:
+                assert mx.abs(pa - pb).max().item() < tol
