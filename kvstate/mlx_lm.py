@@ -357,6 +357,7 @@ def forward(
     *,
     memo: Optional[MaskMemo] = None,
     start_early: Optional[bool] = None,
+    last: bool = False,
 ) -> tuple[mx.array, list]:
     """Run ``model`` on ``tokens`` ``[B, N]`` over ``states`` (one record per layer).
 
@@ -374,6 +375,11 @@ def forward(
     results are the same either way. ``None`` (the default): only when the
     default device is the CPU, where it measured faster; on the H200 it
     measured slower (``notes/bridge.md``).
+
+    ``last``: only the last position's logits, ``[B, 1, V]`` (a prompt's
+    rest and its last token in one forward, ``prefix_cache.prefill``): the
+    output layer runs on that position alone where the model's head is
+    known (``_last_logits``), else the full logits are sliced.
     """
     tokens, poisoned = token_ids(model, tokens)
     shape = tokens.shape
@@ -402,17 +408,41 @@ def forward(
     if B == 0:  # mlx-lm models cannot run an empty batch: nothing to run, nothing appended
         V, dtype = _logits_shape(model)
         return mx.zeros((0, shape[1], V), dtype), list(states)
+    run = _last_logits if last else _logits
     try:
         if _decoder.routes_reads() or any(type(sh) is SharedShell for sh in shells):
             with _cascade(model, ctx):
-                logits = model(tokens, cache=shells)
+                logits = run(model, tokens, shells)
         else:
-            logits = model(tokens, cache=shells)
+            logits = run(model, tokens, shells)
     finally:
         ctx.release()
     if poisoned is not None:
         logits = mx.where(poisoned[:, None, None], mx.array(float("nan"), logits.dtype), logits)
     return logits, [sh.content for sh in shells]
+
+
+def _logits(model, tokens, cache):
+    return model(tokens, cache=cache)
+
+
+#: mlx-lm model modules whose ``Model.__call__`` is its inner ``model`` (the
+#: decoder stack and final norm, per position after attention) followed by the
+#: output layer, ``lm_head`` or the tied embedding: ``_last_logits`` runs the
+#: output layer on the last position only (tested against the full logits).
+PLAIN_HEADS = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})
+
+
+def _last_logits(model, tokens, cache):
+    """The logits of the last position, ``[B, 1, V]``: for ``PLAIN_HEADS`` models
+    the output layer (``[V, hidden]``, a small model's costliest matmul) runs on
+    that position alone; for any other model, the full logits sliced."""
+    if type(model).__module__ not in PLAIN_HEADS:
+        return model(tokens, cache=cache)[:, -1:]
+    h = model.model(tokens, cache)[:, -1:]
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
 
 
 _LOGITS: dict = {}  # id(model) -> (vocabulary size, logits dtype); leaves with its model

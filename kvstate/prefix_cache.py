@@ -337,14 +337,14 @@ def prefill(
     """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
 
     A prompt whose start is cached prefills only the rest (its rows read the
-    cached records, no copy); every prompt (and its head, all but the last
-    token, which the rows read) is then cached for the requests that follow.
-    Each prompt's head runs with no logits asked for,
-    and the last tokens of all prompts run as one batched ``step``: the
-    model's output layer (``[V, hidden]``, the costliest matmul of a small
-    model) runs once per row, never once per prompt token. Rows are
-    ``SharedState`` records, so rows of different prefixes merge into one
-    batch.
+    cached records, no copy); every prompt is then cached for the requests
+    that follow. A prompt with tokens to run besides its last runs them and
+    its last token in one forward, the output layer on the last position
+    only (``kvstate.mlx_lm.forward(..., last=True)``): a cached request is
+    one forward, not two. Prompts whose every token but the last is cached
+    (the n samples of a prompt, a repeated request) run their last tokens
+    together in one batched ``step``. Rows are ``SharedState`` records, so
+    rows of different prefixes merge into one batch.
 
     Args:
         model: an mlx-lm model.
@@ -367,31 +367,49 @@ def prefill(
     if prefill_step_size is not None:
         prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
         check(prefill_step_size >= 1, "prefill_step_size", ">= 1", prefill_step_size)
+    prompts = [list(p) for p in prompts]
     rows, leases, prefilled = [], [], []
+    last: dict[int, mx.array] = {}  # prompt -> its logits, where its rest ran alone
     for i, p in enumerate(prompts):
-        p = list(p)
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
-        head = p[:-1]
         hit = cache.lookup(p) if cache is not None else None
         start = 0 if hit is None else hit.matched
         states = make_states(model, 1, **make) if hit is None else hit.states
-        rest = head[start:]  # no logits are asked for: the output layer never runs here
-        chunk = prefill_step_size or max(len(rest), 1)
-        for at in range(0, len(rest), chunk):  # (chunks bound a long prompt's activations)
-            _, states = forward(model, mx.array([rest[at : at + chunk]]), states, memo=memo)
-        prefilled.append(len(p) - start)
-        if head and cache is not None and cache.insert(head, states):
-            held = cache.pin(head)  # the row reads the entry (the same records when dense)
-            assert held is not None  # inserted just above
-            states = held.states
+        rest = p[start:]  # (lookup leaves at least the last token to run)
+        held = p[:-1]  # cached up to its last token: the batched step runs that
+        if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
+            chunk = prefill_step_size or len(rest)
+            for at in range(0, len(rest), chunk):
+                end = at + chunk >= len(rest)
+                logits, states = forward(
+                    model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
+                )
+            last[i], held = logits[:, -1, :], p
+        prefilled.append(len(rest))
+        if held and cache is not None and cache.insert(held, states):
+            pinned = cache.pin(held)  # the row reads the entry (the same records when dense)
+            assert pinned is not None  # inserted just above
+            states = pinned.states
             if hit is not None:
                 hit.release()
-            hit = held
+            hit = pinned
         leases.append(hit)
         rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
-    # Every row's last prompt token in one batched step: the only logits computed.
-    logits, states = step(model, mx.array([p[-1] for p in prompts]), merge_rows(rows), memo=memo)
+    ran = sorted(last)
+    wait = [b for b in range(len(prompts)) if b not in last]
+    if not wait:
+        return mx.concatenate([last[b] for b in ran], axis=0), merge_rows(rows), leases, prefilled
+    # The rows cached up to their last token: those tokens in one batched step.
+    tokens = mx.array([prompts[b][-1] for b in wait])
+    lg, stepped = step(model, tokens, merge_rows([rows[b] for b in wait]), memo=memo)
     if cache is not None:  # the whole prompts too (a next turn reuses all of them)
-        for b, p in enumerate(prompts):
-            cache.insert(p, [ops.extract_row(s, b) for s in states])
+        for j, b in enumerate(wait):
+            cache.insert(prompts[b], [ops.extract_row(s, j) for s in stepped])
+    logits = mx.concatenate([last[b] for b in ran] + [lg], axis=0)
+    states = merge_rows([rows[b] for b in ran] + [stepped])
+    order = ran + wait  # (the rows as merged)
+    if order != sorted(order):  # back in prompt order
+        back = [order.index(b) for b in range(len(prompts))]
+        logits = logits[mx.array(back)]
+        states = [ops.filter_rows(s, back) for s in states]
     return logits, states, leases, prefilled

@@ -250,3 +250,88 @@ def test_prefill_over_a_cached_prefix_traces_nothing_per_prompt_length():
         for lease in leases:
             lease.release()
     assert shared.traces() - before <= 1
+
+
+@pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
+def test_forward_last_gives_the_last_positions_logits(make_model):
+    """``forward(..., last=True)``: ``[B, 1, V]``, the full forward's last position
+    (for these models the output layer runs on that position alone), and the
+    same records."""
+    model = make_model()
+    assert type(model).__module__ in bridge.PLAIN_HEADS
+    tokens = mx.array([[3, 9, 4, 1, 7], [2, 2, 8, 5, 6]])
+    full, want = bridge.forward(model, tokens, bridge.make_states(model, 2))
+    got, states = bridge.forward(model, tokens, bridge.make_states(model, 2), last=True)
+    assert got.shape == (2, 1, full.shape[-1])
+    np.testing.assert_allclose(np.array(got), np.array(full[:, -1:]), atol=1e-5, rtol=1e-5)
+    for s, w in zip(states, want):
+        np.testing.assert_array_equal(np.array(s.keys), np.array(w.keys))
+
+
+@pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
+def test_a_cached_request_is_one_forward_and_equals_the_request_alone(make_model, monkeypatch):
+    """A request over a cached system prompt runs its rest and its last token in
+    one forward (was two: the rest, then the last token's step); its logits and
+    greedy tokens (and their logits) equal mlx-lm's on the request alone."""
+    model = make_model()
+    rng = np.random.default_rng(8)
+    system = rng.integers(1, VOCAB, 20).tolist()
+    cache = PrefixCache(1 << 30)
+    prefill(model, [system + [5, 6]], cache)  # the system prompt is cached from here
+    prompt = system + rng.integers(1, VOCAB, 7).tolist()
+    calls = []
+    real = bridge.forward
+
+    def spy(model, tokens, states, **kw):
+        calls.append((tuple(tokens.shape), kw.get("last", False)))
+        return real(model, tokens, states, **kw)
+
+    monkeypatch.setattr(bridge, "forward", spy)
+    logits, states, leases, ran = prefill(model, [prompt], cache)
+    assert ran == [7] and calls == [((1, 7), True)]
+    monkeypatch.undo()
+    want, want_toks = mlx_lm_run(model, prompt, [], 3)
+    np.testing.assert_allclose(np.array(logits[0]), np.array(want[0][0]), atol=2e-5, rtol=1e-5)
+    seen, toks, _ = kv_run(model, states, [want_toks[0]], 2)
+    assert [t[0] for t in toks] == want_toks
+    for g, w in zip(seen, want[1:]):
+        np.testing.assert_allclose(np.array(g[0]), np.array(w[0]), atol=2e-5, rtol=1e-5)
+    for lease in leases:
+        lease.release()
+
+
+def test_prefill_runs_cached_heads_together_and_keeps_the_prompt_order(monkeypatch):
+    """One call with prompts whose rest must run (one forward each) and prompts
+    cached up to their last token (one batched step for all of them): three
+    forwards for five prompts, the rows and logits in prompt order, each equal
+    to the prompt run alone."""
+    model = llama_model()
+    rng = np.random.default_rng(9)
+    a = rng.integers(1, VOCAB, 9).tolist()
+    b = a[:5] + rng.integers(1, VOCAB, 6).tolist()
+    cache = PrefixCache(1 << 30)
+    _, _, (first,), _ = prefill(model, [a], cache)
+    first.release()
+    prompts = [a, b, a, a[:4] + [3, 3], a]  # cached, rest, cached, rest, cached
+    calls = []
+    real = bridge.forward
+
+    def spy(model, tokens, states, **kw):
+        calls.append(tuple(tokens.shape))
+        return real(model, tokens, states, **kw)
+
+    monkeypatch.setattr(bridge, "forward", spy)
+    logits, states, leases, ran = prefill(model, prompts, cache)
+    monkeypatch.undo()
+    assert ran == [1, 6, 1, 2, 1]
+    assert calls == [(1, 6), (1, 2), (3, 1)]
+    seen, toks, _ = kv_run(model, states, [1, 2, 3, 4, 5], 2)
+    for r, p in enumerate(prompts):
+        want, want_toks = mlx_lm_run(model, p, [r + 1], 2)
+        np.testing.assert_allclose(np.array(logits[r]), np.array(want[0][0]), atol=2e-5, rtol=1e-5)
+        assert [t[r] for t in toks] == want_toks
+        for g, w in zip(seen, want[1:]):
+            np.testing.assert_allclose(np.array(g[r]), np.array(w[0]), atol=2e-5, rtol=1e-5)
+    for lease in leases:
+        lease.release()
+    assert cache.pinned == 0
