@@ -220,14 +220,19 @@ def time_interleaved(runs, warmup, steps, rounds, spread=None):
 
     Every round times each implementation once, one after another, so a
     load change on a shared machine touches all of them alike.
+
+    The state is handed over (``r.pop()``), not kept in ``runs`` while it
+    runs: a decode loop drops each step's input records, so their appends
+    write in place; records still held by the harness make the round's first
+    step copy every plane (mlx-lm's caches, mutated in place, never pay it).
     """
     for name, r in runs.items():
-        r[1], r[2] = run_steps(r[0], warmup, r[1], r[2], "sync" in name)
+        r[1:] = run_steps(r[0], warmup, r[1], r.pop(), "sync" in name)
     per = {name: [] for name in runs}
     for _ in range(rounds):
         for name, r in runs.items():
             t0 = time.perf_counter()
-            r[1], r[2] = run_steps(r[0], steps, r[1], r[2], "sync" in name)
+            r[1:] = run_steps(r[0], steps, r[1], r.pop(), "sync" in name)
             per[name].append((time.perf_counter() - t0) / steps)
     if spread is not None:
         spread.update(per)

@@ -43,7 +43,8 @@ def _find_attention_modules(model):
     from mlx_lm.models import base
 
     mods = set()
-    for _, m in model.named_modules():
+    named = getattr(model, "named_modules", None)  # (as mlx_lm.vocab_size: duck-typed models)
+    for _, m in named() if callable(named) else ():
         mod = sys.modules.get(type(m).__module__)
         if (
             mod is not None
@@ -152,6 +153,7 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
             and kernels.kernel_fits(queries, keys)
         ):
             _, held = cache.positions()  # after the write
+            keys, values = _whole(cache, keys, values)
             return kernels.ragged_attention(
                 queries, keys, values, mx.zeros_like(held), held, scale=scale
             )
@@ -166,6 +168,7 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
             values,
             scale=scale,
             rows=lambda: cache.positions()[::-1],  # (ends, left_pad) -> (left_pad, ends)
+            planes=_whole(cache, keys, values),
         )
         return None if route == "stock" else read(mask)
     if kind is CacheState and isinstance(mask, mx.array) and kernels.kernel_fits(queries, keys):
@@ -179,8 +182,21 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
                 )
                 cache.content = attrs.evolve(content, planes=(keys, values), written=())
                 return out
+        keys, values = _whole(cache, keys, values)
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
     return None
+
+
+def _whole(cache, keys, values) -> tuple:
+    """The planes a kernel reads for ``cache``'s layer: an eager record's whole
+    capacity, not the columns its read was cut to (each row reads only its
+    ``[left_pad, end)``; a kernel is compiled per capacity, which grows by the
+    record's ``step``, where the cut width changes every step: one compile per
+    width on MLX's CUDA backend); a traced step's views are their capacity."""
+    content = cache.content
+    if isinstance(content, compiled.Traced):
+        return keys, values
+    return content.keys, content.values
 
 
 class _TracedReads:

@@ -219,7 +219,9 @@ def read_route(q, keys, group_size: int, bits: int) -> str:
     return "stock" if stock_read_runs() else "dequantized"
 
 
-def reader(record, q, keys, values, *, scale: float, rows, window: int = 0) -> tuple:
+def reader(
+    record, q, keys, values, *, scale: float, rows, window: int = 0, planes: tuple = ()
+) -> tuple:
     """``(route, read)``: ``read_route``'s choice for ``record``'s quantized
     ``keys``/``values`` triples ``[B, H, W, *]`` (``record``: a
     ``QuantizedState`` or a compiled step's proto: its ``group_size`` and
@@ -228,7 +230,9 @@ def reader(record, q, keys, values, *, scale: float, rows, window: int = 0) -> t
     - ``"kernel"``: ``kernels.quantized_attention`` over the rows given by
       ``rows()`` (``(left_pad, ends)`` int32 ``[B]`` arrays after the write,
       called only there), the last ``window`` columns only (0: all); the
-      mask is not read;
+      mask is not read; it reads ``planes`` (the ``(keys, values)`` triples
+      over the record's whole capacity) when given: the kernel compiles once
+      per capacity, not once per width;
     - ``"dequantized"``: ``keys``/``values`` dequantized once, MLX's fused
       SDPA under ``mask`` (``None``, ``"causal"`` or a bool array over ``W``);
     - ``"stock"``: ``quantized_sdpa`` under ``mask``.
@@ -239,10 +243,11 @@ def reader(record, q, keys, values, *, scale: float, rows, window: int = 0) -> t
     def read(mask):
         if route == "kernel":
             left_pad, ends = rows()
+            k, v = planes or (keys, values)
             return kernels.quantized_attention(
                 q,
-                keys,
-                values,
+                k,
+                v,
                 left_pad,
                 ends,
                 scale=scale,
@@ -276,6 +281,7 @@ def attend_quantized(state: QuantizedState, q, *, scale: float, memo=None, windo
         scale=scale,
         window=window or 0,
         rows=lambda: (mx.array(state.left_pad, mx.int32), mx.array(state.ends, mx.int32)),
+        planes=(state.keys, state.values),
     )
     if route == "kernel":  # (no mask to build)
         return read(None)

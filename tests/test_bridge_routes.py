@@ -52,14 +52,22 @@ def unrouted(monkeypatch, run):
         return run()
 
 
+class Calls(list):
+    def __init__(self):
+        super().__init__()
+        self.widths: list = []
+
+
 @pytest.fixture
 def forced(monkeypatch):
-    """Route the eager reads; record each ``ragged_attention`` call's rows."""
-    calls = []
+    """Route the eager reads; record each ``ragged_attention`` call's rows (and,
+    in ``calls.widths``, the columns of the planes it was given)."""
+    calls = Calls()
     real = kernels.ragged_attention
 
     def counted(q, k, v, left_pad, ends, **kw):
         calls.append((q.shape[2], left_pad.tolist(), ends.tolist()))
+        calls.widths.append(k.shape[2])
         return real(q, k, v, left_pad, ends, **kw)
 
     monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
@@ -84,6 +92,11 @@ def test_ragged_dense_rows_read_through_the_kernel_call(monkeypatch, forced):
         for layer in range(2):
             n, lp, en = forced[2 * step + layer]
             assert n == 1 and lp == [0, 0, 0] and en == [e + 1 + step for e in ends]
+    # ... over the records' whole planes, not cut to each step's width: the
+    # kernel compiles once per capacity (CUDA), not once per width
+    widths = list(forced.widths)
+    capacity = unrouted(monkeypatch, lambda: bridge.prefill(model, prompts()))[1][0].capacity
+    assert widths == [capacity] * 8 and capacity > 14
 
 
 def test_aligned_rows_keep_the_stock_unmasked_read(monkeypatch, forced):
@@ -168,11 +181,19 @@ def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_route
         lambda: decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32)),
     )
     del quantized_routes[:]  # (the unrouted run's stock reads)
+    widths, real = [], kernels.quantized_attention
+
+    def spy(q, k, *a, **kw):
+        widths.append(k[0].shape[2])
+        return real(q, k, *a, **kw)
+
+    monkeypatch.setattr(kernels, "quantized_attention", spy)
     got = decode(model, *bridge.prefill(model, ps, kv_bits=bits, kv_group_size=32))
     close(got[0], want[0], atol=1e-4)  # (dequantize + SDPA: another order of sums)
     assert got[1] == want[1]
     # prefill: one 13-column chunk (dequantized), then 4 single-token steps (kernel)
     assert quantized_routes == [("dequantized", 13)] * 2 + [("kernel", 1)] * 8
+    assert widths == [got[2][0].capacity] * 8  # whole planes: one compile per capacity
 
 
 @pytest.mark.skipif(CUDA, reason=STOCK_PATHS)

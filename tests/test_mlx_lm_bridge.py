@@ -15,7 +15,7 @@ from mlx_lm.models.cache import (
 )
 
 import kvstate as kv
-from kvstate import _shells, mlx_lm as br
+from kvstate import _decoder, _shells, mlx_lm as br
 
 import tiny_models as tm
 from _rows import peak_growth
@@ -227,7 +227,11 @@ def test_forward_traced_by_mx_compile_equals_eager(llama):
     np.testing.assert_array_equal(np.array(traced), np.array(eager))
 
 
-def test_a_failing_model_releases_its_leases(llama):
+@pytest.mark.parametrize("routed", [False, True])
+def test_a_failing_model_releases_its_leases(llama, monkeypatch, routed):
+    # routed: the reads go through the router, as on CUDA (a duck-typed model
+    # without named_modules routes nothing and fails with its own error)
+    monkeypatch.setattr(_decoder, "routes_reads", lambda: routed)
     _, _, states = ragged(llama)
 
     class Boom:
