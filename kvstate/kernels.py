@@ -394,6 +394,11 @@ def _merge_kernel():
 
 #: Most queries per row the kernel takes (a verify window); more go to the stock read.
 MAX_QUERIES = 8
+#: Most queries per row the kernel takes for rows with a shared prefix (``prefix=``):
+#: a cached request's rest (the tokens after its cached prefix, and its last) is read
+#: over the prefix in one launch, one block per query, where the alternative is the
+#: cascade's ~35 uncompiled operations per layer (``notes/prefix.md``, session 4).
+PREFIX_QUERIES = 128
 #: Blocks a split read aims for (B * H * N * S): measured on the H200 (``notes/gpu.md``),
 #: about 512 blocks beat 4096: a split's merge costs more than the extra waves save.
 TARGET_BLOCKS = 512
@@ -454,14 +459,14 @@ def kernel_available(dtype=None) -> bool:
         return False
 
 
-def kernel_fits(q, k) -> bool:
+def kernel_fits(q, k, most: int = MAX_QUERIES) -> bool:
     """Whether ``ragged_attention``'s kernel covers these shapes and dtypes
-    (on a backend where it runs): 1 to ``MAX_QUERIES`` queries per row, a key
+    (on a backend where it runs): 1 to ``most`` queries per row, a key
     row a power-of-two number (<= 32) of 16-byte loads, a float dtype."""
     N, D = q.shape[2], k.shape[-1]
     lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
     return (
-        1 <= N <= MAX_QUERIES
+        1 <= N <= most
         and (D * k.dtype.size) % 16 == 0
         and 0 < lanes <= 32
         and lanes & (lanes - 1) == 0
@@ -471,7 +476,14 @@ def kernel_fits(q, k) -> bool:
 
 
 def decode_read(
-    N: int, q=None, k=None, *, group_size: int = 0, bits: int = 0, written: bool = False
+    N: int,
+    q=None,
+    k=None,
+    *,
+    group_size: int = 0,
+    bits: int = 0,
+    written: bool = False,
+    prefix: bool = False,
 ) -> str:
     """THE choice of attention read over a fixed-capacity buffer (a compiled
     decode or verify step, or shared-prefix rows), in one place: ``"kernel"``
@@ -503,13 +515,17 @@ def decode_read(
         q, k: the arrays (for the shape check), when known.
         group_size, bits: a quantized ``k``'s format.
         written: whether a fused write may be chosen (dense ``k`` only).
+        prefix: rows read a shared prefix first (``kvstate.shared``): up to
+            ``PREFIX_QUERIES`` queries per row go to the kernel (a cached
+            request's uncached rest, read over its prefix in one launch).
     """
+    most = PREFIX_QUERIES if prefix else MAX_QUERIES
     if q is None:
-        fits = 1 <= N <= MAX_QUERIES
+        fits = 1 <= N <= most
     elif isinstance(k, tuple):
         fits = quantized_fits(q, k, group_size, bits)
     else:
-        fits = kernel_fits(q, k)
+        fits = kernel_fits(q, k, most)
     if not (kernel_available() and fits):
         return "masked"
     if written and k is not None and not isinstance(k, tuple) and 2 * k.nbytes <= FUSED_BYTES:
@@ -563,7 +579,8 @@ def ragged_attention(
 ):
     """Attention of each row's last ``N`` positions over its own columns.
 
-    ``q`` ``[B, Hq, N, D]`` (``N`` <= ``MAX_QUERIES``), ``k``/``v`` ``[B, H, C, D]``
+    ``q`` ``[B, Hq, N, D]`` (``N`` <= ``MAX_QUERIES``; ``PREFIX_QUERIES`` with a
+    ``prefix``), ``k``/``v`` ``[B, H, C, D]``
     (``Hq`` a multiple of ``H``), ``left_pad``/``ends`` int32 ``[B]`` arrays
     (traceable). Query ``i`` of row ``b`` stands at column ``ends[b] - N + i``
     and reads columns ``[left_pad[b], ends[b] - N + i]`` (with ``window`` > 0,
@@ -620,7 +637,8 @@ def _kernel_reads(q, k, window: int, prefix) -> bool:
     if prefix is not None:
         check(window == 0, "window", "0 with a prefix (no windowed shared read)", window)
         check(len(prefix) == 5, "prefix", "(pk, pv, rows, starts, lens)", len(prefix))
-    return decode_read(q.shape[2], q, k) == "kernel" and (prefix is None or _prefix_fits(prefix, k))
+    route = decode_read(q.shape[2], q, k, prefix=prefix is not None)
+    return route == "kernel" and (prefix is None or _prefix_fits(prefix, k))
 
 
 def _prefix_columns(prefix) -> int:

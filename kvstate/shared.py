@@ -768,7 +768,7 @@ def prefix_read(
     Otherwise ``cascade_attention`` with ``suffix_mask`` (built from
     ``left_pad`` and ``ends`` when not given). Traceable.
     """
-    route = kernels.decode_read(q.shape[2], q, suffix_kv[0], written=bool(written))
+    route = kernels.decode_read(q.shape[2], q, suffix_kv[0], written=bool(written), prefix=True)
     if len(prefix_kv) == 1 and route != "masked":
         _, rows, start, shared = views
         prefix = (*prefix_kv[0], rows, start, shared)
@@ -843,7 +843,7 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
     N = q.shape[2]
     # One kernel launch (one prefix record where ``decode_read`` picks the kernel)
     # gains nothing from mx.compile but its call's host cost; the cascade does.
-    direct = len(prefix) == 2 and kernels.decode_read(N, q, suffix.keys) != "masked"
+    direct = len(prefix) == 2 and kernels.decode_read(N, q, suffix.keys, prefix=True) != "masked"
     fn = _compiled_read(scale) if N <= kernels.MAX_QUERIES and not direct else _read_fn(scale)
     return fn(
         q, suffix.keys, suffix.values, *layouts.positions(suffix), *layouts.views(state), *prefix

@@ -67,8 +67,11 @@ def _reference(state, q, scale):
     return kv.attend(dense, q.astype(f), scale=scale)
 
 
-@pytest.mark.parametrize("gqa,D,N", [(1, 64, 1), (3, 64, 1), (4, 128, 1), (3, 64, 4), (8, 64, 8)])
+@pytest.mark.parametrize(
+    "gqa,D,N", [(1, 64, 1), (3, 64, 1), (4, 128, 1), (3, 64, 4), (8, 64, 8), (3, 64, 32)]
+)
 def test_prefix_read_equals_materialized_rows(gqa, D, N):
+    """N = 32: a cached request's rest read over its prefix (``PREFIX_QUERIES``)."""
     dtype = mx.bfloat16 if kernels.kernel_available() else mx.float32
     H = 2
     state = _shared_rows(dtype, H, D, N, seed=gqa * 10 + N)

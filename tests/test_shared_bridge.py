@@ -335,3 +335,44 @@ def test_prefill_runs_cached_heads_together_and_keeps_the_prompt_order(monkeypat
     for lease in leases:
         lease.release()
     assert cache.pinned == 0
+
+
+def test_a_cached_rest_is_read_over_its_prefix_in_one_kernel_call(monkeypatch):
+    """A cached request's rest (more than ``kernels.MAX_QUERIES`` tokens, at most
+    ``PREFIX_QUERIES``) takes the kernel route with its prefix source, one call per
+    layer (off CUDA the route is forced and the call answers by its stock path),
+    and gives the logits of the request run alone."""
+    from kvstate import kernels
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(10)
+    system = rng.integers(1, VOCAB, 30).tolist()
+    cache = PrefixCache(1 << 30)
+    _, _, (first,), _ = prefill(model, [system + [5, 6]], cache)
+    first.release()
+    prompt = system + rng.integers(1, VOCAB, 19).tolist()
+    if not kernels.kernel_available():
+        real_route = kernels.decode_read
+
+        def route(N, q=None, k=None, *, prefix=False, **kw):
+            if prefix and N <= kernels.PREFIX_QUERIES:
+                return "kernel"
+            return real_route(N, q, k, prefix=prefix, **kw)
+
+        monkeypatch.setattr(kernels, "decode_read", route)
+        monkeypatch.setattr(kernels, "_kernel_reads", lambda *a: False)
+    calls = []
+    real = kernels.ragged_attention
+
+    def spy(q, *a, **kw):
+        calls.append((q.shape[2], kw.get("prefix") is not None))
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(kernels, "ragged_attention", spy)
+    logits, _, leases, ran = prefill(model, [prompt], cache)
+    monkeypatch.undo()
+    assert ran == [19] and calls == [(19, True)] * 2  # one read per layer
+    alone, _, _, _ = prefill(model, [prompt], None)
+    np.testing.assert_allclose(np.array(logits), np.array(alone), atol=2e-5, rtol=1e-5)
+    for lease in leases:
+        lease.release()
