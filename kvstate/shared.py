@@ -972,7 +972,10 @@ def prepare_shared(state, n: int = 1):
         B, C = suffix.batch_size, _rows.round_up(max(as_int(n, "n"), 1), suffix.step)
         planes = (mx.zeros((B, H, C, Dk), dtype), mx.zeros((B, H, C, Dv), dtype))
         suffix = _rows.with_planes(suffix, planes)
-    return with_suffix(state, compiled.prepare(suffix, n))
+    prepared = compiled.prepare(suffix, n)
+    if prepared is state.suffix:  # (the record itself: a decoder knows its Spec already)
+        return state
+    return with_suffix(state, prepared)
 
 
 @compiled.advanced.register(SharedState)

@@ -263,3 +263,29 @@ def test_the_fused_write_wiring_reads_and_writes_the_same(monkeypatch):
                 assert np.array_equal(np.array(pa), np.array(pb))
             else:
                 assert mx.abs(pa - pb).max().item() < tol
+
+
+def test_returned_shared_rows_are_not_flattened_again(monkeypatch):
+    """Shared rows the decoder returned and gets back unchanged take its remembered
+    Spec (``prepare`` hands back the record itself when its suffix has room), as
+    dense rows do: no ``compiled.flatten`` per layer per step."""
+    from kvstate import compiled
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(11)
+    _, rows = prompts_and_rows(model, rng)
+    decoder = kv.compiled_decoder(model, batch_buckets=None)
+    tok = mx.array([1, 2, 3, 4, 5, 6])
+    logits, rows = decoder(tok, rows)
+    calls = []
+    real = compiled.flatten
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(compiled, "flatten", spy)
+    for _ in range(3):
+        logits, rows = decoder(mx.argmax(logits, axis=-1), rows)
+    assert not calls
+    assert all(isinstance(s, kv.SharedState) for s in rows)
