@@ -40,6 +40,12 @@ through the eager bridge (``kvstate.mlx_lm.step``) and the compiled decoder;
 for the compiled decoder also the part spent inside the compiled call (MLX
 replaying its trace; that graph differs between CPU and CUDA, the rest does
 not). Where a step is host-bound (a small model on a GPU) this is the step.
+Each step takes the rows the previous one returned (as a decode loop does;
+they are evaluated between steps, outside the timing). ``--cuda-route``
+(any backend): the routes MLX's CUDA backend takes (kvstate's kernels for
+the reads, the shared suffix write fused into the read) with each kernel
+launch replaced by a stub that returns its inputs, so off CUDA the host
+work of the CUDA path is measured and nothing else differs.
 
 ``--part cache``: the host time of ``prefix_cache.prefill`` per request
 (before its evaluation) as the cache fills, ``--requests`` requests of
@@ -50,7 +56,6 @@ a random 30-layer llama, the real model's layer count).
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
@@ -67,16 +72,6 @@ def timed(fn, reps):
     for _ in range(reps):
         mx.eval(fn())
     return (time.perf_counter() - t) / reps
-
-
-def host_timed(fn, reps):
-    """Median seconds per call of ``fn``, nothing evaluated (host work only)."""
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def spread(xs):
@@ -200,6 +195,11 @@ def main(argv=None):
         "--compiled",
         action="store_true",
         help="also decode each side's rows with the compiled decoder (model part)",
+    )
+    ap.add_argument(
+        "--cuda-route",
+        action="store_true",
+        help="host part: CUDA's routes with stub kernel launches (host work only)",
     )
     args = ap.parse_args(argv)
     if args.part == "attention":
@@ -459,11 +459,31 @@ def cache_part(args):
     print("| host ms | " + " | ".join(f"{times[i] * 1e3:.1f}" for i in at) + " |")
 
 
+def cuda_route():
+    """Route reads as on MLX's CUDA backend, kernel launches stubbed (``--cuda-route``)."""
+    from kvstate import _decoder, kernels
+
+    def route(N, q=None, k=None, *, written=False, prefix=False, **kw):
+        most = getattr(kernels, "PREFIX_QUERIES", 128) if prefix else kernels.MAX_QUERIES
+        return ("fused" if written else "kernel") if N <= most else "masked"
+
+    def launch(q, k, v, *a, new=None, **kw):  # the launch's outputs, no kernel
+        return (q, k + 0, v + 0) if new is not None else q
+
+    _decoder.routes_reads = lambda: True
+    kernels.decode_read, kernels._launch = route, launch
+    kernels._kernel_reads = lambda *a: True
+
+
 def host_part(args):
     """Host time of a decode step, shared against unshared (see the module)."""
+    if args.cuda_route:
+        cuda_route()
     model, name = load(args)
+    route = ", CUDA route, launches stubbed" if args.cuda_route else ""
     print(
-        f"# host time per decode step: {name}, device={mx.default_device()}, rounds={args.rounds}"
+        f"# host time per decode step: {name}, device={mx.default_device()}{route}, "
+        f"rounds={args.rounds}"
     )
     print("| B | step | shared ms | unshared ms | shared / unshared |")
     print("|---|---|---|---|---|")
@@ -499,23 +519,33 @@ def host_rounds(model, args, B) -> dict:
     )
     tok = mx.zeros((B,), mx.int32)
     inside: list = []
-    decoders = {side: Decoder(model) for side in rows}
+    attention = "kernel" if args.cuda_route else "auto"
+    decoders = {side: Decoder(model, attention=attention) for side in rows}
     for side, d in decoders.items():
         mx.eval(d(tok, rows[side])[0])  # the trace
         ((key, fn),) = d._fns.items()
         d._fns[key] = _timed_calls(fn, inside)
     steps = {
-        "eager": lambda side: bridge.step(model, tok, rows[side]),
-        "compiled": lambda side: decoders[side](tok, rows[side]),
+        "eager": lambda side, tok, states: bridge.step(model, tok, states),
+        "compiled": lambda side, tok, states: decoders[side](tok, states),
     }
+
+    def loop(fn, side):
+        """Median host seconds of ``args.reps`` steps, each on the last one's rows."""
+        times, states = [], rows[side]
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            logits, states = fn(side, tok, states)
+            times.append(time.perf_counter() - t)
+            mx.eval(logits, [p for s in states for p in s.planes])
+        return statistics.median(times)
+
     res: dict = {}
     for _ in range(args.rounds):
         for step, fn in steps.items():
             for side in rows:
                 inside.clear()
-                res.setdefault((step, side), []).append(
-                    host_timed(functools.partial(fn, side), args.reps)
-                )
+                res.setdefault((step, side), []).append(loop(fn, side))
                 if step == "compiled":
                     res.setdefault(("compiled call", side), []).append(statistics.median(inside))
     return res
