@@ -47,6 +47,9 @@ the reads, the shared suffix write fused into the read) with each kernel
 launch replaced by a stub that returns its inputs, so off CUDA the host
 work of the CUDA path is measured and nothing else differs.
 
+(``--tiny``: a random llama with the real model's 30 layers and attention
+geometry, so that the host work is the real model's without its compute.)
+
 ``--part cache``: the host time of ``prefix_cache.prefill`` per request
 (before its evaluation) as the cache fills, ``--requests`` requests of
 ``--system`` + ``--user`` tokens sharing the system prompt (``--tiny``:
@@ -479,7 +482,13 @@ def host_part(args):
     """Host time of a decode step, shared against unshared (see the module)."""
     if args.cuda_route:
         cuda_route()
-    model, name = load(args)
+    if args.tiny:  # the real model's layer count and attention geometry, random weights
+        from kvstate.models import tiny_llama
+
+        model = tiny_llama(0, layers=30, hidden=576, heads=9, kv_heads=3, vocab=512)
+        name = "tiny llama, 30 layers, 9/3 heads, D=64 (random weights)"
+    else:
+        model, name = load(args)
     route = ", CUDA route, launches stubbed" if args.cuda_route else ""
     print(
         f"# host time per decode step: {name}, device={mx.default_device()}{route}, "
