@@ -48,7 +48,8 @@ launch replaced by a stub that returns its inputs, so off CUDA the host
 work of the CUDA path is measured and nothing else differs.
 
 (``--tiny``: a random llama with the real model's 30 layers and attention
-geometry, so that the host work is the real model's without its compute.)
+geometry, hidden size 64, so that the host work is the real model's without
+its compute.) ``--cuda-route`` applies to ``--part cache`` too.
 
 ``--part cache``: the host time of ``prefix_cache.prefill`` per request
 (before its evaluation) as the cache fills, ``--requests`` requests of
@@ -202,7 +203,7 @@ def main(argv=None):
     ap.add_argument(
         "--cuda-route",
         action="store_true",
-        help="host part: CUDA's routes with stub kernel launches (host work only)",
+        help="host/cache parts: CUDA's routes with stub kernel launches (host work only)",
     )
     args = ap.parse_args(argv)
     if args.part == "attention":
@@ -437,6 +438,8 @@ def cache_part(args):
     """Host time of each cached request's prefill as the cache fills (see the module)."""
     from kvstate.prefix_cache import PrefixCache, prefill
 
+    if args.cuda_route:
+        cuda_route()
     if args.tiny:
         from kvstate.models import tiny_llama
 
@@ -485,8 +488,8 @@ def host_part(args):
     if args.tiny:  # the real model's layer count and attention geometry, random weights
         from kvstate.models import tiny_llama
 
-        model = tiny_llama(0, layers=30, hidden=576, heads=9, kv_heads=3, vocab=512)
-        name = "tiny llama, 30 layers, 9/3 heads, D=64 (random weights)"
+        model = tiny_llama(0, layers=30, hidden=64, heads=9, kv_heads=3, head_dim=64, vocab=512)
+        name = "tiny llama, 30 layers, 9/3 heads, D=64, hidden 64 (random weights)"
     else:
         model, name = load(args)
     route = ", CUDA route, launches stubbed" if args.cuda_route else ""
