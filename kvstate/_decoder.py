@@ -159,7 +159,7 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
             )
         return None
     if cache.windowed:
-        return None
+        return _masked_quantized(cache, queries, keys, values, scale, mask)
     if kind is QuantizedState:
         route, read = _quantized.reader(
             proto,
@@ -171,6 +171,8 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
             planes=_whole(cache, keys, values),
         )
         return None if route == "stock" else read(mask)
+    if kind is not CacheState:
+        return _masked_quantized(cache, queries, keys, values, scale, mask)
     if kind is CacheState and isinstance(mask, mx.array) and kernels.kernel_fits(queries, keys):
         ends, left_pad = cache.positions()  # after the write
         content = cache.content
@@ -185,6 +187,19 @@ def routed_read(queries, keys, values, cache, scale, sinks, mask):
         keys, values = _whole(cache, keys, values)
         return kernels.ragged_attention(queries, keys, values, left_pad, ends, scale=scale)
     return None
+
+
+def _masked_quantized(cache, queries, keys, values, scale, mask):
+    """Quantized columns no kernel route takes (shared rows, read materialized;
+    any read of a windowed call), under the model's ``mask``: where the stock
+    quantized read cannot run (MLX's CUDA backend), dequantized once and read
+    by the fused SDPA (``_quantized.dequantized_read``); elsewhere, and for
+    dense columns, ``None`` (the model's own read)."""
+    if type(keys) is not tuple or _quantized.stock_read_runs():
+        return None
+    return _quantized.dequantized_read(
+        queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits
+    )
 
 
 def _whole(cache, keys, values) -> tuple:

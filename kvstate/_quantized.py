@@ -219,6 +219,16 @@ def read_route(q, keys, group_size: int, bits: int) -> str:
     return "stock" if stock_read_runs() else "dequantized"
 
 
+def dequantized_read(q, keys, values, *, scale: float, mask, group_size: int, bits: int):
+    """The ``"dequantized"`` read: ``keys``/``values`` triples dequantized once, then
+    MLX's fused SDPA under ``mask`` (``None``, ``"causal"`` or a bool array)."""
+    k, v = (
+        mx.dequantize(w, scales=s, biases=b, group_size=group_size, bits=bits)
+        for w, s, b in (keys, values)
+    )
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 def reader(
     record, q, keys, values, *, scale: float, rows, window: int = 0, planes: tuple = ()
 ) -> tuple:
@@ -256,11 +266,9 @@ def reader(
                 window=window,
             )
         if route == "dequantized":
-            k, v = (
-                mx.dequantize(w, scales=s, biases=b, group_size=gs, bits=bits)
-                for w, s, b in (keys, values)
+            return dequantized_read(
+                q, keys, values, scale=scale, mask=mask, group_size=gs, bits=bits
             )
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return quantized_sdpa(q, keys, values, scale=scale, mask=mask, group_size=gs, bits=bits)
 
     return route, read

@@ -18,6 +18,7 @@ from mlx_lm.models import llama
 import kvstate as kv
 from kvstate import _decoder, _quantized, kernels
 from kvstate import mlx_lm as bridge
+from _tol import rel_l2
 from test_bridge_routes import record_routes
 
 pytestmark = pytest.mark.skipif(
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 VOCAB = 256
-TOL = 3e-2  # relative L2 error of bf16 logits
+TOL = rel_l2(mx.bfloat16)  # relative L2 error of bf16 logits
 
 
 def model_of(heads, kv_heads, head_dim, seed=0):

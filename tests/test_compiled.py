@@ -4,7 +4,7 @@
 Compiled loops run under real ``mx.compile`` on real mlx-lm model classes
 (tiny, seeded float32 weights) and are compared, step by step, with the
 eager bridge loop (``kvstate.mlx_lm.step``) in the same process: logits
-within 1e-5 and identical greedy tokens. Rings are also compared with each
+within ``_tol.atol`` (float32) and identical greedy tokens. Rings are also compared with each
 prompt run alone through mlx-lm's own caches.
 """
 
@@ -20,8 +20,10 @@ import kvstate.compiled as kc
 from kvstate import _decoder, _rows, kernels, mlx_lm as br
 
 import tiny_models as tm
+from _quant import needs_stock_quantized_read
+from _tol import atol
 
-ATOL = 1e-5
+ATOL = atol(mx.float32)
 
 
 def prefill(model, lens, *, step=256, **make):
@@ -154,11 +156,7 @@ def test_llama_compiled_equals_eager_across_buckets(monkeypatch):
     assert sc[0].capacity == 48 and decode.traces == 3  # buckets 16, 32, 48: one trace each
 
 
-@pytest.mark.skipif(
-    kernels.kernel_available(),
-    reason="attention='mask' reads quantized rows with the stock quantized_matmul, which "
-    "MLX 0.32.4's CUDA lacks for these shapes (the H200, session 3)",
-)
+@needs_stock_quantized_read  # (attention="mask" reads quantized rows with the stock read)
 def test_quantized_batch_compiled_equals_eager():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
@@ -319,7 +317,7 @@ def test_ragged_attention_equals_masked_sdpa():
         want = mx.fast.scaled_dot_product_attention(
             q[b : b + 1], k[b : b + 1, :, a:e], v[b : b + 1, :, a:e], scale=0.2
         )
-        assert mx.allclose(got[b : b + 1], want, atol=1e-5)
+        assert mx.allclose(got[b : b + 1], want, atol=ATOL)
 
 
 def test_make_step_matches_the_bridge_step_signature():

@@ -18,6 +18,7 @@ import kvstate as kv
 from kvstate import _decoder, _shells, mlx_lm as br
 
 import tiny_models as tm
+from _quant import needs_stock_quantized_read
 from _rows import peak_growth
 
 ATOL = 1e-4
@@ -385,6 +386,7 @@ def test_conversion_never_aliases(llama):
     assert_same(recs, snap)
 
 
+@needs_stock_quantized_read
 def test_quantized_round_trip(llama):
     c = [QuantizedKVCache(group_size=32, bits=8) for _ in llama.layers]
     logits = llama(mx.array([tm.prompt(6, 5)]), cache=c)[:, -1]

@@ -17,6 +17,7 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 
 import tiny_models as tm
+from _quant import needs_stock_quantized_read
 
 ATOL = 1e-4
 
@@ -95,6 +96,7 @@ def test_continuous_batching_dense(build):
     check_parity(model, full_caches(model), {})
 
 
+@needs_stock_quantized_read
 def test_continuous_batching_quantized_llama():
     model = tm.llama_model()
 

@@ -18,7 +18,15 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 import kvstate as kv
 from kvstate import to_quantized
 
-from _quant import GEOMETRIES, assert_same_bytes, mlx_qsdpa, np_of, rand, row_planes
+from _quant import (
+    GEOMETRIES,
+    assert_same_bytes,
+    mlx_qsdpa,
+    needs_stock_quantized_read,
+    np_of,
+    rand,
+    row_planes,
+)
 
 H = 2
 SCALE = 0.17
@@ -40,6 +48,7 @@ ops_strategy = st.lists(
 )
 
 
+@needs_stock_quantized_read
 @given(
     geometry=st.sampled_from(GEOMETRIES),
     B=st.sampled_from([1, 2]),
@@ -76,6 +85,7 @@ def test_fetch_and_attend_equal_quantized_kv_cache(geometry, B, rep, step, ops, 
         np.testing.assert_array_equal(np_of(got), np_of(want), err_msg=f"attend, window={window}")
 
 
+@needs_stock_quantized_read
 def test_to_quantized_equals_kv_cache_to_quantized():
     """kvstate's ``to_quantized`` of a float record fetches the same bytes as
     mlx-lm's ``KVCache.to_quantized`` of the same tokens, and both continue
@@ -121,6 +131,7 @@ def test_nbytes_match_at_equal_capacity():
         assert s.nbytes == cache.nbytes
 
 
+@needs_stock_quantized_read
 @given(
     geometry=st.sampled_from([g for g in GEOMETRIES if g[2] == 64 and g[0] in (3, 4, 8)]),
     lengths=st.lists(st.integers(1, 9), min_size=2, max_size=4),

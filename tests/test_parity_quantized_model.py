@@ -18,7 +18,9 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 
 import tiny_models as tm
-from _quant import assert_same_bytes, np_of, row_planes
+from _quant import assert_same_bytes, needs_stock_quantized_read, np_of, row_planes
+
+pytestmark = needs_stock_quantized_read  # (mlx-lm's QuantizedKVCache runs the reference)
 
 ATOL = 1e-4
 GS = 32  # the tiny models' head dim is 32

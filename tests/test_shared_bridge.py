@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from tiny_models import VOCAB, llama_model, qwen3_model
+from _quant import needs_stock_quantized_read
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
@@ -44,7 +45,7 @@ def kv_run(model, states, first, steps):
 
 
 @pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
-@pytest.mark.parametrize("kv_bits", [None, 8])
+@pytest.mark.parametrize("kv_bits", [None, pytest.param(8, marks=needs_stock_quantized_read)])
 def test_forked_rows_decode_as_mlx_lm_alone(make_model, kv_bits):
     model = make_model()
     rng = np.random.default_rng(0)
