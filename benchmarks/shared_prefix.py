@@ -43,9 +43,10 @@ not). Where a step is host-bound (a small model on a GPU) this is the step.
 Each step takes the rows the previous one returned (as a decode loop does;
 they are evaluated between steps, outside the timing). ``--cuda-route``
 (any backend): the routes MLX's CUDA backend takes (kvstate's kernels for
-the reads, the shared suffix write fused into the read) with each kernel
-launch replaced by a stub that returns its inputs, so off CUDA the host
-work of the CUDA path is measured and nothing else differs.
+the reads, the shared suffix write fused into the read), kvstate's launch
+code included, with the kernel object replaced by a stub that returns
+arrays of its inputs (one split: the reads here fit one), so off CUDA the
+host work of the CUDA path is measured and nothing else differs.
 
 (``--tiny``: a random llama with the real model's 30 layers and attention
 geometry, hidden size 64, so that the host work is the real model's without
@@ -473,11 +474,15 @@ def cuda_route():
         most = getattr(kernels, "PREFIX_QUERIES", 128) if prefix else kernels.MAX_QUERIES
         return ("fused" if written else "kernel") if N <= most else "masked"
 
-    def launch(q, k, v, *a, new=None, **kw):  # the launch's outputs, no kernel
-        return (q, k + 0, v + 0) if new is not None else q
+    def kernel(*variant):  # kvstate's launch code runs; the kernel object is a stub
+        def call(*, inputs, output_shapes, **launch):
+            out = [inputs[0] + 0]  # (q's shape: one split, the output itself)
+            return out + [inputs[1] + 0, inputs[2] + 0] if len(output_shapes) == 3 else out
+
+        return call
 
     _decoder.routes_reads = lambda: True
-    kernels.decode_read, kernels._launch = route, launch
+    kernels.decode_read, kernels._split_kernel = route, kernel
     kernels._kernel_reads = lambda *a: True
 
 

@@ -839,14 +839,16 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
         layouts = Layouts()
     suffix = state.suffix
     scale = float(scale)
-    prefix = prefix_planes(state)
-    N = q.shape[2]
-    # One kernel launch (one prefix record where ``decode_read`` picks the kernel)
-    # gains nothing from mx.compile but its call's host cost; the cascade does.
-    direct = len(prefix) == 2 and kernels.decode_read(N, q, suffix.keys, prefix=True) != "masked"
-    fn = _compiled_read(scale) if N <= kernels.MAX_QUERIES and not direct else _read_fn(scale)
+    # (compiled even where the read is one kernel launch: replaying the trace costs
+    # less host time than the launch's Python, measured: notes/prefix.md, session 4)
+    fn = _compiled_read(scale) if q.shape[2] <= kernels.MAX_QUERIES else _read_fn(scale)
     return fn(
-        q, suffix.keys, suffix.values, *layouts.positions(suffix), *layouts.views(state), *prefix
+        q,
+        suffix.keys,
+        suffix.values,
+        *layouts.positions(suffix),
+        *layouts.views(state),
+        *prefix_planes(state),
     )
 
 
