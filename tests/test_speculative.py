@@ -4,6 +4,7 @@ and leaving mid-speculation, ring commits, and the rejection rule's
 distribution (chi-square against the target's exact probabilities)."""
 
 import collections
+import copy
 import io
 import math
 import re
@@ -614,6 +615,41 @@ def test_draft_catch_up_blocks_take_a_bounded_set_of_shapes(llama, monkeypatch):
     assert widths == [bucket(n) for n in lags if n > 1]  # one block per catch-up (a lag
     # of 1 is a [B, 1] block, not told from a draft step here), bucketed
     assert len(set(widths)) <= math.log2(max(lags)) + 1
+    for b, p in enumerate(prompts):
+        n = len(spec.context[b]) - len(p)
+        assert list(spec.context[b][len(p) :]) == plain(llama, [p], n - 1)[0], f"row {b}"
+
+
+class _Contrary(lm_llama.Model):
+    """The target itself with its logits rolled by one: its greedy draft is never
+    the target's token, so every draft is rejected."""
+
+    def __call__(self, *args, **kw):
+        return mx.roll(super().__call__(*args, **kw), 1, axis=-1)
+
+
+def test_rows_whose_drafts_are_all_rejected_fall_back_to_plain_steps(llama):
+    """Every draft rejected (a contrary draft model), on a device where drafting
+    would pay at the prior (a 2-wide round costs 1.2 plain steps): with the rule
+    the rows stop drafting after their first rejections, and only re-try as their
+    evidence decays (a bounded share of rounds), so the batch runs at about a
+    plain step's cost (its plain rounds are plain steps: the graph test above);
+    without it every round drafts (``window=None`` here fails: 1.23 plain steps a
+    round, widths 5, 4, 3, 2, 2, ...). Tokens stay exact."""
+    contrary = copy.copy(llama)
+    contrary.__class__ = _Contrary
+    drafter = DraftModel(contrary)
+    prompts = [repetitive(71, 9, 3), repetitive(72, 11, 2)]
+    costs = [1.0, 1.2, 1.4, 1.6, 1.8]
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=4, window=seeded(costs))
+    widths = []
+    for _ in range(40):
+        spec, r = sp.step(llama, spec, drafter=drafter)
+        assert r.accepted == (0, 0)
+        widths.append(r.width)
+    price = sum(costs[W - 1] for W in widths) / len(widths)  # in plain steps a token
+    assert price <= 1.05, (price, widths)
+    assert sum(W > 1 for W in widths[4:]) <= 4
     for b, p in enumerate(prompts):
         n = len(spec.context[b]) - len(p)
         assert list(spec.context[b][len(p) :]) == plain(llama, [p], n - 1)[0], f"row {b}"
