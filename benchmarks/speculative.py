@@ -241,6 +241,22 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft):
     return ms
 
 
+def show_windows(kind, B, k):
+    """What each method's window rule has measured at ``B`` so far on this device:
+    a round's cost by width, in plain rounds of the same batch bucket."""
+    for name, w in WINDOWS.items():
+        ratios = ", ".join(
+            f"W={W}: {w.cost(B, W):.2f}" for W in range(2, k + 2) if w.measured(B, W) is not None
+        )
+        base = w.measured(B, 1)
+        print(
+            f"  window after {kind} B={B}, {name}: plain round "
+            f"{base * 1e3 if base else float('nan'):.1f} ms; measured cost in plain rounds: "
+            f"{ratios or 'no wider width measured'}",
+            flush=True,
+        )
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -322,18 +338,7 @@ def main(argv=None):
                     f"{spread(ratios)} | {acc} | {per_round} | {plain_share}",
                     flush=True,
                 )
-    for name, w in WINDOWS.items():  # what the window rule measured on this device
-        for B in args.batch:
-            ratios = ", ".join(
-                f"W={W}: {w.cost(B, W):.2f}"
-                for W in range(2, k + 2)
-                if w.measured(B, W) is not None
-            )
-            base = w.measured(B, 1)
-            print(
-                f"{name} B={B}: plain round {base * 1e3 if base else float('nan'):.1f} ms; "
-                f"measured cost in plain rounds: {ratios or 'no wider width measured'}"
-            )
+            show_windows(kind, B, k)  # printed as it goes: a cut run keeps what it had
     return 1 if bad else 0
 
 
