@@ -327,16 +327,19 @@ class Decoder:
     def _compiled(self, key):
         fn = self._fns.get(key)
         if fn is None:
-            keys, squeeze = key
+            keys, squeeze, where = key
             kernel = self.attention == "kernel"
             own = sum(compiled.reads_itself(k[0]) for k in keys)
             if (kernel or own) and self._mods is None:
                 self._mods = _attention_modules(self.model)
 
-            def step(tokens, flats):
+            def step(tokens, flats, positions):
                 self.traces += 1  # Python runs only while tracing
                 ctx = _shells.Tracing(self.attention, self.write == "slice")
-                shells = [_shells.shell(compiled.Traced.of(f, k), ctx) for f, k in zip(flats, keys)]
+                shells = [
+                    _shells.shell(compiled.Traced.of((f[0], positions[w], *f[1:]), k), ctx)
+                    for f, k, w in zip(flats, keys, where)
+                ]
                 if not (kernel or own):
                     logits = self.model(tokens, cache=shells)
                 else:
@@ -389,6 +392,9 @@ class Decoder:
         flats, specs, prepared, positions = [], [], [], compiled.Positions()
         returned, self._returned = self._returned, {}
         canon: dict = {}
+        layouts: list = []  # distinct position tuples, and each layer's index into them
+        slot: dict = {}
+        where: list = []
         for s in states:
             p = compiled.prepare(s, N)
             mine = returned.get(id(s))
@@ -400,7 +406,14 @@ class Decoder:
                 if type(spec) is compiled.Spec:  # equal layouts: one Spec object
                     spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
             held = compiled.held_planes(p)  # (read, never written: a shared prefix)
-            flats.append((*flat, held) if held else flat)
+            # each layout's position arrays enter the step once (one traced input,
+            # so what the layers derive from them is built once: TraceContext.shared)
+            at = tuple(id(a) for a in flat.positions)
+            if at not in slot:
+                slot[at] = len(layouts)
+                layouts.append(flat.positions)
+            where.append(slot[at])
+            flats.append((flat.planes, held) if held else (flat.planes,))
             specs.append(spec)
             prepared.append(p)
         key_of: dict = {}  # Spec objects are shared by the layers of one layout
@@ -408,12 +421,12 @@ class Decoder:
             if id(sp) not in key_of:
                 key_of[id(sp)] = sp.key
         keys = tuple(key_of[id(sp)] for sp in specs)
-        fn = self._compiled((keys, squeeze))
+        fn = self._compiled((keys, squeeze, tuple(where)))
         if self._pending is not None:
             mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
             self._pending = None
         traced = self.traces
-        logits, out = fn(tokens, flats)
+        logits, out = fn(tokens, flats, layouts)
         if self.traces != traced:
             sig = (Bb, B, N, squeeze, keys, tuple(s.capacity for s in prepared))
             self.trace_reasons.append(_buckets.explain(sig, self._seen))

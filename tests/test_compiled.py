@@ -253,6 +253,25 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
     assert len(flattened) - before == len(changed)
 
 
+def test_layers_of_one_layout_share_their_position_arithmetic(monkeypatch):
+    """The position arrays of one layout enter the compiled step once, so the
+    offsets, write indices and ends every layer derives from them are traced
+    once per step (``TraceContext.shared``), not once per layer."""
+    built = []
+    shared = kc.TraceContext.shared
+
+    def counting(self, key, arrays, build):
+        return shared(self, key, arrays, lambda: built.append(key[0]) or build())
+
+    monkeypatch.setattr(kc.TraceContext, "shared", counting)
+    model = tm.llama_model(layers=3)
+    _, logits, states = prefill(model, [5, 9, 3, 7], step=16)
+    decode = br.Decoder(model, attention="mask")
+    decode(mx.argmax(logits, axis=-1), states)
+    assert decode.traces == 1
+    assert built.count("rows-offset") == 1 and built.count("rows-write") == 1
+
+
 def test_inputs_unchanged_and_outputs_own_their_rows():
     model = tm.llama_model(layers=2)
     _, logits, states = prefill(model, [4, 7], step=16)
