@@ -413,12 +413,17 @@ SINGLE_SPAN = 2560
 MIN_SPLIT = 64
 #: Threads per block of the split pass (measured: 256 beat 128 at every shape swept).
 THREADS = 256
-#: Key-group steps loaded before any is used (bytes in flight per thread: 2 * 16 * UNROLL;
-#: measured: 2 beat 1, 4 and 8 at 256 threads).
-UNROLL = 2
+#: Key-group steps loaded before any is used, dense planes (bytes in flight per thread:
+#: 2 * 16 * UNROLL, twice that with PREFETCH). Measured on the H200 (``notes/gpu.md``,
+#: session 4): B=32 x 32K aligned columns per layer, one split, 256 threads: U=2 750 us,
+#: U=4 592 us, U=4 with PREFETCH 537 us (4.0 TB/s; MLX's cuDNN read of the exact width
+#: 520 us in the same run). Session 2 had U=2 over 1 and 8.
+UNROLL = 4
+#: Key-group steps of the packed-plane (quantized) pass: session 2's value, not re-measured.
+UNROLL_PACKED = 2
 #: Whether the split pass issues the next group step's loads before this step's compute
-#: (dense planes; measured on the H200 in ``notes/gpu.md``).
-PREFETCH = False
+#: (dense planes; same measurement: U=2 750 -> 609 us, U=4 592 -> 537 us).
+PREFETCH = True
 #: Largest pair of planes (``2 * B * H * C * D * itemsize`` bytes) whose write
 #: ``write_and_read`` fuses into the read: the launch copies both planes whole, so it
 #: pays while the copy costs less than the two scatter launches it replaces (measured
@@ -790,7 +795,7 @@ def _launch(
             ("NQ", N),
             ("W", int(window)),
             ("NT", NT),
-            ("U", unroll or UNROLL),
+            ("U", unroll or (UNROLL_PACKED if quant else UNROLL)),
             *([] if quant else [("QB", 0)]),
             *([("COPIES", copies)] if fused else []),
             *template,
