@@ -438,10 +438,10 @@ class Decoder:
         advanced: dict = {}
         for f, sp, s in zip(out, specs, prepared):
             # the layers of one layout (one Spec object) advance once per step
-            at = (id(sp), tuple(x.shape for x in s.planes))
-            spec = advanced.get(at)
+            layout = (id(sp), tuple(x.shape for x in s.planes))
+            spec = advanced.get(layout)
             if spec is None:
-                spec = advanced[at] = sp.replace(**compiled.advanced(s, N))
+                spec = advanced[layout] = sp.replace(**compiled.advanced(s, N))
             new.append(compiled.rebuild(spec, f))
             self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
         if Bb != B:
