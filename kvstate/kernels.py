@@ -46,6 +46,7 @@ _SPLIT_BODY = r"""
     const int n = blockIdx.z;
     const int b = bh / HKV;
     const int h = bh % HKV;
+    const int CAP = k_shape[2];  // the capacity: a runtime value (one build for every bucket)
     const int tid = threadIdx.x;
     const int g = tid / LPK;
     const int lane = tid % LPK;
@@ -222,6 +223,7 @@ _COPY_BLOCKS = r"""
         if (n != 0) return;
         constexpr int VR = D / QE;  // 16-byte vectors per key row
         constexpr int CU = 4;  // vectors per thread in flight
+        const int COPIES = gridDim.x - S;  // copy blocks per (row, KV head)
         const int cchunk = (CAP + COPIES - 1) / COPIES;
         const int c0 = (split - S) * cchunk;
         const int c1 = min(c0 + cchunk, CAP);
@@ -259,7 +261,7 @@ _COPY_BLOCKS = r"""
 
 _PREFIX_RUN = r"""
     if (start < plen_b) {
-        const size_t pbase = ((size_t)prow[b] * HKV + h) * PCAP * D + lane * ELEMS;
+        const size_t pbase = ((size_t)prow[b] * HKV + h) * pk_shape[2] * D + lane * ELEMS;
         run(pk + pbase, pv + pbase, pstart[b], start, min(stop, plen_b));
     }
 """
@@ -655,7 +657,7 @@ def _prefix_variant(prefix) -> dict:
     """``_launch``'s arguments for a prefix source (none without one)."""
     if prefix is None:
         return {}
-    return dict(extra=list(prefix), template=[("PCAP", prefix[0].shape[2])], prefix=True)
+    return dict(extra=list(prefix), prefix=True)
 
 
 def _dense_launch(q, k, v, left_pad, ends, **variant):
@@ -774,7 +776,7 @@ def _launch(
             ``k``/``v`` with them written (``copies`` blocks per row and head copy).
     """
     B, Hq, N, D = q.shape
-    H, C = k.shape[1], k.shape[2]
+    H = k.shape[1]
     rep = Hq // H
     NT = threads or THREADS
     while NT > 64 and (NT // lanes) * rep * D * 4 > _SMEM:  # the in-block combine must fit
@@ -791,13 +793,11 @@ def _launch(
             ("REP", rep),
             ("HKV", H),
             ("S", S),
-            ("CAP", C),
             ("NQ", N),
             ("W", int(window)),
             ("NT", NT),
             ("U", unroll or (UNROLL_PACKED if quant else UNROLL)),
             *([] if quant else [("QB", 0)]),
-            *([("COPIES", copies)] if fused else []),
             *template,
         ],
         grid=(NT * (S + copies), B * H, N),

@@ -142,3 +142,42 @@ def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
                 assert _bytes(pa) == _bytes(pb)
             else:
                 assert mx.abs(pa - pb).max().item() < ROUNDING
+
+
+def test_one_kernel_build_serves_every_capacity(monkeypatch):
+    """The capacity (and a fused write's copy blocks, which follow it) reach the
+    kernel at run time, not as template constants: a new capacity bucket reuses
+    the kernel MLX built (an NVRTC build costs ~1.3 s on the H200). Checked on
+    what ``_launch`` hands ``mx.fast.cuda_kernel``, so it runs everywhere."""
+    calls = []
+
+    def record(prefix, direct, quant=False, fused=False, prefetch=False):
+        def kernel(**kw):
+            calls.append((kw["template"], kw["grid"]))
+            return [mx.zeros(s, t) for s, t in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+        return kernel
+
+    monkeypatch.setattr(kernels, "_split_kernel", record)
+    q = mx.zeros((2, 8, 1, 64), mx.bfloat16)
+    for C in (256, 512, 4096):
+        k = mx.zeros((2, 2, C, 64), mx.bfloat16)
+        lp, en = mx.zeros((2,), mx.int32), mx.array([C - 1] * 2, mx.int32)
+        for new in (None, (k[:, :, :1], k[:, :, :1])):
+            kernels._launch(
+                q,
+                k,
+                k,
+                lp,
+                en,
+                scale=0.125,
+                window=0,
+                splits=1,
+                lanes=8,
+                new=new,
+                copies=kernels.copies_for(C, 64, 2) if new else 0,
+            )
+    plain = {str(t) for t, _ in calls[0::2]}
+    fused = {str(t) for t, _ in calls[1::2]}
+    assert len(plain) == 1 and len(fused) == 1  # one build each, whatever the capacity
+    assert len({g for _, g in calls[1::2]}) == 3  # the copy blocks still follow it
