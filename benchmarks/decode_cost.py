@@ -289,7 +289,7 @@ def read_part(model, args, dtype):
         except Exception as e:  # a variant that does not build is reported, not fatal
             print(f"  {name}: failed: {type(e).__name__}: {str(e)[:200]}")
             continue
-        results[name] = dict(wall=[], sync=[], host=[])
+        results[name] = dict(wall=[], host=[], sync=[])  # the header's order
     for _ in range(args.rounds):
         for name in results:
             f = cases[name]
