@@ -47,6 +47,7 @@ _SPLIT_BODY = r"""
     const int b = bh / HKV;
     const int h = bh % HKV;
     const int CAP = k_shape[2];  // the capacity: a runtime value (one build for every bucket)
+    const int NQ = gridDim.z;  // queries per row: a runtime value too
     const int tid = threadIdx.x;
     const int g = tid / LPK;
     const int lane = tid % LPK;
@@ -793,7 +794,6 @@ def _launch(
             ("REP", rep),
             ("HKV", H),
             ("S", S),
-            ("NQ", N),
             ("W", int(window)),
             ("NT", NT),
             ("U", unroll or (UNROLL_PACKED if quant else UNROLL)),

@@ -145,10 +145,11 @@ def test_decoder_fused_write_equals_scatter_write(monkeypatch, N):
 
 
 def test_one_kernel_build_serves_every_capacity(monkeypatch):
-    """The capacity (and a fused write's copy blocks, which follow it) reach the
-    kernel at run time, not as template constants: a new capacity bucket reuses
-    the kernel MLX built (an NVRTC build costs ~1.3 s on the H200). Checked on
-    what ``_launch`` hands ``mx.fast.cuda_kernel``, so it runs everywhere."""
+    """The capacity (and a fused write's copy blocks, which follow it) and the
+    queries per row reach the kernel at run time, not as template constants: a
+    new capacity bucket or verify width reuses the kernel MLX built (an NVRTC
+    build costs ~1.3 s on the H200). Checked on what ``_launch`` hands
+    ``mx.fast.cuda_kernel``, so it runs everywhere."""
     calls = []
 
     def record(prefix, direct, quant=False, fused=False, prefetch=False):
@@ -159,11 +160,11 @@ def test_one_kernel_build_serves_every_capacity(monkeypatch):
         return kernel
 
     monkeypatch.setattr(kernels, "_split_kernel", record)
-    q = mx.zeros((2, 8, 1, 64), mx.bfloat16)
-    for C in (256, 512, 4096):
+    for C, N in ((256, 1), (512, 3), (4096, 8)):
+        q = mx.zeros((2, 8, N, 64), mx.bfloat16)
         k = mx.zeros((2, 2, C, 64), mx.bfloat16)
         lp, en = mx.zeros((2,), mx.int32), mx.array([C - 1] * 2, mx.int32)
-        for new in (None, (k[:, :, :1], k[:, :, :1])):
+        for new in (None, (k[:, :, :N], k[:, :, :N])):
             kernels._launch(
                 q,
                 k,
@@ -180,4 +181,4 @@ def test_one_kernel_build_serves_every_capacity(monkeypatch):
     plain = {str(t) for t, _ in calls[0::2]}
     fused = {str(t) for t, _ in calls[1::2]}
     assert len(plain) == 1 and len(fused) == 1  # one build each, whatever the capacity
-    assert len({g for _, g in calls[1::2]}) == 3  # the copy blocks still follow it
+    assert len({g for _, g in calls[1::2]}) == 3  # the grid still follows them
