@@ -487,6 +487,12 @@ def main(argv=None):
         help="skip step cases whose caches (all "
         "implementations together) need more than this (h200: 110)",
     )
+    p.add_argument(
+        "--cases",
+        default="",
+        help="only these step cases of the --batch x --context x --layout grid, "
+        "B:ctx:layout,... (e.g. 1:2048:aligned,32:2048:ragged)",
+    )
     p.add_argument("--micro", action="store_true", help="attention micro-benchmarks too")
     p.add_argument(
         "--micro-cases",
@@ -526,6 +532,10 @@ def main(argv=None):
     contexts = [int(x) for x in (args.context or pre["context"]).split(",")]
     layouts = args.layout.split(",")
     mem_gb = args.mem_gb or pre["mem_gb"]
+    only = {
+        (int(B), int(c), lay)
+        for B, c, lay in (x.split(":") for x in filter(None, args.cases.split(",")))
+    }
     impls = (args.impl or pre["impl"]).split(",")
     for i in impls:
         if i not in IMPLS:
@@ -632,6 +642,8 @@ def main(argv=None):
         for ctx in contexts:
             for layout in layouts:
                 if layout == "ragged" and B == 1:
+                    continue
+                if only and (B, ctx, layout) not in only:
                     continue
                 lengths = row_lengths(B, ctx, layout)
                 cap = round_up(ctx + room, 256)
