@@ -615,27 +615,14 @@ def ragged_attention(
         threads, unroll, prefetch: override ``THREADS`` / ``UNROLL`` / ``PREFETCH``
             (for measurements).
     """
-    B, Hq, N, D = q.shape
-    H, C = k.shape[1], k.shape[2]
+    N, C = q.shape[2], k.shape[2]
     if not _kernel_reads(q, k, window, prefix):
         if prefix is not None:
             return _prefix_reference(q, k, v, left_pad, ends, prefix, scale)
         mask = rows_mask(N, left_pad, ends, C, window=window or None)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return _dense_launch(
-        q,
-        k,
-        v,
-        left_pad,
-        ends,
-        scale=scale,
-        window=window,
-        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), N),
-        threads=threads,
-        unroll=unroll,
-        prefetch=prefetch,
-        **_prefix_variant(prefix),
-    )
+    knobs = (window, splits, threads, unroll, prefetch)
+    return _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix)
 
 
 def _kernel_reads(q, k, window: int, prefix) -> bool:
@@ -661,11 +648,33 @@ def _prefix_variant(prefix) -> dict:
     return dict(extra=list(prefix), prefix=True)
 
 
-def _dense_launch(q, k, v, left_pad, ends, **variant):
-    """``_launch`` over dense planes (``q`` in their dtype; one lane per 16 bytes)."""
+def _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix, new=None):
+    """``_launch`` over dense planes ``k``/``v`` ``[B, H, C, D]`` (``q`` in their
+    dtype; one lane per 16 bytes), with ``prefix``'s source when given and, with
+    ``new`` (``write_and_read``'s tokens), the fused write (``copies_for`` blocks).
+    ``knobs``: ``(window, splits, threads, unroll, prefetch)`` as the callers take
+    them (``splits`` 0: ``splits_for`` the rows' span, prefix columns included)."""
+    window, splits, threads, unroll, prefetch = knobs
+    B, H, C, D = k.shape
     if q.dtype != k.dtype:
         q = q.astype(k.dtype)
-    return _launch(q, k, v, left_pad, ends, lanes=q.shape[3] * k.dtype.size // 16, **variant)
+    fused = {} if new is None else dict(new=new, copies=copies_for(C, D, k.dtype.size))
+    return _launch(
+        q,
+        k,
+        v,
+        left_pad,
+        ends,
+        scale=scale,
+        window=window,
+        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), q.shape[2]),
+        lanes=D * k.dtype.size // 16,
+        threads=threads,
+        unroll=unroll,
+        prefetch=prefetch,
+        **_prefix_variant(prefix),
+        **fused,
+    )
 
 
 def copies_for(C: int, D: int, itemsize: int) -> int:
@@ -714,8 +723,7 @@ def write_and_read(
     """
     from ._rows import column_writer
 
-    B, Hq, N, D = q.shape
-    H, C = k.shape[1], k.shape[2]
+    N = q.shape[2]
     new_k, new_v = new_k.astype(k.dtype), new_v.astype(v.dtype)
     if not _kernel_reads(q, k, window, prefix):
         write = column_writer(ends - N, N)
@@ -724,22 +732,8 @@ def write_and_read(
             q, keys, values, left_pad, ends, scale=scale, window=window, prefix=prefix
         )
         return out, keys, values
-    return _dense_launch(
-        q,
-        k,
-        v,
-        left_pad,
-        ends,
-        scale=scale,
-        window=window,
-        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), N),
-        threads=threads,
-        unroll=unroll,
-        prefetch=prefetch,
-        new=(new_k, new_v),
-        copies=copies_for(C, D, k.dtype.size),
-        **_prefix_variant(prefix),
-    )
+    knobs = (window, splits, threads, unroll, prefetch)
+    return _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix, new=(new_k, new_v))
 
 
 def _launch(
