@@ -389,38 +389,8 @@ class Decoder:
             Bb = B
         else:
             tokens, states = padded
-        flats, specs, prepared, positions = [], [], [], compiled.Positions()
-        returned, self._returned = self._returned, {}
-        canon: dict = {}
-        layouts: list = []  # distinct position tuples, and each layer's index into them
-        slot: dict = {}
-        where: list = []
-        for s in states:
-            p = compiled.prepare(s, N)
-            mine = returned.get(id(s))
-            if p is s and mine is not None and mine[0]() is s:
-                # a record this decoder returned, unchanged since: its Spec is known
-                flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
-            else:
-                flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
-                if type(spec) is compiled.Spec:  # equal layouts: one Spec object
-                    spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
-            held = compiled.held_planes(p)  # (read, never written: a shared prefix)
-            # each layout's position arrays enter the step once (one traced input,
-            # so what the layers derive from them is built once: TraceContext.shared)
-            at = tuple(id(a) for a in flat.positions)
-            if at not in slot:
-                slot[at] = len(layouts)
-                layouts.append(flat.positions)
-            where.append(slot[at])
-            flats.append((flat.planes, held) if held else (flat.planes,))
-            specs.append(spec)
-            prepared.append(p)
-        key_of: dict = {}  # Spec objects are shared by the layers of one layout
-        for sp in specs:
-            if id(sp) not in key_of:
-                key_of[id(sp)] = sp.key
-        keys = tuple(key_of[id(sp)] for sp in specs)
+        flats, specs, prepared, layouts, where = self._flatten(states, N)
+        keys = _keys(specs)
         fn = self._compiled((keys, squeeze, tuple(where)))
         if self._pending is not None:
             mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
@@ -434,20 +404,72 @@ class Decoder:
         del flats, states, padded
         if self.wait:
             self._pending = logits
+        new = self._rebuild(out, specs, prepared, N)
+        if Bb != B:
+            self._returned = {}
+            return self._padding.unpad(logits, new, B)
+        return logits, new
+
+    def _flatten(self, states: Sequence, N: int) -> tuple:
+        """Each layer's record prepared for ``N`` new tokens and flattened for
+        the compiled step: ``(flats, specs, prepared, layouts, where)``.
+
+        A record this decoder returned last step, unchanged since, is not
+        flattened again (its advanced ``Spec`` is remembered); layers of one
+        layout share one ``Spec`` object; each layout's position arrays enter
+        the step once (``layouts``; ``where[i]`` is layer ``i``'s index into
+        them), so what the layers derive from them is traced once per step
+        (``TraceContext.shared``)."""
+        flats, specs, prepared, positions = [], [], [], compiled.Positions()
+        returned, self._returned = self._returned, {}
+        canon: dict = {}
+        layouts: list = []
+        slot: dict = {}
+        where: list = []
+        for s in states:
+            p = compiled.prepare(s, N)
+            mine = returned.get(id(s))
+            if p is s and mine is not None and mine[0]() is s:
+                flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
+            else:
+                flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
+                if type(spec) is compiled.Spec:  # equal layouts: one Spec object
+                    spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
+            held = compiled.held_planes(p)  # (read, never written: a shared prefix)
+            at = tuple(id(a) for a in flat.positions)
+            if at not in slot:
+                slot[at] = len(layouts)
+                layouts.append(flat.positions)
+            where.append(slot[at])
+            flats.append((flat.planes, held) if held else (flat.planes,))
+            specs.append(spec)
+            prepared.append(p)
+        return flats, specs, prepared, layouts, where
+
+    def _rebuild(self, out: list, specs: list, prepared: list, N: int) -> list:
+        """The step's new records from its output arrays; the layers of one
+        layout (one ``Spec`` object) advance their ``Spec`` once, and each new
+        record is remembered with it for the next step's ``_flatten``."""
         new: list = []
         advanced: dict = {}
         for f, sp, s in zip(out, specs, prepared):
-            # the layers of one layout (one Spec object) advance once per step
             layout = (id(sp), tuple(x.shape for x in s.planes))
             spec = advanced.get(layout)
             if spec is None:
                 spec = advanced[layout] = sp.replace(**compiled.advanced(s, N))
             new.append(compiled.rebuild(spec, f))
             self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
-        if Bb != B:
-            self._returned = {}
-            return self._padding.unpad(logits, new, B)
-        return logits, new
+        return new
+
+
+def _keys(specs: list) -> tuple:
+    """The compiled step's cache key of each layer's ``Spec`` (computed once per
+    ``Spec`` object: the layers of one layout share one)."""
+    key_of: dict = {}
+    for sp in specs:
+        if id(sp) not in key_of:
+            key_of[id(sp)] = sp.key
+    return tuple(key_of[id(sp)] for sp in specs)
 
 
 def compiled_decoder(model: Model, **options: Any) -> Decoder:
