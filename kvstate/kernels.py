@@ -321,7 +321,7 @@ _EPILOGUE_DIRECT = r"""
 def _split_source(
     prefix: bool, direct: bool, quant: bool = False, fused: bool = False, prefetch: bool = False
 ) -> str:
-    src = _SPLIT_BODY.replace("LOADS\n", _LOADS_PREFETCH if prefetch and not quant else _LOADS)
+    src = _SPLIT_BODY.replace("LOADS\n", _LOADS_PREFETCH if prefetch else _LOADS)
     src = src.replace("PREFIX_RUN", _PREFIX_RUN if prefix else "")
     src = src.replace("OWN_RUN", _FUSED_RUN if fused else _OWN_RUN)
     src = src.replace("COPY_BLOCKS", _COPY_BLOCKS if fused else "")
@@ -357,7 +357,7 @@ def _split_kernel(
     """The split pass (with a prefix source or not, over quantized planes or not,
     writing the new tokens' planes or not, loading one step ahead or not; partial
     results or, with one split, the output itself), built once per variant."""
-    prefetch = prefetch and not quant
+    prefetch = prefetch and not quant  # (packed planes: no prefetch variant)
     key = ("split", prefix, direct, quant, fused, prefetch)
     if key not in _kernels:
         inputs = ["q", "k", "v", "lp", "en", "scale"]
@@ -636,18 +636,6 @@ def _kernel_reads(q, k, window: int, prefix) -> bool:
     return route == "kernel" and (prefix is None or _prefix_fits(prefix, k))
 
 
-def _prefix_columns(prefix) -> int:
-    """Columns a row's run may take from ``prefix`` (its planes' capacity; 0 without)."""
-    return 0 if prefix is None else prefix[0].shape[2]
-
-
-def _prefix_variant(prefix) -> dict:
-    """``_launch``'s arguments for a prefix source (none without one)."""
-    if prefix is None:
-        return {}
-    return dict(extra=list(prefix), prefix=True)
-
-
 def _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix, new=None):
     """``_launch`` over dense planes ``k``/``v`` ``[B, H, C, D]`` (``q`` in their
     dtype; one lane per 16 bytes), with ``prefix``'s source when given and, with
@@ -659,6 +647,8 @@ def _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix, new=None):
     if q.dtype != k.dtype:
         q = q.astype(k.dtype)
     fused = {} if new is None else dict(new=new, copies=copies_for(C, D, k.dtype.size))
+    source = {} if prefix is None else dict(extra=list(prefix), prefix=True)
+    span = C + (0 if prefix is None else prefix[0].shape[2])  # a row's run: prefix, then own
     return _launch(
         q,
         k,
@@ -667,12 +657,12 @@ def _dense_launch(q, k, v, left_pad, ends, scale, knobs, prefix, new=None):
         ends,
         scale=scale,
         window=window,
-        splits=splits or splits_for(B, H, C + _prefix_columns(prefix), q.shape[2]),
+        splits=splits or splits_for(B, H, span, q.shape[2]),
         lanes=D * k.dtype.size // 16,
         threads=threads,
         unroll=unroll,
         prefetch=prefetch,
-        **_prefix_variant(prefix),
+        **source,
         **fused,
     )
 
