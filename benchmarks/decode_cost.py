@@ -13,6 +13,10 @@ part: the fused write, the split count (``splits_for`` forced), the read
 itself (identity or the stock unmasked SDPA over the capacity: wrong
 results, timing only), the write (dropped).
 
+``--part write``: one layer's plane write in place or copied (fused kernel,
+scatter, slice_update), in a pipelined loop, one that waits for the last
+step before dispatching the next, and one that waits for every step.
+
 ``--part read``: per-layer reads, ``--layers`` of them chained in one
 compiled call (layer i's output is layer i+1's query, each layer its own
 planes), so a call's host cost is that of a compiled step's reads; µs per
@@ -22,6 +26,7 @@ mlx-lm reads (no mask over the exact width: cuDNN's decode path).
 
     python3 benchmarks/decode_cost.py --part step --batch 1 --context 2048
     python3 benchmarks/decode_cost.py --part read --batch 1 --context 2048 --splits 1,2,4,8,16,32,64
+    python3 benchmarks/decode_cost.py --part write --write-cases 32:2048:ragged,1:2048:aligned
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ def timed_steps(runs, warmup, steps, rounds, sync_rounds):
     def one(r, sync):
         host = call = 0.0
         tok, st = r[1], r[2]
+        r[2] = None  # (held here, the first step's planes could not be written in place)
         t0 = time.perf_counter()
         for _ in range(steps):
             h0 = time.perf_counter()
@@ -119,6 +125,8 @@ def step_part(model, args, dtype):
         "kernel, fused write, no Spec reuse": "forget",
         "kernel, fused write": fused,
         "kernel, scatter writes": scatter,
+        "kernel, scatter writes, wait": scatter,
+        "kernel, fused write, wait": fused,
         "kernel, no write": {**scatter, **no_write},
         "kernel, no write, stock SDPA no mask over C (timing)": {
             **scatter,
@@ -159,7 +167,8 @@ def step_part(model, args, dtype):
 
             runs[name] = [forget, tokens, suite.kv_states(kvs, lengths, ctx)]
         else:
-            dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
+            wait = name.endswith(", wait")
+            dec = br.Decoder(model, attention="kernel", write="scatter", wait=wait)
             runs[name] = [suite.patched(dec, v), tokens, suite.kv_states(kvs, lengths, ctx)]
         del kvs
     for name, r in runs.items():  # graphs (one step each, then evaluated)
@@ -327,13 +336,142 @@ def read_part(model, args, dtype):
     return dict(results=results, kv_bytes=kv_bytes, auto_splits=auto)
 
 
+def write_part(model, args, dtype):
+    """One step's plane writes in place or copied, per layer, for each case.
+
+    Each "step" chains ``--layers`` layers in one compiled call, each layer its
+    own ``[B, H, C, D]`` plane pair: write one new column at the rows' ends
+    (taken from the query, so it is lazy as in a decode step), then read the
+    rows. Write routes: ``fused`` (``kernels.write_and_read``: the custom
+    kernel copies both planes), ``scatter`` (``put_along_axis`` per plane, as
+    ``_rows.column_writer``), ``slice`` (a dynamic ``slice_update``: aligned
+    rows only), ``read only`` (the planes passed through: the baseline). Loop
+    modes: ``pipelined`` (each step dispatched while the last still runs, the
+    old planes dropped: a decode loop), ``wait`` (the next step built, then
+    the last one waited for, ``mx.synchronize``, then dispatched:
+    ``Decoder(wait=True)``), ``sync`` (each step waited for). MLX writes a
+    plane in place only when nothing else holds its buffer, and a kernel that
+    read it holds it until a worker thread sees that kernel finish; "extra
+    MB" is the peak memory over the round's start: about one plane pair per
+    layer in flight when the write copies, ~0 in place."""
+    out = {}
+    for case in args.write_cases.split(","):
+        B, ctx, layout = case.split(":")
+        out[case] = write_case(model, args, dtype, int(B), int(ctx), layout)
+        mx.clear_cache()
+    return out
+
+
+def write_step(route, B, H, L, scale):
+    """A compiled step of ``L`` layers: write a column at ``ends``, read the rows."""
+
+    def f(q, ends, lp, *kv):
+        after = ends + 1
+        index = mx.broadcast_to(ends[:, None, None, None], (B, H, 1, q.shape[-1]))
+        planes = []
+        for i in range(L):
+            k, v = kv[2 * i], kv[2 * i + 1]
+            nk, nv = q[:, :H], q[:, H : 2 * H]
+            if route == "fused":
+                q, k, v = kernels.write_and_read(q, k, v, nk, nv, lp, after, scale=scale)
+            else:
+                if route == "scatter":
+                    k = mx.put_along_axis(k, index, nk, axis=2)
+                    v = mx.put_along_axis(v, index, nv, axis=2)
+                elif route == "slice":
+                    k = mx.slice_update(k, nk, ends[:1], (2,))
+                    v = mx.slice_update(v, nv, ends[:1], (2,))
+                q = kernels.ragged_attention(q, k, v, lp, after, scale=scale)
+            planes += [k, v]
+        return (q, after, lp, *planes)
+
+    return mx.compile(f)
+
+
+def write_loop(f, states, r, mode, steps):
+    """``steps`` steps of route ``r`` (its state taken from ``states`` and put
+    back): seconds, and the peak memory over the start in bytes."""
+    st = states.pop(r)
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    prev = None
+    for _ in range(steps):
+        new = list(f(*st))
+        st = None
+        if mode == "sync":
+            mx.eval(new)
+        elif mode == "wait":
+            if prev is not None:
+                mx.eval(prev)
+                mx.synchronize()
+            mx.async_eval(new)
+            prev = new[0]
+        else:
+            mx.async_eval(new)
+        st, new = new, None
+    mx.eval(st)
+    mx.synchronize()
+    dt = time.perf_counter() - t0
+    states[r] = st
+    return dt, mx.get_peak_memory() - base
+
+
+def write_case(model, args, dtype, B, ctx, layout):
+    a = model.args
+    Hq, H, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    L, steps, rounds = args.layers, args.steps, args.rounds
+    modes = ["pipelined", "wait", "sync"]
+    C = round_up(ctx + args.warmup + steps * rounds * len(modes) + 8, 256)
+    lens = suite.row_lengths(B, ctx, layout)
+    lp = mx.array([ctx - n for n in lens], mx.int32)
+    plane_mb = B * H * C * D * dtype.size / 1e6
+    routes = ["read only", "fused", "scatter"] + (["slice"] if layout == "aligned" else [])
+    fns = {r: write_step(r, B, H, L, D**-0.5) for r in routes}
+    states = {}
+    for r in routes:
+        st = [mx.random.normal((B, Hq, 1, D)).astype(dtype), mx.array([ctx] * B, mx.int32), lp]
+        for i in range(2 * L):
+            st.append((0.5 * mx.random.normal((B, H, C, D), key=mx.random.key(i))).astype(dtype))
+        mx.eval(st)
+        for _ in range(args.warmup):
+            st = list(fns[r](*st))
+            mx.eval(st)
+        states[r] = st
+        del st
+    res = {f"{r}, {m}": dict(us=[], extra_mb=[]) for r in routes for m in modes}
+    for _ in range(rounds):
+        for m in modes:
+            for r in routes:
+                dt, extra = write_loop(fns[r], states, r, m, steps)
+                res[f"{r}, {m}"]["us"].append(dt / steps / L * 1e6)
+                res[f"{r}, {m}"]["extra_mb"].append(extra / 1e6)
+        print(".", end="", flush=True)
+    print()
+    print(
+        f"write B={B} ctx={ctx} {layout} C={C}, {L} layers chained, plane {plane_mb:.1f} MB: "
+        f"us/layer median [min-max] of {rounds} rounds x {steps} steps; "
+        "extra MB = peak over start"
+    )
+    print(f"  {'route, loop':<24} {'us/layer':>22} {'- read only':>12} {'extra MB':>10}")
+    for name, d in res.items():
+        med = statistics.median(d["us"])
+        base_us = statistics.median(res["read only, " + name.split(", ")[1]]["us"])
+        print(
+            f"  {name:<24} {med:8.1f} [{min(d['us']):.1f}-{max(d['us']):.1f}]"
+            f" {med - base_us:12.1f} {max(d['extra_mb']):10.1f}"
+        )
+    return dict(C=C, plane_mb=plane_mb, results=res)
+
+
 def ints(s):
     return [int(x) for x in s.split(",") if x]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["step", "read"], required=True)
+    p.add_argument("--part", choices=["step", "read", "write"], required=True)
     p.add_argument("--model", default="llama-3.2-1b", choices=sorted(suite.MODELS))
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=1)
@@ -354,12 +492,18 @@ def main(argv=None):
     p.add_argument("--threads", type=ints, default=[256])
     p.add_argument("--prefetch", type=ints, default=[0], help="0 and/or 1 (kernels.PREFETCH)")
     p.add_argument("--fused-splits", type=ints, default=[])
+    p.add_argument(
+        "--write-cases",
+        default="32:2048:ragged,1:2048:aligned",
+        help="--part write: B:ctx:layout cases, comma-separated",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     dtype = getattr(mx, args.dtype)
     print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model} {dtype}", flush=True)
     model = suite.build_model(args.model, dtype)
-    res = (step_part if args.part == "step" else read_part)(model, args, dtype)
+    part = dict(step=step_part, read=read_part, write=write_part)[args.part]
+    res = part(model, args, dtype)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), **res), f, indent=1)

@@ -277,10 +277,11 @@ class Decoder:
             ``attention="kernel"`` on CUDA, planes under
             ``kernels.FUSED_BYTES`` are written by the read's own launch
             instead (``kernels.write_and_read``; ``notes/gpu.md``).
-        wait: before dispatching a step, wait until the previous step has
-            finished. A buffer that an in-flight read still holds cannot be
-            written in place, so without the wait a pipelined loop may copy
-            every plane each step on a GPU (``notes/compile.md``).
+        wait: before returning a step (so before the caller dispatches
+            it), wait until the previous step has finished. A buffer that an
+            in-flight read still holds cannot be written in place, so without
+            the wait a pipelined loop copies every plane it writes each step
+            on a GPU (``notes/compile.md``, ``notes/gpu.md``).
         batch_buckets: rows are padded up to a batch-size bucket so that a
             schedule whose batch size changes does not trace once per size
             (``kvstate._buckets``): ``"pow2"`` (the default: the next power
@@ -392,9 +393,6 @@ class Decoder:
         flats, specs, prepared, layouts, where = self._flatten(states, N)
         keys = _keys(specs)
         fn = self._compiled((keys, squeeze, tuple(where)))
-        if self._pending is not None:
-            mx.eval(self._pending)  # the previous step's reads are done: its buffers are free
-            self._pending = None
         traced = self.traces
         logits, out = fn(tokens, flats, layouts)
         if self.traces != traced:
@@ -402,13 +400,30 @@ class Decoder:
             self.trace_reasons.append(_buckets.explain(sig, self._seen))
             self._seen.append(sig)
         del flats, states, padded
-        if self.wait:
-            self._pending = logits
         new = self._rebuild(out, specs, prepared, N)
+        self._settle(logits)
         if Bb != B:
             self._returned = {}
             return self._padding.unpad(logits, new, B)
         return logits, new
+
+    def _settle(self, logits: mx.array) -> None:
+        """With ``wait``: block until the previous step has finished, after
+        this step's graph is built (so its Python and compiled replay overlap
+        the previous step's device time; only the caller's dispatch waits).
+
+        MLX keeps every buffer a launched kernel reads alive until a worker
+        thread sees that kernel finish, and a buffer with another holder is
+        copied, not written in place. ``mx.eval`` returns when the step's
+        event fires, which can be before that worker has let go of its
+        buffers; ``mx.synchronize`` returns after it has (``notes/gpu.md``,
+        session 5)."""
+        if self._pending is not None:
+            mx.eval(self._pending)
+            mx.synchronize()
+            self._pending = None
+        if self.wait:
+            self._pending = logits
 
     def _flatten(self, states: Sequence, N: int) -> tuple:
         """Each layer's record prepared for ``N`` new tokens and flattened for
