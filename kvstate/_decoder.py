@@ -320,7 +320,7 @@ class Decoder:
         self._padding = _buckets.Padding()
         self._fns: dict = {}
         self._mods = None
-        self._pending = None
+        self._pending: mx.array | None = None
         self._layers: int | None = None
         # the records the last step returned: id -> (weak reference, their Spec)
         self._returned: dict = {}
