@@ -50,6 +50,7 @@ import kvstate as kv  # noqa: E402
 from kvstate import _rows, kernels  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
 from kvstate._rows import round_up  # noqa: E402
+from kvstate.invariants import share_row_ids  # noqa: E402
 from kvstate.masks import rows_mask  # noqa: E402
 
 MODELS = {
@@ -72,6 +73,19 @@ MODELS = {
             "original_max_position_embeddings": 8192,
             "rope_type": "llama3",
         },
+    ),
+    # Llama-3.2-1B's layers and attention geometry with a tiny hidden size: the
+    # host work of its decode step (records, trace replay) without its compute
+    "llama-3.2-1b-host": dict(
+        hidden_size=64,
+        num_hidden_layers=16,
+        intermediate_size=128,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=512,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
     ),
     # a tiny model: per-step overhead, not matmuls, dominates a CPU step
     "tiny": dict(
@@ -196,8 +210,10 @@ def mlx_lm_caches(kvs, lengths, ctx):
 
 
 def kv_states(kvs, lengths, ctx):
+    """One record per layer over the same rows: one set of row ids, as a model's
+    records have (``kvstate.mlx_lm.make_states``, ``share_row_ids``)."""
     lp = [ctx - n for n in lengths]
-    return [kv.from_arrays(k, v, lengths=lengths, left_pad=lp) for k, v in kvs]
+    return share_row_ids([kv.from_arrays(k, v, lengths=lengths, left_pad=lp) for k, v in kvs])
 
 
 # --- timing ----------------------------------------------------------------------

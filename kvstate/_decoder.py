@@ -375,10 +375,14 @@ class Decoder:
         if len(states) != self._layers:
             raise bad("states", f"{self._layers} records (one per layer of the model)", len(states))
         B = tokens.shape[0]
+        kinds: set = set()  # (each kind checked once: this loop runs every step)
         for i, s in enumerate(states):
-            if not _shells.is_record(s):
-                raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
-            check(s.batch_size == B, f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
+            if type(s) not in kinds:
+                if not _shells.is_record(s):
+                    raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
+                kinds.add(type(s))
+            if s.batch_size != B:
+                raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
         if B == 0:  # nothing to run (mlx-lm models cannot run an empty batch)
             from .mlx_lm import forward
 
@@ -390,7 +394,7 @@ class Decoder:
             Bb = B
         else:
             tokens, states = padded
-        flats, specs, prepared, layouts, where = self._flatten(states, N)
+        flats, specs, prepared, layouts, where, groups = self._flatten(states, N)
         keys = _keys(specs)
         fn = self._compiled((keys, squeeze, tuple(where)))
         traced = self.traces
@@ -400,7 +404,7 @@ class Decoder:
             self.trace_reasons.append(_buckets.explain(sig, self._seen))
             self._seen.append(sig)
         del flats, states, padded
-        new = self._rebuild(out, specs, prepared, N)
+        new = self._rebuild(out, specs, prepared, groups, N)
         self._settle(logits)
         if Bb != B:
             self._returned = {}
@@ -427,52 +431,74 @@ class Decoder:
 
     def _flatten(self, states: Sequence, N: int) -> tuple:
         """Each layer's record prepared for ``N`` new tokens and flattened for
-        the compiled step: ``(flats, specs, prepared, layouts, where)``.
+        the compiled step: ``(flats, specs, prepared, layouts, where, groups)``.
 
         A record this decoder returned last step, unchanged since, is not
         flattened again (its advanced ``Spec`` is remembered); layers of one
         layout share one ``Spec`` object; each layout's position arrays enter
         the step once (``layouts``; ``where[i]`` is layer ``i``'s index into
         them), so what the layers derive from them is traced once per step
-        (``TraceContext.shared``)."""
+        (``TraceContext.shared``). The records this decoder returned with one
+        ``Spec`` object have one layout and one set of plane shapes (``_rebuild``
+        gave them that object), so once one of them is prepared as it is, the
+        others are taken with no per-layer work. ``groups[i]``: layer ``i``'s
+        layout for ``_rebuild`` (its ``Spec`` and plane shapes)."""
         flats, specs, prepared, positions = [], [], [], compiled.Positions()
         returned, self._returned = self._returned, {}
         canon: dict = {}
         layouts: list = []
         slot: dict = {}
         where: list = []
+        groups: list = []
+        fits: dict = {}  # id(remembered Spec) -> its layout's slot, once one fits as it is
         for s in states:
-            p = compiled.prepare(s, N)
             mine = returned.get(id(s))
-            if p is s and mine is not None and mine[0]() is s:
+            ours = mine is not None and mine[0]() is s
+            if ours:
+                at = fits.get(id(mine[1]))
+                if at is not None:
+                    flats.append((s.planes,))
+                    specs.append(mine[1])
+                    prepared.append(s)
+                    where.append(at)
+                    groups.append(id(mine[1]))
+                    continue
+            p = compiled.prepare(s, N)
+            if p is s and ours:
                 flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
             else:
                 flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
                 if type(spec) is compiled.Spec:  # equal layouts: one Spec object
                     spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
             held = compiled.held_planes(p)  # (read, never written: a shared prefix)
-            at = tuple(id(a) for a in flat.positions)
-            if at not in slot:
-                slot[at] = len(layouts)
+            ids = tuple(id(a) for a in flat.positions)
+            if ids not in slot:
+                slot[ids] = len(layouts)
                 layouts.append(flat.positions)
-            where.append(slot[at])
+            where.append(slot[ids])
             flats.append((flat.planes, held) if held else (flat.planes,))
             specs.append(spec)
             prepared.append(p)
-        return flats, specs, prepared, layouts, where
+            if p is s and ours and not held:
+                fits[id(spec)] = where[-1]
+                groups.append(id(spec))
+            else:
+                groups.append((id(spec), tuple(x.shape for x in p.planes)))
+        return flats, specs, prepared, layouts, where, groups
 
-    def _rebuild(self, out: list, specs: list, prepared: list, N: int) -> list:
+    def _rebuild(self, out: list, specs: list, prepared: list, groups: list, N: int) -> list:
         """The step's new records from its output arrays; the layers of one
-        layout (one ``Spec`` object) advance their ``Spec`` once, and each new
-        record is remembered with it for the next step's ``_flatten``."""
+        layout (``groups``: one ``Spec`` object, one set of plane shapes)
+        advance their ``Spec`` once, and each new record is remembered with
+        it for the next step's ``_flatten``."""
         new: list = []
         advanced: dict = {}
-        for f, sp, s in zip(out, specs, prepared):
-            layout = (id(sp), tuple(x.shape for x in s.planes))
-            spec = advanced.get(layout)
+        for f, sp, s, g in zip(out, specs, prepared, groups):
+            spec = advanced.get(g)
             if spec is None:
-                spec = advanced[layout] = sp.replace(**compiled.advanced(s, N))
-            new.append(compiled.rebuild(spec, f))
+                spec = advanced[g] = sp.replace(**compiled.advanced(s, N))
+            new.append(spec.rebuild(f, trusted=True))  # (compiled.rebuild, less its checks:
+            # ``f`` is what the step returned for this Spec)
             self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
         return new
 

@@ -229,11 +229,15 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
     flattened = []
     flatten = kc.flatten
     monkeypatch.setattr(kc, "flatten", lambda s, **kw: flattened.append(s) or flatten(s, **kw))
+    prepared = []
+    prepare = kc.prepare
+    monkeypatch.setattr(kc, "prepare", lambda s, n=1: prepared.append(s) or prepare(s, n))
     decode = br.Decoder(model, attention="mask")
     tok = mx.argmax(logits, axis=-1)
     grown = 0
     for t in range(20):
-        before = len(flattened)
+        before, asked = len(flattened), len(prepared)
+        layouts = {id(decode._returned[id(r)][1]) for r in states} if t > 0 else ()
         _, new = decode(tok, states)
         moved = sum(a.capacity != b.capacity for a, b in zip(states, new))
         grown += moved
@@ -241,6 +245,8 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
             assert kc.spec_of(r) == decode._returned[id(r)][1], t
         if t > 0:  # flattened: only the records prepare moved to a new bucket
             assert len(flattened) - before == moved, t
+        if t > 0 and not moved:  # prepared: one record per remembered layout
+            assert len(prepared) - asked == len(layouts), t
         states = new
     assert len(flattened) < 20 * len(states)  # the fast path ran
     specs = {id(decode._returned[id(r)][1]) for r in states}
