@@ -443,7 +443,8 @@ class Decoder:
         gave them that object), so once one of them is prepared as it is, the
         others are taken with no per-layer work. ``groups[i]``: layer ``i``'s
         layout for ``_rebuild`` (its ``Spec`` and plane shapes)."""
-        flats, specs, prepared, positions = [], [], [], compiled.Positions()
+        flats: list = []
+        specs, prepared, positions = [], [], compiled.Positions()
         returned, self._returned = self._returned, {}
         canon: dict = {}
         layouts: list = []
@@ -453,19 +454,19 @@ class Decoder:
         fits: dict = {}  # id(remembered Spec) -> its layout's slot, once one fits as it is
         for s in states:
             mine = returned.get(id(s))
-            ours = mine is not None and mine[0]() is s
-            if ours:
-                at = fits.get(id(mine[1]))
+            known = mine[1] if mine is not None and mine[0]() is s else None  # (its Spec)
+            if known is not None:
+                at = fits.get(id(known))
                 if at is not None:
                     flats.append((s.planes,))
-                    specs.append(mine[1])
+                    specs.append(known)
                     prepared.append(s)
                     where.append(at)
-                    groups.append(id(mine[1]))
+                    groups.append(id(known))
                     continue
             p = compiled.prepare(s, N)
-            if p is s and ours:
-                flat, spec = compiled.Flat(s.planes, tuple(positions(s))), mine[1]
+            if p is s and known is not None:
+                flat, spec = compiled.Flat(s.planes, tuple(positions(s))), known
             else:
                 flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
                 if type(spec) is compiled.Spec:  # equal layouts: one Spec object
@@ -479,7 +480,7 @@ class Decoder:
             flats.append((flat.planes, held) if held else (flat.planes,))
             specs.append(spec)
             prepared.append(p)
-            if p is s and ours and not held:
+            if p is s and known is not None and not held:
                 fits[id(spec)] = where[-1]
                 groups.append(id(spec))
             else:
