@@ -41,7 +41,11 @@ for the compiled decoder also the part spent inside the compiled call (MLX
 replaying its trace; that graph differs between CPU and CUDA, the rest does
 not). Where a step is host-bound (a small model on a GPU) this is the step.
 Each step takes the rows the previous one returned (as a decode loop does;
-they are evaluated between steps, outside the timing). ``--cuda-route``
+they are evaluated between steps, outside the timing); the layers of each
+side hold one set of row ids, as the bridge's prefill and merges leave
+them. The ``wall`` rows time the same steps from the call to their
+evaluated results (on a GPU, wall minus host is what the device adds).
+``--cuda-route``
 (any backend): the routes MLX's CUDA backend takes (kvstate's kernels for
 the reads, the shared suffix write fused into the read), kvstate's launch
 code included, with the kernel object replaced by a stub that returns
@@ -506,15 +510,18 @@ def host_part(args):
     print("|---|---|---|---|---|")
     for B in args.batch:
         res = host_rounds(model, args, B)
-        for step in ("eager", "compiled", "compiled call"):
+        for step in ("eager", "compiled", "compiled call", "eager wall", "compiled wall"):
             a, b = res[(step, "shared")], res[(step, "unshared")]
-            print(f"| {B} | {step} | {spread(a)} | {spread(b)} | {ratio_spread(a, b)} |")
+            print(
+                f"| {B} | {step} | {spread(a)} | {spread(b)} | {ratio_spread(a, b)} |", flush=True
+            )
 
 
 def host_rounds(model, args, B) -> dict:
     """{(step, side): seconds per round} of ``host_part`` for ``B`` rows."""
     from kvstate import mlx_lm as bridge
     from kvstate._decoder import Decoder
+    from kvstate.invariants import share_row_ids
 
     _, probe = bridge.forward(model, mx.array([[1]]), bridge.make_states(model, 1))
     H, D, dtype = probe[0].keys.shape[1], probe[0].keys.shape[3], probe[0].keys.dtype
@@ -527,9 +534,13 @@ def host_rounds(model, args, B) -> dict:
         for s in bridge.make_states(model, 1)
     ]
     own = [(kv_rand(B, args.suffix), kv_rand(B, args.suffix)) for _ in base]
+    # (one model's layers hold one set of row ids, as the bridge's prefill and merges
+    # give them: the compiled decoder's layers of one layout then share one Spec)
     rows = {
-        "shared": [kv.append(s, *o) for s, o in zip(kv.fork(base, 0, B - 1), own)],
-        "unshared": [kv.append(kv.filter_rows(s, [0] * B), *o) for s, o in zip(base, own)],
+        "shared": share_row_ids([kv.append(s, *o) for s, o in zip(kv.fork(base, 0, B - 1), own)]),
+        "unshared": share_row_ids(
+            [kv.append(kv.filter_rows(s, [0] * B), *o) for s, o in zip(base, own)]
+        ),
     }
     mx.eval(
         [p for s in base for p in s.planes], [p for r in rows.values() for s in r for p in s.planes]
@@ -548,23 +559,28 @@ def host_rounds(model, args, B) -> dict:
     }
 
     def loop(fn, side):
-        """Median host seconds of ``args.reps`` steps, each on the last one's rows."""
-        times, states = [], rows[side]
+        """Median host seconds of ``args.reps`` steps, each on the last one's rows,
+        and the median seconds from the call to the step's evaluated results."""
+        times, walls, states = [], [], rows[side]
         for _ in range(args.reps):
             t = time.perf_counter()
             logits, states = fn(side, tok, states)
             times.append(time.perf_counter() - t)
             mx.eval(logits, [p for s in states for p in s.planes])
-        return statistics.median(times)
+            walls.append(time.perf_counter() - t)
+        return statistics.median(times), statistics.median(walls)
 
     res: dict = {}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for step, fn in steps.items():
             for side in rows:
                 inside.clear()
-                res.setdefault((step, side), []).append(loop(fn, side))
+                host, wall = loop(fn, side)
+                res.setdefault((step, side), []).append(host)
+                res.setdefault((f"{step} wall", side), []).append(wall)
                 if step == "compiled":
                     res.setdefault(("compiled call", side), []).append(statistics.median(inside))
+        print(f"# B={B} round {r} done", flush=True)
     return res
 
 

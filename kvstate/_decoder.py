@@ -435,9 +435,11 @@ class Decoder:
 
         A record this decoder returned last step, unchanged since, is not
         flattened again (its advanced ``Spec`` is remembered); layers of one
-        layout share one ``Spec`` object; each layout's position arrays enter
-        the step once (``layouts``; ``where[i]`` is layer ``i``'s index into
-        them), so what the layers derive from them is traced once per step
+        layout share one ``Spec`` object (a ``Spec`` holds no record: a shared
+        layer's prefix records stay in the record, ``compiled.rebuild``'s
+        ``like``); each layout's position arrays enter the step once
+        (``layouts``; ``where[i]`` is layer ``i``'s index into them), so what
+        the layers derive from them is traced once per step
         (``TraceContext.shared``). The records this decoder returned with one
         ``Spec`` object have one layout and one set of plane shapes (``_rebuild``
         gave them that object), so once one of them is prepared as it is, the
@@ -458,7 +460,8 @@ class Decoder:
             if known is not None:
                 at = fits.get(id(known))
                 if at is not None:
-                    flats.append((s.planes,))
+                    held = compiled.held_planes(s)  # (a shared layer's own prefix planes)
+                    flats.append((s.planes, held) if held else (s.planes,))
                     specs.append(known)
                     prepared.append(s)
                     where.append(at)
@@ -469,8 +472,7 @@ class Decoder:
                 flat, spec = compiled.Flat(s.planes, tuple(positions(s))), known
             else:
                 flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
-                if type(spec) is compiled.Spec:  # equal layouts: one Spec object
-                    spec = canon.setdefault(spec, spec)  # (a subclass may hold host objects)
+                spec = canon.setdefault(spec, spec)  # equal layouts: one Spec object
             held = compiled.held_planes(p)  # (read, never written: a shared prefix)
             ids = tuple(id(a) for a in flat.positions)
             if ids not in slot:
@@ -480,7 +482,7 @@ class Decoder:
             flats.append((flat.planes, held) if held else (flat.planes,))
             specs.append(spec)
             prepared.append(p)
-            if p is s and known is not None and not held:
+            if p is s and known is not None:
                 fits[id(spec)] = where[-1]
                 groups.append(id(spec))
             else:
@@ -498,8 +500,8 @@ class Decoder:
             spec = advanced.get(g)
             if spec is None:
                 spec = advanced[g] = sp.replace(**compiled.advanced(s, N))
-            new.append(spec.rebuild(f, trusted=True))  # (compiled.rebuild, less its checks:
-            # ``f`` is what the step returned for this Spec)
+            new.append(spec.rebuild(f, trusted=True, like=s))  # (compiled.rebuild, less its
+            # checks: ``f`` is what the step returned for this Spec)
             self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
         return new
 

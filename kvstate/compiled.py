@@ -98,12 +98,15 @@ class Spec:
         check(not fields, "fields", f"host fields of {self.kind.__name__}", sorted(fields))
         return attrs.evolve(self, host=host)
 
-    def rebuild(self, planes: tuple, *, trusted: bool = False):
+    def rebuild(self, planes: tuple, *, trusted: bool = False, like: Any = None):
         """The record this spec stands for, holding ``planes`` (``unflatten``
         has checked their count); checked by ``validated``, with the fields'
         converters run (per-row lists to tuples). ``trusted``: the decoder's
         own step (a spec taken from a valid record, host fields ``advanced``
-        derived), built as it is (``kvstate.invariants``)."""
+        derived), built as it is (``kvstate.invariants``). ``like``: the
+        record the spec was taken of, for kinds whose records hold host
+        objects a spec leaves out (a ``SharedState``'s prefix records);
+        unused here."""
         fields, i = dict(self.host), 0
         for name, count in self.arrays:
             fields[name] = planes[i] if count == 0 else tuple(planes[i : i + count])
@@ -147,22 +150,26 @@ def spec_of(state: Any) -> Spec:
     )
 
 
-def unflatten(spec: Spec, leaves: Flat | tuple) -> Any:
+def unflatten(spec: Spec, leaves: Flat | tuple, like: Any = None) -> Any:
     """The record ``spec`` and ``leaves`` stand for (``leaves``: a ``Flat``, or
     the planes alone, what a compiled step returns).
 
     The device position arrays are never read back: the host fields come
     from ``spec``. The rebuilt record is checked here, in one place
-    (``validated``).
+    (``validated``). A ``Spec`` holds no record: a kind whose records hold
+    others (a ``SharedState``'s prefix records, read, never written) takes
+    them from ``like``, the record the spec was taken of; every other kind
+    is rebuilt from ``spec`` and ``leaves`` alone.
     """
-    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes))
+    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes, like=like))
 
 
-def rebuild(spec: Spec, leaves):
+def rebuild(spec: Spec, leaves, like: Any = None):
     """``unflatten`` without the check, for a compiled step's own outputs: a
     spec taken from a valid record with host fields ``advanced`` derived
-    (the decoder's every step; ``kvstate.invariants``)."""
-    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes, trusted=True))
+    (the decoder's every step; ``kvstate.invariants``); ``like``: the
+    record the step read."""
+    return _planes_of(spec, leaves, lambda planes: spec.rebuild(planes, trusted=True, like=like))
 
 
 def _planes_of(spec, leaves, rebuild_):
@@ -207,7 +214,11 @@ def flatten(
 
 def position_arrays(state: Any) -> tuple:
     """The int32 ``[B]`` arrays of ``host_positions(state)`` (``Flat.positions``)."""
-    return tuple(mx.array(p, dtype=mx.int32) for p in host_positions(state))
+    return _int32(host_positions(state))
+
+
+def _int32(host: tuple) -> tuple:
+    return tuple(mx.array(p, dtype=mx.int32) for p in host)
 
 
 class Positions:
@@ -223,10 +234,11 @@ class Positions:
         self._got: dict = {}
 
     def __call__(self, state: Any) -> tuple:
-        key = (type(state), *host_positions(state))
+        host = host_positions(state)
+        key = (type(state), *host)
         got = self._got.get(key)
         if got is None:
-            got = self._got[key] = position_arrays(state)
+            got = self._got[key] = _int32(host)
         return got
 
 

@@ -210,11 +210,12 @@ class CompositeSpec(compiled.Spec):
         check(not fields, "fields", "parts (one dict of host fields per part)", sorted(fields))
         return attrs.evolve(self, parts=tuple(p.replace(**f) for p, f in zip(self.parts, parts)))
 
-    def rebuild(self, planes: tuple, *, trusted: bool = False) -> CompositeState:
+    def rebuild(self, planes: tuple, *, trusted: bool = False, like=None) -> CompositeState:
         out, i = [], 0
-        for p in self.parts:
+        likes = (None,) * len(self.parts) if like is None else like.parts
+        for p, part in zip(self.parts, likes):
             n = sum(c or 1 for _, c in p.arrays)
-            out.append(p.rebuild(tuple(planes[i : i + n]), trusted=trusted))
+            out.append(p.rebuild(tuple(planes[i : i + n]), trusted=trusted, like=part))
             i += n
         return of_parts(out) if trusted else CompositeState(tuple(out))
 

@@ -64,20 +64,29 @@ def distinct_row_ids(ids: tuple) -> tuple:
 def share_row_ids(states: list) -> list:
     """One model's layers hold the same rows: records with row ids of one
     batch size all take the first such record's ids (so one layer's
-    ``kv.checkpoint`` fits every layer). Other records are left as they are."""
-    import attrs
-
-    from .records import derived
-
+    ``kv.checkpoint`` fits every layer, and the compiled decoder's layers of
+    one layout share one ``Spec``). Records without row ids are left as they
+    are."""
     first: dict = {}
     out: list = []
     for s in states:
-        if "row_ids" not in attrs.fields_dict(type(s)):
+        ids = getattr(s, "row_ids", None)
+        if type(ids) is not tuple:
             out.append(s)
             continue
-        ids = first.setdefault(len(s.row_ids), s.row_ids)
-        out.append(s if s.row_ids is ids else derived(s, row_ids=ids))
+        want = first.setdefault(len(ids), ids)
+        out.append(s if ids is want or ids == want else with_row_ids(s, want))
     return out
+
+
+@singledispatch
+def with_row_ids(state: Any, ids: tuple) -> Any:
+    """``state`` whose rows carry ``ids`` (one per row), not validated again:
+    a record with a ``row_ids`` field; a kind whose ids are a part's
+    registers (a ``SharedState``'s are its suffix's)."""
+    from .records import derived
+
+    return derived(state, row_ids=ids)
 
 
 @singledispatch
@@ -216,5 +225,6 @@ __all__ = [
     "fresh_row_ids",
     "distinct_row_ids",
     "share_row_ids",
+    "with_row_ids",
     "MAX_POSITION",
 ]

@@ -24,6 +24,7 @@ import attrs
 
 from . import ops
 from .errors import bad
+from .invariants import share_row_ids
 from .records import Checkpoint, _RowsOfFirst, _tuple
 
 __all__ = ["ModelCheckpoint"]
@@ -75,11 +76,13 @@ def _per_layer_arg(value, n: int, arg: str) -> list:
 _MODEL_IMPLS: set = set()
 
 
-def _register(fn, per_layer: tuple = ()):
+def _register(fn, per_layer: tuple = (), moves_rows: bool = False):
     """Register the list and tuple forms of generic ``fn``: each layer in turn.
 
     ``per_layer`` names the positional arguments (after the state) that
-    carry one item per layer; the rest apply to every layer.
+    carry one item per layer; the rest apply to every layer. ``moves_rows``:
+    ``fn`` may give a repeated row a fresh id, which each layer would draw
+    on its own; the layers then take one set (``share_row_ids``).
     """
 
     def over_layers(states, *args, **kwargs):
@@ -89,9 +92,8 @@ def _register(fn, per_layer: tuple = ()):
             _per_layer_arg(a, n, per_layer[i]) if i < len(per_layer) else [a] * n
             for i, a in enumerate(args)
         ]
-        return _like(
-            states, (fn(s, *(c[j] for c in columns), **kwargs) for j, s in enumerate(layers))
-        )
+        out = [fn(s, *(c[j] for c in columns), **kwargs) for j, s in enumerate(layers)]
+        return _like(states, share_row_ids(out) if moves_rows else out)
 
     over_layers.__name__ = over_layers.__qualname__ = f"{fn.__name__}_over_layers"
     over_layers.__doc__ = f"``kv.{fn.__name__}`` on each layer of a model's records."
@@ -106,7 +108,7 @@ _register(ops.attend, ("q",))
 _register(ops.next_mask)
 _register(ops.positions)
 _register(ops.trim)
-_register(ops.filter_rows)
+_register(ops.filter_rows, moves_rows=True)
 _register(ops.extract_row)
 
 
@@ -140,7 +142,7 @@ def merge_models(first, models):
         _layers(ops.filter_rows, m)
         if len(m) != n:
             raise bad(f"states[{i}] layers", f"{n} like states[0]", len(m))
-    return _like(first, (ops.merge_rows([m[j] for m in models]) for j in range(n)))
+    return _like(first, share_row_ids([ops.merge_rows([m[j] for m in models]) for j in range(n)]))
 
 
 for _container in (list, tuple):

@@ -44,7 +44,7 @@ import mlx.core as mx
 from . import _buckets, _rows, compiled, kernels, ops
 from ._args import as_int, per_row, row_index, row_list
 from .errors import bad, check
-from .invariants import validate
+from .invariants import share_row_ids, validate, with_row_ids
 from .masks import rows_mask
 from .records import (
     CacheState,
@@ -53,7 +53,6 @@ from .records import (
     _Rows,
     _tuple,
     _tuple_of_ints,
-    built,
     derived,
     forwarded,
 )
@@ -220,8 +219,8 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
             default ``min(state.step, SUFFIX_STEP)``): each row's own tokens
             cost at most one partly filled block of this many columns.
     """
-    if isinstance(state, (list, tuple)):
-        return type(state)(fork(s, row, n, step=step) for s in state)
+    if isinstance(state, (list, tuple)):  # (one model's layers: one set of row ids)
+        return type(state)(share_row_ids([fork(s, row, n, step=step) for s in state]))
     raise bad(
         "state",
         "a CacheState, QuantizedState or SharedState (or a list of them)",
@@ -888,9 +887,12 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
 
 @attrs.frozen
 class SharedSpec(compiled.Spec):
-    """The static half of a ``SharedState``: the suffix's ``Spec``, the prefix
-    records themselves (host objects, never traced: rebuilt rows keep reading
-    the very same records) and the row map.
+    """The static half of a ``SharedState``: the suffix's ``Spec``, the row map
+    and, per prefix record, what the map's arrays depend on
+    (``_records_key``). It holds no record: the prefix records stay beside it,
+    in the record it was taken of (``rebuild``'s ``like``), so the layers of
+    one layout (each reading its own prefix records) share one ``SharedSpec``
+    in the compiled decoder, as unshared layers share one ``Spec``.
 
     Its ``key`` holds the suffix's key and the number of prefix records the
     read takes (``prefix_planes``); never the row map (its int32 arrays are
@@ -898,8 +900,8 @@ class SharedSpec(compiled.Spec):
     """
 
     suffix: Any = None
-    prefixes: tuple = attrs.field(default=(), eq=False)
     rows: tuple = ()
+    records: tuple = ()
     slots: int = 0
 
     @property
@@ -913,21 +915,22 @@ class SharedSpec(compiled.Spec):
         check(not fields, "fields", "suffix (the suffix's host fields)", sorted(fields))
         return attrs.evolve(self, suffix=self.suffix.replace(**(suffix or {})))
 
-    def rebuild(self, planes: tuple, *, trusted: bool = False) -> SharedState:
-        suffix = self.suffix.rebuild(planes, trusted=trusted)
-        source, prefix_row, shared = self.rows
-        if trusted:
-            return built(
-                SharedState,
-                {
-                    "prefixes": self.prefixes,
-                    "source": source,
-                    "prefix_row": prefix_row,
-                    "shared": shared,
-                    "suffix": suffix,
-                },
+    def rebuild(self, planes: tuple, *, trusted: bool = False, like=None) -> SharedState:
+        """``like``: the ``SharedState`` this spec was taken of (or one reading
+        the same prefix records with this row map): the rebuilt rows read its
+        prefix records. ``trusted``: ``like`` is the record the step read, so
+        its row map is this spec's (the decoder's own step)."""
+        if not isinstance(like, SharedState):
+            raise bad(
+                "like",
+                "the SharedState the spec was taken of (a SharedSpec holds no prefix records)",
+                type(like).__name__,
             )
-        return SharedState(self.prefixes, source, prefix_row, shared, suffix)
+        suffix = self.suffix.rebuild(planes, trusted=trusted)
+        if trusted:
+            return with_suffix(like, suffix)
+        source, prefix_row, shared = self.rows
+        return SharedState(like.prefixes, source, prefix_row, shared, suffix)
 
 
 @compiled.spec_of.register(SharedState)
@@ -939,10 +942,15 @@ def spec_of_shared(state):
         (("suffix", sum(c or 1 for _, c in suffix.arrays)),),
         same_end=suffix.same_end,
         suffix=suffix,
-        prefixes=state.prefixes,
         rows=(state.source, state.prefix_row, state.shared),
+        records=_records_key(state),
         slots=len(readable(state)),
     )
+
+
+@with_row_ids.register(SharedState)
+def with_row_ids_shared(state, ids):
+    return with_suffix(state, with_row_ids(state.suffix, ids))
 
 
 @compiled.host_positions.register(SharedState)

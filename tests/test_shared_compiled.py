@@ -289,3 +289,64 @@ def test_returned_shared_rows_are_not_flattened_again(monkeypatch):
         logits, rows = decoder(mx.argmax(logits, axis=-1), rows)
     assert not calls
     assert all(isinstance(s, kv.SharedState) for s in rows)
+
+
+def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypatch):
+    """Rows as a server makes them (``prefix_cache.prefill`` of prompts sharing a
+    system prompt, then forks of one of them: one model's layers hold one set of
+    row ids) share one ``SharedSpec`` across layers in the compiled decoder, as
+    unshared layers share one ``Spec``: per step the Spec is advanced once and
+    its position arrays looked up once (not once per layer); each layer's rows
+    still read its own prefix records, and the logits equal the eager bridge's
+    and the same rows stored unshared (``materialize``), compiled."""
+    from kvstate import compiled
+    from kvstate.prefix_cache import PrefixCache, prefill
+
+    model = llama_model(layers=4)
+    rng = np.random.default_rng(7)
+    system = rng.integers(0, VOCAB, 13).tolist()
+    prompts = [system + rng.integers(0, VOCAB, n).tolist() for n in (3, 5, 2)]
+    cache = PrefixCache(1 << 30)
+    logits, rows, leases, _ = prefill(model, prompts, cache)
+    rows = kv.merge_rows([rows, kv.fork(kv.filter_rows(rows, [1]), 0, 4)])  # B = 8
+    assert len({s.row_ids for s in rows}) == 1  # (layer-list merges and forks: one set)
+    first = mx.argmax(mx.concatenate([logits, mx.repeat(logits[1:2], 5, axis=0)]), axis=-1)
+    dense = [kv.materialize(s) for s in rows]
+    dec_shared = _decoder.make_step(model)
+    dec_dense = _decoder.make_step(model)
+    got, got_toks, out = run(dec_shared, model, first.tolist(), rows, 2)
+    advanced, positions = [], []
+    real_advanced, real_host = compiled.advanced, compiled.host_positions
+
+    def count_advanced(*a, **k):
+        advanced.append(1)
+        return real_advanced(*a, **k)
+
+    def count_positions(state):
+        positions.append(type(state))
+        return real_host(state)
+
+    monkeypatch.setattr(compiled, "advanced", count_advanced)
+    monkeypatch.setattr(compiled, "host_positions", count_positions)
+    more, more_toks, out = run(dec_shared, model, got_toks[-1], out, 3)
+    monkeypatch.undo()
+    # one Spec for the 4 layers; advanced once a step (the suffix's, inside the shared
+    # record's: 2 calls), its positions derived once a step (suffix's + the row map: 2)
+    d = dec_shared.decoder
+    assert len({id(d._returned[id(s)][1]) for s in out}) == 1
+    assert len(advanced) == 3 * 2, advanced
+    assert len(positions) == 3 * 2, positions
+    eager, eager_toks, _ = run(bridge.step, model, first.tolist(), rows, 5)
+    unshared, unshared_toks, _ = run(dec_dense, model, first.tolist(), dense, 5)
+    for g, e, u in zip(got + more, eager, unshared):
+        np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.array(g), np.array(u), atol=ATOL, rtol=1e-5)
+    assert got_toks + more_toks == eager_toks == unshared_toks
+    # each layer's rows read that layer's own prefix records, the very same objects
+    for s, r in zip(out, rows):
+        assert len(s.prefixes) == len(r.prefixes)
+        assert all(a is b for a, b in zip(s.prefixes, r.prefixes))
+    assert len({id(s.prefixes[0]) for s in out}) == len(out)
+    assert d.traces == 1
+    for lease in leases:
+        lease.release()
