@@ -195,7 +195,13 @@ def main(argv=None):
         help="keep the GGUF's quantized linears (GPU); default: dequantized",
     )
     ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument(
+        "--samples",
+        type=int,
+        nargs="*",
+        default=[1, 4, 16],
+        help="n of the n-samples table (model part; none: that table is not run)",
+    )
     ap.add_argument("--system", type=int, default=512)
     ap.add_argument("--user", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
@@ -708,19 +714,21 @@ def model_part(args):
         compiled = {side: make_step(model) for side in ("shared", "unshared")}
     res = {}
     for r in range(args.rounds):
-        got = samples_round(model, prompt, args.samples, args.steps, r, compiled)
-        for (n, side), v in got.items():
-            res.setdefault(("samples", n, side), []).append(v)
+        if args.samples:
+            got = samples_round(model, prompt, args.samples, args.steps, r, compiled)
+            for (n, side), v in got.items():
+                res.setdefault(("samples", n, side), []).append(v)
         if args.requests:
             for side, v in system_round(model, system, users, args.steps, r, compiled).items():
                 res.setdefault(("system", args.requests, side), []).append(v)
         print(f"# round {r} done", flush=True)
-    print(f"\n## n samples of one {args.prompt}-token prompt")
-    print(
-        "| n | side | peak KV bytes | / unshared | TTFT ms | decode step ms | step / unshared "
-        "| compiled step ms | compiled / unshared compiled |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.samples:
+        print(f"\n## n samples of one {args.prompt}-token prompt")
+        print(
+            "| n | side | peak KV bytes | / unshared | TTFT ms | decode step ms | step / unshared "
+            "| compiled step ms | compiled / unshared compiled |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
     for n in args.samples:
         base = res[("samples", n, "unshared")]
         for side in ("shared", "unshared", "mlx-lm LRU"):
