@@ -583,7 +583,10 @@ def prefix_planes(state: SharedState) -> tuple:
     depends on their count and shapes only: rows joining that read records
     of shapes already present (a cached system prompt, forks) trace nothing,
     and a set of shapes seen before reuses its trace."""
-    return tuple(x for p in readable(state) for x in p.planes)
+    records = readable(state)
+    if len(records) == 1:  # (every decode step of forks and cached prompts)
+        return records[0].planes
+    return tuple(x for p in records for x in p.planes)
 
 
 def layout_key(state: SharedState) -> tuple:
