@@ -56,6 +56,16 @@ host work of the CUDA path is measured and nothing else differs.
 geometry, hidden size 64, so that the host work is the real model's without
 its compute.) ``--cuda-route`` applies to ``--part cache`` too.
 
+``--part wide``: the read of a cached request's rest (``shared.prefix_read``,
+uncompiled, as a rest wider than ``kernels.MAX_QUERIES`` runs), ``--queries``
+queries per row over a ``--prefix``-token shared prefix plus the rest itself,
+B rows (``--batch``): the route ``kernels.PREFIX_QUERIES`` allows (the kernel
+with a prefix source, on CUDA) against the route past it (the cascade), same
+inputs, same process, order alternating; the seconds per evaluated call and
+their ratio, with the largest difference of the two outputs. Where the
+kernel stops paying is where ``PREFIX_QUERIES`` belongs (off CUDA both sides
+take the stock path: no figure).
+
 ``--part cache``: the host time of ``prefix_cache.prefill`` per request
 (before its evaluation) as the cache fills, ``--requests`` requests of
 ``--system`` + ``--user`` tokens sharing the system prompt (``--tiny``:
@@ -65,6 +75,7 @@ a random 30-layer llama, the real model's layer count).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -171,7 +182,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--part",
-        choices=["attention", "model", "bytes", "traces", "host", "cache"],
+        choices=["attention", "model", "bytes", "traces", "host", "cache", "wide"],
         default="attention",
     )
     ap.add_argument("--rounds", type=int, default=7)
@@ -193,6 +204,13 @@ def main(argv=None):
         "--quantized",
         action="store_true",
         help="keep the GGUF's quantized linears (GPU); default: dequantized",
+    )
+    ap.add_argument(
+        "--queries",
+        type=int,
+        nargs="+",
+        default=[16, 32, 64, 128, 256, 512],
+        help="wide part: queries per row (a cached request's rest)",
     )
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument(
@@ -227,6 +245,8 @@ def main(argv=None):
         host_part(args)
     elif args.part == "cache":
         cache_part(args)
+    elif args.part == "wide":
+        wide_part(args)
     else:
         model_part(args)
 
@@ -588,6 +608,64 @@ def host_rounds(model, args, B) -> dict:
                     res.setdefault(("compiled call", side), []).append(statistics.median(inside))
         print(f"# B={B} round {r} done", flush=True)
     return res
+
+
+def wide_part(args):
+    """A cached request's rest read by the prefix kernel vs the cascade (see the module)."""
+    from kvstate import kernels
+
+    dtype = getattr(mx, args.dtype)
+    H, Hq, D, P = args.kv_heads, args.heads, 64, args.prefix
+    print(
+        f"# wide prefix read: device={mx.default_device()}, {args.dtype}, prefix {P}, "
+        f"Hq/H {Hq}/{H}, D {D}, rounds={args.rounds}, reps={args.reps}, "
+        f"PREFIX_QUERIES={kernels.PREFIX_QUERIES}, MAX_QUERIES={kernels.MAX_QUERIES}"
+    )
+    print("| B | queries | route | kernel ms | cascade ms | kernel / cascade | max diff |")
+    print("|---|---|---|---|---|---|---|")
+    for B in args.batch:
+        for N in args.queries:
+            C = -(-N // 64) * 64  # (the rest's suffix, in 64-column blocks)
+            key = mx.random.key(N * 131 + B)
+            ks = mx.random.split(key, 5)
+            q = mx.random.normal((B, Hq, N, D), key=ks[0]).astype(dtype)
+            sk = mx.random.normal((B, H, C, D), key=ks[1]).astype(dtype)
+            sv = mx.random.normal((B, H, C, D), key=ks[2]).astype(dtype)
+            pk = mx.random.normal((1, H, P, D), key=ks[3]).astype(dtype)
+            pv = mx.random.normal((1, H, P, D), key=ks[4]).astype(dtype)
+            zeros = mx.zeros((B,), mx.int32)
+            ends = mx.full((B,), N, mx.int32)
+            views = (zeros, zeros, zeros, mx.full((B,), P, mx.int32))
+            mx.eval(q, sk, sv, pk, pv, ends, views)
+
+            args_ = (N, q, (sk, sv), zeros, ends, [(pk, pv)], views, D**-0.5)
+            (a, route), (b, _) = _wide_read(1 << 20, *args_), _wide_read(0, *args_)
+            diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+            times: dict = {"kernel": [], "cascade": []}
+            for r in range(args.rounds):
+                order = [("kernel", 1 << 20), ("cascade", 0)]
+                for side, most in order if r % 2 == 0 else order[::-1]:
+                    call = functools.partial(_wide_read, most, *args_)
+                    times[side].append(timed(lambda call=call: call()[0], args.reps))
+            k, c = times["kernel"], times["cascade"]
+            print(
+                f"| {B} | {N} | {route} | {spread(k)} | {spread(c)} | {ratio_spread(k, c)} | "
+                f"{diff:.2e} |",
+                flush=True,
+            )
+
+
+def _wide_read(most, N, q, suffix_kv, left_pad, ends, prefix_kv, views, scale):
+    """``shared.prefix_read`` with ``kernels.PREFIX_QUERIES`` = ``most``: ``(out, route)``."""
+    from kvstate import kernels, shared
+
+    bound, kernels.PREFIX_QUERIES = kernels.PREFIX_QUERIES, most
+    try:
+        route = kernels.decode_read(N, q, suffix_kv[0], prefix=True)
+        out, _ = shared.prefix_read(q, suffix_kv, left_pad, ends, prefix_kv, views, scale=scale)
+    finally:
+        kernels.PREFIX_QUERIES = bound
+    return out, route
 
 
 def _timed_calls(fn, times: list):
