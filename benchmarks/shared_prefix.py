@@ -76,7 +76,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import signal
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -790,7 +793,17 @@ def model_part(args):
         from kvstate._decoder import make_step
 
         compiled = {side: make_step(model) for side in ("shared", "unshared")}
-    res = {}
+    res: dict = {}
+    done: dict = {}  # the rounds completed (what a cut run prints)
+
+    def cut(*_):  # (`timeout`'s SIGTERM: the completed rounds' tables, then exit)
+        print(f"# cut (SIGTERM) after {len(next(iter(done.values()), []))} complete rounds")
+        if done:
+            model_tables(args, done, compiled)
+        sys.stdout.flush()
+        os._exit(124)
+
+    signal.signal(signal.SIGTERM, cut)
     for r in range(args.rounds):
         if args.samples:
             got = samples_round(model, prompt, args.samples, args.steps, r, compiled)
@@ -799,7 +812,14 @@ def model_part(args):
         if args.requests:
             for side, v in system_round(model, system, users, args.steps, r, compiled).items():
                 res.setdefault(("system", args.requests, side), []).append(v)
+        done = {k: list(v) for k, v in res.items()}
         print(f"# round {r} done", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    model_tables(args, res, compiled)
+
+
+def model_tables(args, res, compiled):
+    """The model part's tables from ``res`` (per case and side, one tuple per round)."""
     if args.samples:
         print(f"\n## n samples of one {args.prompt}-token prompt")
         print(
