@@ -19,8 +19,10 @@ from .errors import check
 from .masks import rows_mask
 
 
-# The split pass. One block of NT threads per (split, row x KV head, query); LPK lanes
-# read one key row with 16-byte loads (ELEMS elements each), so G = NT / LPK keys per
+# The split pass. One block of NT threads per (split, row x KV head, query): grid x holds
+# each (row, KV head)'s S splits (and a fused write's copy blocks) one after another, z
+# the query (CUDA caps grid y and z at 65535 blocks, x at 2^31 - 1). LPK lanes read one
+# key row with 16-byte loads (ELEMS elements each), so G = NT / LPK keys per
 # group step, U steps loaded before any is used (bytes in flight). A row is a *virtual*
 # run of columns: with a prefix, its first plen[b] columns are columns [pstart[b],
 # +plen[b]) of row prow[b] of the prefix planes pk/pv, then its own columns [lp[b],
@@ -41,8 +43,9 @@ _SPLIT_BODY = r"""
     __shared__ float sm_l[G][REP];
     __shared__ float sm_o[G][REP][D];
 
-    const int split = blockIdx.x;
-    const int bh = blockIdx.y;
+    const int PER = gridDim.x / (k_shape[0] * HKV);  // blocks per (row, KV head): S splits, copies
+    const int split = blockIdx.x % PER;
+    const int bh = blockIdx.x / PER;  // rows x heads folded into x (grid y/z stop at 65535)
     const int n = blockIdx.z;
     const int b = bh / HKV;
     const int h = bh % HKV;
@@ -224,7 +227,7 @@ _COPY_BLOCKS = r"""
         if (n != 0) return;
         constexpr int VR = D / QE;  // 16-byte vectors per key row
         constexpr int CU = 4;  // vectors per thread in flight
-        const int COPIES = gridDim.x - S;  // copy blocks per (row, KV head)
+        const int COPIES = PER - S;  // copy blocks per (row, KV head)
         const int cchunk = (CAP + COPIES - 1) / COPIES;
         const int c0 = (split - S) * cchunk;
         const int c1 = min(c0 + cchunk, CAP);
@@ -333,7 +336,7 @@ def _split_source(
 
 
 _MERGE_SRC = r"""
-    const int row = blockIdx.y;
+    const int row = blockIdx.x;  // (row, head, query), in x: grid y/z stop at 65535
     const int d = threadIdx.x;
     const float* m = pm + (size_t)row * S;
     const float* l = pl + (size_t)row * S;
@@ -770,6 +773,13 @@ def _launch(
     pf = PREFETCH if prefetch is None else prefetch
     fused = new is not None
     copies = copies if fused else 0
+    blocks = (S + copies) * B * H  # grid x; MLX takes grids in threads, as int32s
+    check(
+        max(NT * blocks, D * B * Hq * N) < 2**31,
+        "k",
+        "fewer rows x heads (a launch grid holds at most 2^31 - 1 threads)",
+        f"{B} x {H}",
+    )
     launch = dict(
         inputs=[q, k, v, left_pad, ends, mx.array([scale], mx.float32), *(new or ()), *extra],
         template=[
@@ -784,7 +794,7 @@ def _launch(
             *([] if quant else [("QB", 0)]),
             *template,
         ],
-        grid=(NT * (S + copies), B * H, N),
+        grid=(NT * blocks, 1, N),  # rows in x: see _SPLIT_BODY
         threadgroup=(NT, 1, 1),
     )
     planes = [k.shape, v.shape] if fused else []
@@ -803,7 +813,7 @@ def _launch(
     (out,) = _merge_kernel()(
         inputs=[po, pm, pl],
         template=[("T", q.dtype), ("D", D), ("S", S)],
-        grid=(D, B * Hq * N, 1),
+        grid=(D * B * Hq * N, 1, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, N, D)],
         output_dtypes=[q.dtype],
