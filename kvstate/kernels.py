@@ -472,12 +472,14 @@ def kernel_available(dtype=None) -> bool:
 
 def kernel_fits(q, k, most: int = MAX_QUERIES) -> bool:
     """Whether ``ragged_attention``'s kernel covers these shapes and dtypes
-    (on a backend where it runs): 1 to ``most`` queries per row, a key
-    row a power-of-two number (<= 32) of 16-byte loads, a float dtype."""
+    (on a backend where it runs): at least one row (CUDA takes no empty grid),
+    1 to ``most`` queries per row, a key row a power-of-two number (<= 32) of
+    16-byte loads, a float dtype."""
     N, D = q.shape[2], k.shape[-1]
     lanes = D * k.dtype.size // 16  # threads that read one key row, 16 bytes each
     return (
-        1 <= N <= most
+        q.shape[0] > 0
+        and 1 <= N <= most
         and (D * k.dtype.size) % 16 == 0
         and 0 < lanes <= 32
         and lanes & (lanes - 1) == 0
@@ -833,6 +835,7 @@ def quantized_fits(q, keys, group_size: int, bits: int) -> bool:
     lanes = D * bits // 128
     return (
         bits in QUANT_BITS
+        and q.shape[0] > 0
         and 1 <= q.shape[2] <= MAX_QUERIES
         and (D * bits) % 128 == 0
         and 0 < lanes <= 32

@@ -88,12 +88,21 @@ def test_launch_grids_stay_inside_cuda_limits_at_any_batch(launches, call, B, H,
     S = splits or 1
     copies = kernels.copies_for(64, 16, 4) if call is _fused else 0  # _rows' C, D, float32
     for name, blocks in launches:
-        assert all(b <= most for b, most in zip(blocks, LIMITS)), (name, blocks)
+        assert all(1 <= b <= most for b, most in zip(blocks, LIMITS)), (name, blocks)
         if "merge" in name:  # one block per (row, query head, query)
             assert blocks == (B * H * rep * N, 1, 1)
         else:  # each (row, KV head)'s splits (and copy blocks) along x, the queries along z
             assert blocks == ((S + copies) * B * H, 1, N), (name, blocks)
     assert len(launches) == (1 if S == 1 else 2)
+
+
+@pytest.mark.parametrize("call", [_read, _fused, _prefix, _quantized])
+def test_no_rows_launch_nothing(launches, call):
+    # an empty grid is an invalid launch: zero rows take the stock path (empty results)
+    out = call(*_rows(0, 2, 2, 1), 0)
+    out = out[0] if isinstance(out, tuple) else out
+    mx.eval(out)
+    assert not launches and out.shape == (0, 4, 1, 16)
 
 
 def test_a_grid_past_int32_threads_is_refused_on_the_host(launches):
