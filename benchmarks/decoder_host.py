@@ -41,6 +41,7 @@ import statistics
 import sys
 import time
 
+import attrs
 import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,10 +68,11 @@ def timed(fn, name: str, acc: dict):
 
 
 def split_phases(dec, acc: dict) -> None:
-    """Time ``dec``'s phases into ``acc`` (seconds per phase name)."""
-    dec._flatten = timed(dec._flatten, "flatten", acc)
-    dec._rebuild = timed(dec._rebuild, "rebuild", acc)
-    dec._settle = timed(dec._settle, "settle", acc)
+    """Time ``dec``'s phases into ``acc`` (seconds per phase name; a phase an
+    older ``Decoder`` does not have is left out)."""
+    for name in ("flatten", "rebuild", "settle"):
+        if hasattr(dec, "_" + name):
+            setattr(dec, "_" + name, timed(getattr(dec, "_" + name), name, acc))
     compiled = dec._compiled
     dec._compiled = lambda key: timed(compiled(key), "replay", acc)
     _decoder._keys = timed(_decoder._keys, "keys", acc)
@@ -88,6 +90,11 @@ def main(argv=None):
     ap.add_argument("--split", action="store_true", help="host time by Decoder phase")
     ap.add_argument("--profile", type=int, default=0, help="top N functions (cProfile)")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's loop")
+    ap.add_argument(
+        "--layer-row-ids",
+        action="store_true",
+        help="each layer's record its own row ids (the suite's records before session 5)",
+    )
     args = ap.parse_args(argv)
     dtype = getattr(mx, args.dtype)
     if args.cuda_route:
@@ -97,12 +104,15 @@ def main(argv=None):
     model = suite.build_model(args.model, dtype)
     route = ", CUDA route, kernels stubbed" if args.cuda_route else ""
     print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model} {args.dtype}{route}")
+    print(f"kvstate from {os.path.dirname(br.__file__)}")
     layers = len(model.layers)
     for B in args.batch:
         lengths = suite.row_lengths(B, args.context, "aligned")
         cap = args.context + args.steps * (args.rounds + 2) + 8
         kvs = suite.random_kv(model, B, cap, dtype, seed=1)
         states = suite.kv_states(kvs, lengths, args.context)
+        if args.layer_row_ids:
+            states = [attrs.evolve(s, row_ids=None) for s in states]
         caches = None if args.no_mlx_lm else suite.mlx_lm_caches(kvs, lengths, args.context)
         del kvs
         dec = br.Decoder(model, attention="kernel" if args.cuda_route else "auto")
