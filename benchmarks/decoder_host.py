@@ -91,6 +91,12 @@ def main(argv=None):
     ap.add_argument("--profile", type=int, default=0, help="top N functions (cProfile)")
     ap.add_argument("--no-mlx-lm", action="store_true", help="skip mlx-lm's loop")
     ap.add_argument(
+        "--quiet-device",
+        action="store_true",
+        help="wait for each step after its dispatch (off the host timing): on the CPU the "
+        "step's compute then does not share the cores with the next step's host work",
+    )
+    ap.add_argument(
         "--layer-row-ids",
         action="store_true",
         help="each layer's record its own row ids (the suite's records before session 5)",
@@ -140,6 +146,8 @@ def main(argv=None):
                 t = time.perf_counter()
                 mx.async_eval(tok, [s.planes for s in states])
                 d += time.perf_counter() - t
+                if args.quiet_device:  # (the device's work off this thread's timing)
+                    mx.eval(tok, [s.planes for s in states])
             mx.eval(tok)
             step.append((time.perf_counter() - t0) / args.steps)
             host.append(h / args.steps)
