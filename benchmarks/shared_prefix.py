@@ -394,6 +394,7 @@ def system_round(model, system, users, steps, seed, compiled=None):
                 running.append(cache)
             peak = sum(lm_bytes(r) for r in running) + lru.nbytes
             out[side] = (statistics.mean(ttfts), ran, float("nan"), peak, float("nan"))
+            print(f"#   {side}: {time.perf_counter() - t0:.1f} s", flush=True)
             continue
         cache = PrefixCache(1 << 34) if side == "shared" else None
         rows, last, leases = [], [], []
@@ -413,12 +414,19 @@ def system_round(model, system, users, steps, seed, compiled=None):
         logits = mx.concatenate(last, axis=0)
         extra = [] if cache is None else cache.records()
         peak0 = held_bytes(list(states) + extra)
+        t1 = time.perf_counter()
         cstep = compiled_decode(model, logits, states, steps, seed, compiled and compiled[side])
+        t2 = time.perf_counter()
         step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
         peak = max(peak0, peak + (held_bytes(list(states) + extra) - held_bytes(states)))
         for lease in leases:
             lease.release()
         out[side] = (statistics.mean(ttfts), ran, step, peak, cstep)
+        print(
+            f"#   {side}: prefill {t1 - t0:.1f} s, compiled decode {t2 - t1:.1f} s, "
+            f"eager decode {time.perf_counter() - t2:.1f} s",
+            flush=True,
+        )
     return out
 
 
@@ -778,6 +786,7 @@ def bytes_part(args):
 
 
 def model_part(args):
+    t0 = time.perf_counter()
     model, name = load(args)
     vocab = model.args.vocab_size
     rng = np.random.default_rng(0)
@@ -786,7 +795,8 @@ def model_part(args):
     users = [tokens(rng, args.user, vocab) for _ in range(args.requests)]
     print(
         f"# model: {name}, device={mx.default_device()}, rounds={args.rounds}, "
-        f"decode steps={args.steps}"
+        f"decode steps={args.steps} (loaded in {time.perf_counter() - t0:.1f} s)",
+        flush=True,
     )
     compiled = None
     if args.compiled:
@@ -813,7 +823,7 @@ def model_part(args):
             for side, v in system_round(model, system, users, args.steps, r, compiled).items():
                 res.setdefault(("system", args.requests, side), []).append(v)
         done = {k: list(v) for k, v in res.items()}
-        print(f"# round {r} done", flush=True)
+        print(f"# round {r} done ({time.perf_counter() - t0:.1f} s since start)", flush=True)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     model_tables(args, res, compiled)
 
