@@ -7,6 +7,7 @@ reading the same prefix records."""
 from __future__ import annotations
 
 import mlx.core as mx
+import attrs
 import numpy as np
 import pytest
 from tiny_models import VOCAB, llama_model, qwen3_model
@@ -350,3 +351,33 @@ def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypat
     assert d.traces == 1
     for lease in leases:
         lease.release()
+
+
+def test_a_shared_spec_holds_no_record_and_rebuilds_around_like():
+    """``compiled.unflatten`` of a ``SharedState``: its ``SharedSpec`` holds the row
+    map and the prefix records' shapes, not the records, so the rows are rebuilt
+    around ``like``'s prefix records (the very same objects); without ``like``
+    it is refused by name. Specs of equal layouts over other records are equal."""
+    from kvstate import compiled
+
+    from kvstate.invariants import share_row_ids
+
+    model = llama_model(layers=2)
+    rng = np.random.default_rng(3)
+    _, rows = prompts_and_rows(model, rng)
+    _, rows = bridge.step(model, mx.array([1, 2, 3, 4, 5, 6]), share_row_ids(rows))
+    s = rows[0]
+    flat, spec = compiled.flatten(s)
+    assert not any(isinstance(v, kv.CacheState) for v in attrs.astuple(spec, recurse=False))
+    back = compiled.unflatten(spec, flat, like=s)
+    assert isinstance(back, kv.SharedState)
+    assert all(a is b for a, b in zip(back.prefixes, s.prefixes))
+    assert (back.source, back.prefix_row, back.shared) == (s.source, s.prefix_row, s.shared)
+    assert back.lengths == s.lengths
+    for a, b in zip(back.suffix.planes, compiled.prepare(s).suffix.planes):
+        assert mx.array_equal(a, b)
+    with pytest.raises(kv.KVStateError, match="like"):
+        compiled.unflatten(spec, flat)
+    # the other layer reads other records in the same layout: an equal Spec
+    assert rows[1].prefixes[0] is not s.prefixes[0]
+    assert compiled.flatten(rows[1])[1] == spec
