@@ -74,19 +74,6 @@ MODELS = {
             "rope_type": "llama3",
         },
     ),
-    # Llama-3.2-1B's layers and attention geometry with a tiny hidden size: the
-    # host work of its decode step (records, trace replay) without its compute
-    "llama-3.2-1b-host": dict(
-        hidden_size=64,
-        num_hidden_layers=16,
-        intermediate_size=128,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=512,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ),
     # a tiny model: per-step overhead, not matmuls, dominates a CPU step
     "tiny": dict(
         hidden_size=128,
@@ -112,6 +99,12 @@ MODELS = {
         tie_word_embeddings=True,
     ),
 }
+
+# Llama-3.2-1B's layers and attention geometry with a tiny hidden size: the host work
+# of its decode step (records, trace replay) without its compute
+MODELS["llama-3.2-1b-host"] = dict(
+    MODELS["llama-3.2-1b"], hidden_size=64, intermediate_size=128, vocab_size=512
+)
 
 PRESETS = {
     "cpu": dict(
