@@ -38,6 +38,7 @@ import attrs
 import mlx.core as mx
 
 from kvstate import mlx_lm as br
+from kvstate import ops
 from kvstate import speculative as sp
 from kvstate.drafts import DraftModel, Lookup, truncated
 
@@ -136,14 +137,23 @@ def started(model, prompts, k, draft=None):
 
 
 def plain_run(model, prompts, T, k):
+    """The plain greedy loop, pipelined as mlx-lm's ``generate_step``: each step is
+    handed to the device (``mx.async_eval``) before the step before it is read, so
+    the host builds step n + 1 while the device runs step n."""
     first = started(model, prompts, k)
     y, states = first.batch.tokens, list(first.states)
     out = [[t] for t in y.tolist()]
-    t0 = time.perf_counter()
+    t0, last = time.perf_counter(), None
     for _ in range(T - 1):
         logits, states = br.step(model, y, states)
         y = mx.argmax(logits, axis=-1)
-        for o, t in zip(out, y.tolist()):
+        mx.async_eval(y)
+        if last is not None:
+            for o, t in zip(out, last.tolist()):
+                o.append(t)
+        last = y
+    if last is not None:
+        for o, t in zip(out, last.tolist()):
             o.append(t)
     return time.perf_counter() - t0, out, None
 
@@ -158,17 +168,131 @@ def spec_run(model, prompts, T, drafter, k, window=None):
         batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
     drafted = accepted = rounds = plain = 0
     made = [1] * len(prompts)  # tokens per row so far (the first came with the prefill)
-    t0 = time.perf_counter()
+    t0, last = time.perf_counter(), None
     while min(made) < T:
+        # pipelined as plain_run: the round handed to the device, then the one before
+        # it read (a plain round's tokens: a drafting round's are read inside step)
         batch, r = sp.step(model, batch, drafter=drafter)
-        made = [n + len(e) for n, e in zip(made, r.emitted)]  # the round's read, as plain's
+        mx.async_eval(batch.batch.tokens)
+        if last is not None:
+            _ = last.emitted  # the read
+        made = [n + 1 + a for n, a in zip(made, r.accepted)]  # a row emits 1 + accepted
         drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
         plain += r.width == 1
+        last = r
+    if last is not None:
+        _ = last.emitted  # the read
     dt = time.perf_counter() - t0
     if window is not None:
         WINDOWS[window] = sp.recorded(batch)  # with its last plain round
     out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
     return dt, out, (drafted, accepted, rounds, plain)
+
+
+def _finish(out, rows, made, T, ctx, queue):
+    """Rows with ``T`` tokens leave: their tokens into ``out`` (by queue index);
+    returns the rows that stay."""
+    keep = []
+    for i, (q, n) in enumerate(zip(rows, made)):
+        if n >= T:
+            p = queue[q]
+            out[q] = list(ctx[i][len(p) : len(p) + T])
+        else:
+            keep.append(i)
+    return keep
+
+
+def plain_stream(model, queue, B, T, k):
+    """Continuous batching, plain: ``B`` rows decode (pipelined as ``plain_run``);
+    a row with ``T`` tokens leaves and the next prompt of ``queue`` joins (its
+    prefill done before the clock, ``started``), until every prompt has ``T``
+    tokens. Returns the seconds, each prompt's tokens and no stats."""
+    firsts = [started(model, [p], k) for p in queue]
+    rows, nxt = list(range(min(B, len(queue)))), min(B, len(queue))
+    states = ops.merge_rows([list(firsts[q].states) for q in rows])
+    y = mx.concatenate([firsts[q].batch.tokens for q in rows])
+    ctx = [list(queue[q]) + firsts[q].batch.tokens.tolist() for q in rows]
+    made, out = [1] * len(rows), {}
+    t0, last = time.perf_counter(), None
+    while rows:
+        logits, states = br.step(model, y, states)
+        y = mx.argmax(logits, axis=-1)
+        mx.async_eval(y)
+        if last is not None:
+            for c, t in zip(ctx, last.tolist()):
+                c.append(t)
+        last, made = y, [n + 1 for n in made]
+        if min(made) < T:
+            continue
+        for c, t in zip(ctx, y.tolist()):
+            c.append(t)
+        last = None
+        keep = _finish(out, rows, made, T, ctx, queue)
+        new = list(range(nxt, min(nxt + len(rows) - len(keep), len(queue))))
+        nxt += len(new)
+        if keep:
+            states, y = ops.filter_rows(states, keep), y[mx.array(keep)]
+        parts = ([states] if keep else []) + [list(firsts[q].states) for q in new]
+        if parts:
+            states = ops.merge_rows(parts)
+            y = mx.concatenate(([y] if keep else []) + [firsts[q].batch.tokens for q in new])
+        rows = [rows[i] for i in keep] + new
+        made = [made[i] for i in keep] + [1] * len(new)
+        ctx = [ctx[i] for i in keep] + [
+            list(queue[q]) + firsts[q].batch.tokens.tolist() for q in new
+        ]
+    return time.perf_counter() - t0, [out[q] for q in range(len(queue))], None
+
+
+def spec_stream(model, queue, B, T, drafter, k, window=None):
+    """Continuous batching, speculative (pipelined as ``spec_run``): rows with ``T``
+    tokens leave (``speculative.leave``), the next prompts join (``speculative.join``)."""
+    draft = drafter.model if isinstance(drafter, DraftModel) else None
+    firsts = [started(model, [p], k, draft) for p in queue]
+    rows, nxt = list(range(min(B, len(queue)))), min(B, len(queue))
+    batch = firsts[rows[0]]
+    for q in rows[1:]:
+        batch = sp.join(batch, firsts[q])
+    if window is not None:
+        batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
+    drafted = accepted = rounds = plain = 0
+    made, out = [1] * len(rows), {}
+    t0, last = time.perf_counter(), None
+    while rows:
+        batch, r = sp.step(model, batch, drafter=drafter)
+        mx.async_eval(batch.batch.tokens)
+        if last is not None:
+            _ = last.emitted  # the read
+        made = [n + 1 + a for n, a in zip(made, r.accepted)]
+        drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
+        plain += r.width == 1
+        last = r
+        if min(made) < T:
+            continue
+        last = None
+        keep = _finish(out, rows, made, T, batch.context, queue)
+        new = list(range(nxt, min(nxt + len(rows) - len(keep), len(queue))))
+        nxt += len(new)
+        rule = sp.recorded(batch)
+        batch = sp.leave(batch, keep) if keep else None
+        for q in new:
+            batch = firsts[q] if batch is None else sp.join(batch, firsts[q])
+        if batch is not None and window is not None:
+            batch = attrs.evolve(batch, window=rule)
+        rows = [rows[i] for i in keep] + new
+        made = [made[i] for i in keep] + [1] * len(new)
+        if not rows and window is not None:
+            WINDOWS[window] = rule
+    return (
+        time.perf_counter() - t0,
+        [out[q] for q in range(len(queue))],
+        (
+            drafted,
+            accepted,
+            rounds,
+            plain,
+        ),
+    )
 
 
 def _mlx_lm_prefill(model, prompt):
@@ -224,8 +348,10 @@ def mlx_lm_run(model, prompt, T, draft=None, k=3):
     return dt, out, (rounds * k, from_draft, rounds, 0)
 
 
-def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft):
-    """The timed runs, by name: each returns ``(seconds, tokens per row, stats)``."""
+def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft, stream=0):
+    """The timed runs, by name: each returns ``(seconds, tokens per row, stats)``.
+    With ``stream``: also continuous batching over ``stream`` prompts (the batch's
+    prompts cycled), ``B = len(prompts)`` rows at a time, as ``... stream``."""
     ms = {
         "plain": lambda: plain_run(model, prompts, n, k),
         "lookup": lambda: spec_run(model, prompts, n, Lookup(), k),
@@ -235,6 +361,17 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft):
         if fixed_draft:
             ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
         ms["draft cost"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k, "draft cost")
+    if stream:
+        B, queue = len(prompts), [prompts[i % len(prompts)] for i in range(stream)]
+        ms["plain stream"] = lambda: plain_stream(model, queue, B, n, k)
+        ms["lookup stream"] = lambda: spec_stream(model, queue, B, n, Lookup(), k)
+        ms["lookup cost stream"] = lambda: spec_stream(
+            model, queue, B, n, Lookup(), k, "lookup cost"
+        )
+        if with_draft:
+            ms["draft cost stream"] = lambda: spec_stream(
+                model, queue, B, n, DraftModel(draft), k, "draft cost"
+            )
     if with_draft and len(prompts) == 1:
         ms["mlx-lm plain"] = lambda: mlx_lm_run(model, prompts[0], n)
         ms["mlx-lm draft"] = lambda: mlx_lm_run(model, prompts[0], n, draft, k)
@@ -276,6 +413,13 @@ def main(argv=None):
         "--fixed-draft", action="store_true", help="also the draft model without the window rule"
     )
     ap.add_argument("--warmup-tokens", type=int, default=8)
+    ap.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        help="also continuous batching over STREAM x B prompts, B rows at a time (0: off)",
+    )
+    ap.add_argument("--methods", nargs="*", help="run only these methods (default: all)")
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized)
     draft = truncated(model, args.draft_layers)
@@ -303,13 +447,20 @@ def main(argv=None):
             prompts = [
                 tok.chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(B)
             ]
-            for f in methods_for(
-                model, draft, prompts, args.warmup_tokens, k, not args.no_draft, args.fixed_draft
-            ).values():  # warm-up: a short run of each
+            Q = args.stream * B
+
+            def chosen(n, prompts=prompts, Q=Q):
+                ms = methods_for(
+                    model, draft, prompts, n, k, not args.no_draft, args.fixed_draft, Q
+                )
+                return {m: f for m, f in ms.items() if not args.methods or m in args.methods}
+
+            for f in chosen(args.warmup_tokens).values():  # warm-up: a short run of each
                 f()
-            methods = methods_for(model, draft, prompts, T, k, not args.no_draft, args.fixed_draft)
+            methods = chosen(T)
             times = {m: [] for m in methods}
-            stats, ref = {}, None
+            stats: dict = {}
+            refs: dict = {}  # "plain" / "plain stream" -> its tokens this round
             for r in range(args.rounds):
                 names = list(methods) if r % 2 == 0 else list(methods)[::-1]
                 for m in names:
@@ -318,23 +469,29 @@ def main(argv=None):
                     times[m].append(dt)
                     if st is not None:  # summed over the timed runs
                         stats[m] = tuple(a + b for a, b in zip(stats.get(m, (0,) * 4), st))
-                    if m == "plain":
-                        ref = out
+                    what = "plain stream" if m.endswith("stream") else "plain"
+                    ref = refs.get(what)
+                    if m == what:
+                        refs[what] = out
                     elif not m.startswith("mlx-lm") and ref is not None and out != ref:
-                        print(f"MISMATCH: {kind} B={B} {m} differs from plain", file=sys.stderr)
+                        print(f"MISMATCH: {kind} B={B} {m} differs from {what}", file=sys.stderr)
                         bad += 1
                     elif m.startswith("mlx-lm") and ref is not None and out != ref[0]:
                         # reported, not fatal: a near-tie may flip across implementations
                         print(f"note: {kind} B={B} {m} tokens differ from plain", file=sys.stderr)
             for m, ts in times.items():
                 base = "mlx-lm plain" if m == "mlx-lm draft" else "plain"
+                base = "plain stream" if m.endswith("stream") else base
+                if base not in times:
+                    continue
                 ratios = [b / t for b, t in zip(times[base], ts)]
                 d, a, n, p = stats.get(m, (0, 0, 0, 0))
+                rows = Q if m.endswith("stream") else B  # tokens counted: T per prompt
                 acc = f"{a / d:.0%} ({a}/{d})" if d else "-"
-                per_round = f"{B * T * len(ts) / n:.2f}" if n else "-"
+                per_round = f"{rows * T * len(ts) / n:.2f}" if n else "-"
                 plain_share = f"{p / n:.0%}" if n and not m.startswith("mlx-lm") else "-"
                 print(
-                    f"{kind} | {B} | {m} | {B * T / statistics.median(ts):.1f} | "
+                    f"{kind} | {B} | {m} | {rows * T / statistics.median(ts):.1f} | "
                     f"{spread(ratios)} | {acc} | {per_round} | {plain_share}",
                     flush=True,
                 )

@@ -1,4 +1,4 @@
-"""Host time of one speculative round against a plain decode step (real model, same process).
+"""Host time of one speculative round against a plain decode step (same process).
 
 A round's host time is its wall time less the time the thread waits in
 ``mx.eval`` (the device computing: the verify forward and the previous
@@ -6,28 +6,44 @@ round's lazy rollback); its thread CPU time (``time.thread_time``) is what
 the calling thread computed (on the CPU device it includes the evaluation
 MLX runs on that thread), less disturbed by other processes than wall time.
 Printed per method: median ms per round of wall, sync, host and thread CPU
-time over ``--rounds`` rounds, after a warm-up; and with ``--profile``, the
-top Python functions of the speculative rounds (cProfile, cumulative).
+time over ``--rounds`` rounds, after a warm-up.
 
-Methods: a plain step (``kvstate.mlx_lm.step`` and an argmax); the same
-rounds through ``speculative.step`` with a window rule that never widens
-(``Window(margin=inf)``: every round a plain round, prompt lookup never
-run); prompt lookup without a rule (k <= 4); the cost-aware window.
+Methods: a plain step (``kvstate.mlx_lm.step`` and an argmax, read each step);
+the same rounds through ``speculative.step`` with a window rule that never
+widens (``Window(margin=inf)``: every round a plain round, prompt lookup never
+run); both again pipelined (``--pipelined``: step n + 1 built and handed to the
+device, ``mx.async_eval``, before step n is read, as mlx-lm's ``generate_step``;
+a round's wall time is then the interval between two reads); prompt lookup
+without a rule (k <= 4); the cost-aware window. For the drafting rounds the host
+time is split by phase (``--phases``): the rule, drafting, checkpoint, the verify
+forward's graph building, acceptance, the per-row rollback, the draft model's
+settle, the new records, the rest of ``step``; and the sync inside ``step``.
+With ``--profile``, the top Python functions of the lookup rounds (cProfile).
+
+``--tiny``: a random llama with the real model's 30 layers and attention geometry
+(9 query heads, 3 KV heads, head dim 64) and hidden size 64 (as
+``shared_prefix.py --part host --tiny``), so the host work is the real model's
+without its compute; prompts of ``--prompt-tokens`` tokens, repeating.
 
     python benchmarks/speculative_host.py --batch 8 --rounds 40
-    python benchmarks/speculative_host.py --model tiny --batch 8 --rounds 60 --repeat 3 --plain-only
+    python benchmarks/speculative_host.py --tiny --batch 8 --rounds 60 --repeat 3 \
+        --plain-only --pipelined
+    python benchmarks/speculative_host.py --tiny --batch 8 --rounds 40 --phases
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 import statistics
 import time
+import types
 
 import mlx.core as mx
 
+from kvstate import _window
 from kvstate import mlx_lm as br
 from kvstate import speculative as sp
 from kvstate.drafts import Lookup
@@ -44,37 +60,96 @@ def timed_eval(*args, **kw):
     WAIT[0] += time.perf_counter() - t0
 
 
-def rounds_plain(model, prompts, n):
+PHASES: collections.Counter = collections.Counter()  # phase -> host seconds (sync excluded)
+
+
+def phased(name, fn):
+    """``fn`` whose host seconds (less any sync inside it) add to ``PHASES[name]``."""
+
+    def run(*a, **kw):
+        t0, w0 = time.perf_counter(), WAIT[0]
+        try:
+            return fn(*a, **kw)
+        finally:
+            PHASES[name] += (time.perf_counter() - t0) - (WAIT[0] - w0)
+
+    return run
+
+
+def instrument(model):
+    """Wrap the library's round phases (module attributes ``speculative.step`` looks
+    up at call time); returns the verify ``forward`` to pass to ``step``."""
+    sp.ops = types.SimpleNamespace(
+        **{k: getattr(sp.ops, k) for k in dir(sp.ops) if not k.startswith("__")}
+    )
+    sp.ops.checkpoint = phased("checkpoint", sp.ops.checkpoint)
+    sp.bridge = types.SimpleNamespace(
+        **{k: getattr(sp.bridge, k) for k in dir(sp.bridge) if not k.startswith("__")}
+    )
+    sp.bridge.rollback = phased("rollback", sp.bridge.rollback)
+    for name, phase in (
+        ("_asked", "rule"),
+        ("_propose_lookup", "draft"),
+        ("_catch_up", "draft"),
+        ("_propose_model", "draft"),
+        ("accept_greedy", "acceptance"),
+        ("accept_sampled", "acceptance"),
+        ("_settle_model", "settle"),
+        ("derived", "records"),
+    ):
+        setattr(sp, name, phased(phase, getattr(sp, name)))
+    for name in ("observe", "record"):
+        setattr(_window.Window, name, phased("rule", getattr(_window.Window, name)))
+    return phased("verify call", sp.eager(model))
+
+
+def rounds_plain(model, prompts, n, pipelined=False):
     logits, states = br.prefill(model, prompts)
     y = mx.argmax(logits, axis=-1)
     mx.eval(y, states)
-    out = []
+    out, last = [], None
     for _ in range(n):
         WAIT[0] = 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
         logits, states = br.step(model, y, states)
         y = mx.argmax(logits, axis=-1)
-        mx.eval(y)
-        y.tolist()
+        if pipelined:  # this step to the device, then the one before it read
+            mx.async_eval(y)
+            if last is not None:
+                t1 = time.perf_counter()
+                last.tolist()  # waits for the step before (tolist syncs): timed as a wait
+                WAIT[0] += time.perf_counter() - t1
+            last = y
+        else:
+            mx.eval(y)
+            y.tolist()
         out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, 1))
     return out
 
 
-def rounds_spec(model, prompts, n, window, profile=None):
+def rounds_spec(model, prompts, n, window, profile=None, pipelined=False, forward=None):
     kw = {} if window is None else {"window": window}
     spec = sp.start(model, prompts, drafter=Lookup(), num_draft=4, **kw)
     mx.eval(spec.states)
-    out = []
+    out, last = [], None
     for _ in range(n):
         WAIT[0] = 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
+        w0 = sum(PHASES.values())
         if profile is not None:
             profile.enable()
-        spec, r = sp.step(model, spec, drafter=Lookup())
-        made = len(r.emitted)  # read, as a plain loop's tolist (after spec is rebound)
+        spec, r = sp.step(model, spec, drafter=Lookup(), forward=forward)
+        if pipelined:  # as rounds_plain: this round to the device, the one before read
+            mx.async_eval(spec.batch.tokens)
+            if last is not None:
+                _ = last.emitted  # the read
+            last = r
+        else:
+            _ = r.emitted  # read, as a plain loop's tolist (after spec is rebound)
         if profile is not None:
             profile.disable()
-        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, r.width, made))
+        dt = time.perf_counter() - t0
+        out.append((dt, WAIT[0], time.thread_time() - c0, r.width, sum(PHASES.values()) - w0))
     return out
 
 
@@ -92,27 +167,46 @@ def show(name, rows):
     )
 
 
+def show_phases(name, rows, n):
+    """Mean host ms per round of each phase over the ``n`` rounds just run."""
+    host = sum((r[0] - r[1]) for r in rows) * 1e3 / n
+    parts = {k: v * 1e3 / n for k, v in PHASES.items()}
+    rest = host - sum(parts.values())
+    text = ", ".join(f"{k} {v:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    sync = sum(r[1] for r in rows) * 1e3 / n
+    print(f"  phases of {name} (host ms a round, mean): {text}, rest {rest:.2f}; sync {sync:.2f}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=bench.GGUF)
+    ap.add_argument("--tiny", action="store_true", help="the real geometry, hidden 64, random")
     ap.add_argument("--quantized", action="store_true", help="keep the GGUF's 4-bit layers")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--kind", default="rewrite")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--phases", action="store_true", help="split drafting rounds by phase")
     ap.add_argument("--repeat", type=int, default=1, help="plain step / plain round pairs")
     ap.add_argument("--plain-only", action="store_true", help="only the plain step / round pairs")
-    ap.add_argument("--tiny-layers", type=int, default=8, help="--model tiny: its layers")
-    ap.add_argument("--prompt-tokens", type=int, default=300, help="--model tiny: prompt length")
+    ap.add_argument("--pipelined", action="store_true", help="also the pipelined pairs")
+    ap.add_argument(
+        "--widths", type=int, nargs="*", default=[], help="also rounds of exactly these widths"
+    )
+    ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
+    ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
-    if args.model == "tiny":  # kvstate's tiny llama, random weights: host work shows more
+    if args.tiny or args.model == "tiny":
         from kvstate.models import tiny_llama
 
-        model = tiny_llama(0, layers=args.tiny_layers)
+        model = tiny_llama(
+            0, layers=args.tiny_layers, hidden=64, heads=9, kv_heads=3, head_dim=64, vocab=512
+        )
         prompts = [
             [(7 * b + 3 * (i % 40)) % 500 + 1 for i in range(args.prompt_tokens)]
             for b in range(args.batch)
         ]
+        args.kind = f"tiny llama {args.tiny_layers} layers, 9/3 heads, D=64, hidden 64"
     else:
         model, tok = bench.load(args.model, not args.quantized)
         texts = bench.KINDS[args.kind]
@@ -124,22 +218,50 @@ def main(argv=None):
     sp.mx.eval = timed_eval
     print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
     print("method | wall ms | sync ms | host ms median [min-max] | thread CPU ms | widths")
-    never = sp.Window(margin=float("inf")) if hasattr(sp, "Window") else None
+    never = sp.Window(margin=float("inf"))
     rounds_plain(model, prompts, 3)
+    rounds_plain(model, prompts, 3, True)
     rounds_spec(model, prompts, 3, None)
+    rounds_spec(model, prompts, 3, never, pipelined=True)
     print("warm", flush=True)
     for _ in range(args.repeat):  # interleaved: load drifts hit both alike
         show("plain step", rounds_plain(model, prompts, args.rounds))
-        if never is not None:
-            show("plain round (step, W = 1)", rounds_spec(model, prompts, args.rounds, never))
+        show("plain round (step, W = 1)", rounds_spec(model, prompts, args.rounds, never))
+        if args.pipelined:
+            show("plain step, pipelined", rounds_plain(model, prompts, args.rounds, True))
+            show(
+                "plain round, pipelined",
+                rounds_spec(model, prompts, args.rounds, never, pipelined=True),
+            )
     if args.plain_only:
         return
+    forward = instrument(model) if args.phases else None
     prof = cProfile.Profile() if args.profile else None
-    show("lookup round (k<=4)", rounds_spec(model, prompts, args.rounds, None, prof))
+    PHASES.clear()
+    rows = rounds_spec(model, prompts, args.rounds, None, prof, forward=forward)
+    show("lookup round (k<=4)", rows)
+    if args.phases:
+        show_phases("lookup round (k<=4)", rows, args.rounds)
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    if hasattr(sp, "Window"):  # the cost-aware rule: widths it picks on this device
-        show("cost-aware round", rounds_spec(model, prompts, args.rounds, sp.Window()))
+    PHASES.clear()
+    rows = rounds_spec(model, prompts, args.rounds, sp.Window(), forward=forward)
+    show("cost-aware round", rows)
+    if args.phases:
+        show_phases("cost-aware round", rows, args.rounds)
+    for W in args.widths:  # every round W wide (where lookup finds W - 1 tokens)
+        PHASES.clear()
+        rows = rounds_spec(model, prompts, args.rounds, fixed(args.batch, W), forward=forward)
+        show(f"{W}-wide round", rows)
+        if args.phases:
+            show_phases(f"{W}-wide round", rows, args.rounds)
+
+
+def fixed(B, W):
+    """A window rule that picks width ``W`` whenever the drafts allow: every other
+    width priced out, rows' acceptance pinned at 1 (a prior no evidence moves)."""
+    costs = {(_window.bucket(B), w): (1.0 if w in (1, W) else 1e9,) * 3 for w in range(1, 9)}
+    return sp.Window(costs=costs, prior=1.0, weight=1e12, stale=10**9)
 
 
 if __name__ == "__main__":

@@ -63,33 +63,52 @@ class _Read:
     device appends to them in place, as in a plain decode loop (waiting inside
     ``step`` would make every layer's append copy its record: ~0.5 ms a round on
     the H200 at B = 1). The tokens are read when ``Round.emitted`` or
-    ``Speculation.context`` is, or by the next ``step``, whichever comes first;
-    ``seconds`` is then the round's wall time (its start to the tokens read).
+    ``Speculation.context`` is, or by the next drafting ``step``, or by the
+    ``step`` after next, whichever comes first: a caller that builds the next
+    round before reading this one (``pipelined``) overlaps the host's graph
+    building with the device, as a plain decode loop with ``mx.async_eval`` does.
+
+    ``seconds`` is then the round's wall time: from its start, or from the
+    previous round's tokens read when that came later (``after``: rounds
+    overlapped, so a round is charged the interval between two reads, its
+    throughput), to its tokens read.
     """
 
-    __slots__ = ("tokens", "start", "B", "_host", "seconds")
+    __slots__ = ("tokens", "start", "B", "after", "_host", "seconds", "done")
 
-    def __init__(self, tokens: mx.array, start: float, B: int):
-        self.tokens, self.start, self.B = tokens, start, B
+    def __init__(self, tokens: mx.array, start: float, B: int, after: _Read | None = None):
+        self.tokens, self.start, self.B, self.after = tokens, start, B, after
         self._host: tuple | None = None
-        self.seconds = 0.0
+        self.seconds = self.done = 0.0
+
+    @property
+    def read(self) -> bool:
+        return self._host is not None
 
     def host(self) -> tuple:
         """The tokens as ints (the round's one sync, the first time)."""
         if self._host is None:
+            begin = self.start
+            if self.after is not None:  # the previous round first: its read ends where ours begins
+                self.after.host()
+                begin = max(begin, self.after.done)
+                self.after = None
             mx.eval(self.tokens)
             self._host = tuple(cast(list, self.tokens.tolist()))
-            self.seconds = time.perf_counter() - self.start
+            self.done = time.perf_counter()
+            self.seconds = self.done - begin
         return self._host
 
 
 class _Context:
     """Rows' contexts whose last token (a plain round's) is not read yet: a
-    ``Speculation.context`` that reads it (``_Read``) when first looked at."""
+    ``Speculation.context`` that reads it (``_Read``) when first looked at.
+    ``before`` is the rows' contexts before it (a tuple, or the previous round's
+    unread ``_Context``: at most one deep, ``_settled``)."""
 
     __slots__ = ("before", "read", "_rows")
 
-    def __init__(self, before: tuple, read: _Read):
+    def __init__(self, before: tuple | _Context, read: _Read):
         self.before, self.read = before, read
         self._rows: tuple | None = None
 
@@ -98,7 +117,8 @@ class _Context:
 
     def rows(self) -> tuple:
         if self._rows is None:
-            self._rows = tuple(c + (t,) for c, t in zip(self.before, self.read.host()))
+            before = self.before if isinstance(self.before, tuple) else self.before.rows()
+            self._rows = tuple(c + (t,) for c, t in zip(before, self.read.host()))
         return self._rows
 
 
@@ -126,8 +146,8 @@ class Speculation:
         seen: per row, its decayed ``(accepted, tried)`` drafts (``Window.alpha``).
         draft_lag: per row, context tokens the draft model has not been fed
             (plain rounds do not run it; the next drafting round feeds them).
-        unrecorded: the last round when it was a plain round whose cost the
-            window rule has not recorded yet (the next ``step`` records it).
+        unrecorded: the last plain rounds whose costs the window rule has
+            not recorded yet (their tokens unread; ``step`` records each once read).
     """
 
     batch: Batch
@@ -147,7 +167,7 @@ class Speculation:
         converter=_tuple,
     )
 
-    unrecorded: _Read | None = attrs.field(default=None, eq=False, repr=False)
+    unrecorded: tuple = attrs.field(default=(), eq=False, repr=False)
 
     @property
     def context(self) -> tuple:
@@ -413,14 +433,14 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
     return max(k - 1, 1)
 
 
-def _propose_lookup(spec: Speculation, drafter: Lookup, asked: Sequence[int]) -> list:
+def _propose_lookup(context: tuple, drafter: Lookup, asked: Sequence[int]) -> list:
     return [
         lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram) if k else []
-        for c, k in zip(spec.context, asked)
+        for c, k in zip(context, asked)
     ]
 
 
-def _catch_up(drafter: DraftModel, spec: Speculation) -> list:
+def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
     tokens) in one block forward, right-padded, the pad rolled back.
 
@@ -439,7 +459,7 @@ def _catch_up(drafter: DraftModel, spec: Speculation) -> list:
         return states
     L = bucket(max(lag))
     block = mx.array(
-        [list(c[len(c) - 1 - n : len(c) - 1]) + [0] * (L - n) for c, n in zip(spec.context, lag)],
+        [list(c[len(c) - 1 - n : len(c) - 1]) + [0] * (L - n) for c, n in zip(context, lag)],
         dtype=mx.uint32,
     )
     cp = ops.checkpoint(states)
@@ -496,14 +516,43 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
 
 
 def recorded(spec: Speculation) -> Window | None:
-    """``spec``'s window rule with its last round's cost recorded when that was a
-    plain round not recorded yet (its tokens read now if nothing read them): what a
-    caller keeps when the rows stop (``step`` does this first)."""
-    rule, last = spec.window, spec.unrecorded
-    if last is None:
-        return rule
-    last.host()
-    return None if rule is None else rule.record(last.B, 1, last.seconds)
+    """``spec``'s window rule with its last plain rounds' costs recorded where
+    ``step`` has not recorded them yet (their tokens read now if nothing read
+    them): what a caller keeps when the rows stop."""
+    for r in spec.unrecorded:
+        r.host()
+    return _record_read(spec.window, spec.unrecorded)[0]
+
+
+def _record_read(rule: Window | None, rounds: tuple) -> tuple:
+    """``(rule, rest)``: ``rule`` with the plain rounds of ``rounds`` whose tokens are
+    read recorded, oldest first; ``rest``: the unread ones (a round's ``_Read``
+    reads the one before it first, so the read ones lead)."""
+    n = 0
+    while n < len(rounds) and rounds[n].read:
+        if rule is not None:
+            rule = rule.record(rounds[n].B, 1, rounds[n].seconds)
+        n += 1
+    return rule, rounds[n:]
+
+
+def _settled(spec: Speculation) -> tuple:
+    """``(context, last)`` at a round's start, without waiting for the last round:
+    a plain round two rounds back is read now (if nothing read it: at most one
+    round is left in flight behind the one being built, as a plain decode loop
+    with ``mx.async_eval`` keeps it); the last round's tokens, when still unread,
+    are handed to the device (``mx.async_eval``: the caller has dropped that
+    round's input records by now, so the appends write in place) and returned as
+    ``last``, to be read after this round is built."""
+    c = spec._context
+    if not isinstance(c, _Context):
+        return c, None
+    if isinstance(c.before, _Context):
+        c = _Context(c.before.rows(), c.read)
+    if c.read.read:
+        return c.rows(), None
+    mx.async_eval(c.read.tokens)
+    return c, c.read
 
 
 def _round_keys(keys: mx.array, K: int) -> tuple:
@@ -528,9 +577,14 @@ def step(
     on the device graph): one forward of ``[B, 1]`` and the argmax (or, with
     sampled rows, ``kv.sample_arrays``, as ``kvstate.mlx_lm.advance``); no
     lookup, checkpoint, rollback or draft-model step; and it does not wait for
-    the device: its tokens are read when ``Round.emitted``, ``spec.context`` or
-    the next ``step`` first needs them, after the caller dropped ``spec`` (so
-    the records' appends write in place, as in a plain decode loop).
+    the device: its tokens are read when ``Round.emitted`` or ``spec.context``
+    first needs them, or by the next drafting ``step``, or by the ``step`` after
+    next, after the caller dropped ``spec`` (so the records' appends write in
+    place, as in a plain decode loop). A caller may build the next round before
+    reading this one's tokens (``pipelined``): the next ``step`` hands this one
+    to the device (``mx.async_eval``) and, when it is a plain round too, builds
+    its graph while the device runs this one, as a plain decode loop with
+    ``mx.async_eval`` does; no ``step`` then waits for the device.
 
     Args:
         target: the mlx-lm model (for the default ``forward``).
@@ -558,11 +612,17 @@ def step(
         type(drafter).__name__,
     )
     forward = forward or eager(target)
-    batch, B, rule = spec.batch, spec.batch_size, recorded(spec)
     t0 = time.perf_counter()
+    rows, last = _settled(spec)  # the rows' contexts so far (the last round maybe unread)
+    rule, unrecorded = _record_read(spec.window, spec.unrecorded)
+    batch, B = spec.batch, spec.batch_size
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
     asked = _asked(spec, drafter, rule, alphas)
+    if last is not None and any(asked):  # drafting reads the rows: the last round first
+        rows = rows.rows()
+        t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
+        rule, unrecorded = _record_read(rule, unrecorded)
     Kmax = max(asked) if is_model else 0
     params = sampling_arrays(batch) if sampled else None
 
@@ -572,7 +632,7 @@ def step(
     if draft_model is not None and Kmax:
         if sampled:
             round_keys, carry = _round_keys(batch.keys, Kmax)
-        dstates = _catch_up(draft_model, spec)
+        dstates = _catch_up(draft_model, spec, cast(tuple, rows))
         anchors = [ops.anchor(s) for s in dstates]
         drafts_dev, q, dstates = _propose_model(
             spec, draft_model, dstates, Kmax, params, round_keys, sampled
@@ -581,7 +641,7 @@ def step(
     else:
         host = [[]] * B  # no row asks: the context is not read
         if isinstance(drafter, Lookup) and any(asked):
-            host = _propose_lookup(spec, drafter, asked)
+            host = _propose_lookup(cast(tuple, rows), drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
             host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
@@ -602,7 +662,7 @@ def step(
         # as a plain decode step makes them: greedy rows only: the argmax, keys
         # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)
         pending, carry = next_tokens(logits[:, -1, :], batch.keys, params)
-        read, accepted = _Read(pending, t0, B), (0,) * B  # read after the caller drops spec
+        read, accepted = _Read(pending, t0, B, last), (0,) * B  # read after the caller drops spec
     elif not sampled:
         target_tokens = mx.argmax(logits, axis=-1)
         mx.eval(target_tokens, *([drafts_dev] if host is None else []))
@@ -658,11 +718,12 @@ def step(
         draft_states = tuple(draft_states)
     emitted: tuple | _Read
     context: tuple | _Context
-    if K == 0:  # read later (``_Read``); the next step records its cost
-        emitted, context, unrecorded = read, _Context(spec.context, read), read
+    if K == 0:  # read later (``_Read``); a later step records its cost
+        context, unrecorded = _Context(rows, read), unrecorded + (read,)
+        emitted = read
     else:
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
-        context, unrecorded = tuple(c + e for c, e in zip(spec.context, emitted)), None
+        context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
         if rule is not None:
             rule = rule.record(B, 1 + K, time.perf_counter() - t0)
     new = derived(

@@ -533,7 +533,7 @@ def test_a_plain_round_runs_exactly_a_plain_steps_operations(llama, monkeypatch,
 
 def test_a_plain_rounds_cost_is_timed_until_its_tokens_are_read(llama, monkeypatch):
     """A fake clock: a plain round is timed from its start to its tokens read
-    (by the caller, or else by the next ``step``), and the next ``step`` (or
+    (by the caller, or else by a later ``step``), and a later ``step`` (or
     ``recorded``, when the rows stop) records it in the window rule; a row
     leaving keeps the measurement."""
     now = [10.0]
@@ -543,20 +543,84 @@ def test_a_plain_rounds_cost_is_timed_until_its_tokens_are_read(llama, monkeypat
     spec, r = sp.step(
         llama, sp.start(llama, prompts, drafter=Lookup(), window=never), drafter=Lookup()
     )
-    assert spec.unrecorded is not None and spec.window.rounds == {}
+    assert len(spec.unrecorded) == 1 and spec.window.rounds == {}
     now[0] = 10.25
     assert len(r.emitted) == 2  # the caller reads the tokens: the round took 0.25 s
     now[0] = 20.0
     spec, r = sp.step(llama, spec, drafter=Lookup())
     assert spec.window.measured(2, 1) == 0.25
-    now[0] = 21.0  # nobody reads: the next step does, 1 s after the round began
+    now[0] = 21.0  # the rows change: leave reads the round, 1 s after it began
     spec = sp.leave(spec, [1])
     now[0] = 30.0
     spec, _ = sp.step(llama, spec, drafter=Lookup())
     assert spec.window.costs[(2, 1)].seconds == (0.25, 1.0)  # the round of B = 2
-    assert spec.batch_size == 1 and spec.unrecorded.start == 30.0
+    assert spec.batch_size == 1 and [u.start for u in spec.unrecorded] == [30.0]
     now[0] = 30.5  # the rows stop here: recorded() reads and records the last round
     assert sp.recorded(spec).costs[(1, 1)].seconds == (0.5,)
+
+
+def test_overlapped_plain_rounds_are_charged_the_time_between_reads(llama, monkeypatch):
+    """Pipelined (the next round built before this one is read): a round is
+    charged from its start or the previous round's read, whichever is later, to
+    its own read: the interval between reads, what the loop's throughput pays.
+    A round two behind is read by ``step`` (at most one round left in flight)."""
+    now = [10.0]
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    never = sp.Window(samples=1, discard=0, margin=float("inf"))
+    prompts = [repetitive(53, 9, 3), repetitive(54, 8, 2)]
+    spec = sp.start(llama, prompts, drafter=Lookup(), window=never)
+    spec, r1 = sp.step(llama, spec, drafter=Lookup())  # round 1 starts at 10
+    now[0] = 11.0
+    spec, r2 = sp.step(llama, spec, drafter=Lookup())  # round 2 starts at 11, round 1 unread
+    now[0] = 12.0
+    _ = r1.emitted  # read at 12: 2 s
+    now[0] = 12.5
+    _ = r2.emitted  # read at 12.5: charged from 12, the read before it
+    now[0] = 13.0
+    spec, r3 = sp.step(llama, spec, drafter=Lookup())
+    assert spec.window.costs[(2, 1)].seconds == (2.0, 0.5)
+    now[0] = 14.0
+    spec, r4 = sp.step(llama, spec, drafter=Lookup())  # round 3 unread: left in flight
+    assert [u.start for u in spec.unrecorded] == [13.0, 14.0]
+    now[0] = 15.0
+    spec, r5 = sp.step(llama, spec, drafter=Lookup())  # round 3 two behind: read now
+    assert spec.window.costs[(2, 1)].seconds == (2.0, 0.5, 2.0)
+    assert [u.start for u in spec.unrecorded] == [14.0, 15.0]
+    now[0] = 16.0  # nothing read round 4 or 5: recorded() reads both at 16
+    assert sp.recorded(spec).costs[(2, 1)].seconds == (2.0, 0.5, 2.0, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
+def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
+    """A caller that builds round n + 1 before reading round n (as a plain decode
+    loop that ``mx.async_eval``s the next step before reading this one): no
+    ``step`` of a plain round waits for the device (no ``mx.eval``), each round
+    is handed to the device once its input records are dropped (``mx.async_eval``
+    at the next ``step``), the tokens are the plain loop's, and the rule records
+    every round. On the old code every ``step`` read the round before it."""
+    prompts = [repetitive(55, 11, 3), repetitive(56, 8, 2), repetitive(57, 13, 4)]
+    d = {"lookup": Lookup(), "draft model": DraftModel(truncated(llama, 1)), "none": None}[drafter]
+    want = plain(llama, prompts, 8)
+    spec = sp.start(
+        llama, prompts, drafter=d, window=sp.Window(samples=1, discard=0, margin=float("inf"))
+    )
+    syncs, submitted = [], []
+    real_eval, real_async = mx.eval, mx.async_eval
+    monkeypatch.setattr(mx, "eval", lambda *a: syncs.append(1) or real_eval(*a))
+    monkeypatch.setattr(mx, "async_eval", lambda *a: submitted.append(1) or real_async(*a))
+    out, last = [[c[-1]] for c in spec.context], None
+    for _ in range(8):
+        syncs.clear()
+        spec, r = sp.step(llama, spec, drafter=d)
+        assert r.width == 1 and syncs == []  # built without waiting for the round before
+        if last is not None:
+            for o, e in zip(out, last.emitted):  # then the round before is read
+                o.extend(e)
+        last = r
+    for o, e in zip(out, last.emitted):
+        o.extend(e)
+    assert out == want and len(submitted) >= 7
+    assert sp.recorded(spec).costs[(bucket(3), 1)].uses == 8
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma"])
