@@ -457,7 +457,14 @@ def _shorten(state, lengths: tuple):
     """``state`` holding ``lengths`` (each ``<=`` what its row holds), the
     dropped columns cleared (``invariants.clear_columns``)."""
     drop = [range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths)]
-    return with_planes(state, clear_columns(state.planes, drop), lengths=lengths)
+    # a column past a row's end, or of its padding, is hidden (zeros): where a
+    # row drops nothing the clear writes its zero there (one kernel per plane)
+    C = state.capacity
+    hidden = [
+        p + n if p + n < C else (p - 1 if p else None)
+        for p, n in zip(state.left_pad, state.lengths)
+    ]
+    return with_planes(state, clear_columns(state.planes, drop, hidden), lengths=lengths)
 
 
 @ops.checkpoint.register

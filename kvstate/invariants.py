@@ -125,35 +125,56 @@ def cleared(planes, visible):
     return tuple(mx.where(mask, p, mx.zeros((), p.dtype)) for p in planes)
 
 
-def clear_columns(planes, cols):
+def clear_columns(planes, cols, hidden=None):
     """Each plane ``[B, H, C, *]`` with zeros written at row ``b``'s columns
     ``cols[b]`` (host ints, each in ``[0, C)``).
 
     Columns a row drops (``trim``, ``rollback``) are cleared as they are
-    dropped. One scatter per plane at ``[B, 1, M, 1]`` indices (``M``: the
-    most columns one row drops), in place when nothing else holds the plane.
-    A row dropping fewer repeats its first column; a row dropping none
-    writes back what its column 0 holds.
+    dropped: one scatter of a zero per plane at ``[B, 1, M, 1]`` indices
+    (``M``: the most columns one row drops), in place when nothing else holds
+    the plane (one kernel per plane: a speculative round rolls back every
+    layer). A row dropping fewer repeats its first column. A row dropping
+    none writes its zero at ``hidden[b]``, a column of its own that already
+    holds zeros (a column no row can read: kvstate leaves only zeros there);
+    where a row dropping none has none (``hidden`` ``None`` or
+    ``hidden[b]`` ``None``) it writes back what its column 0 holds (a gather
+    and a select more per plane).
     """
     M = max(map(len, cols), default=0)
     if not planes or M == 0:
         return tuple(planes)
     idx, none = [], []
-    for c in cols:
+    for b, c in enumerate(cols):
         c = list(c)
+        if not c and hidden is not None and hidden[b] is not None:
+            c = [hidden[b]]
         idx.append(c + c[:1] * (M - len(c)) if c else [0] * M)
         none.append(not c)
-    index = mx.array(idx, dtype=mx.int32)[:, None, :, None]
+    index = _index(tuple(map(tuple, idx)))
     out = []
     for p in planes:
         shape = (p.shape[0], p.shape[1], M, p.shape[3])
         at = mx.broadcast_to(index, shape)
-        new = mx.zeros(shape, p.dtype)
         if any(none):
             old = mx.take_along_axis(p, at, axis=2)
-            new = mx.where(mx.array(none)[:, None, None, None], old, new)
+            new = mx.where(mx.array(none)[:, None, None, None], old, mx.zeros(shape, p.dtype))
+        else:
+            new = mx.broadcast_to(mx.array(0, p.dtype), shape)
         out.append(mx.put_along_axis(p, at, new, axis=2))
     return tuple(out)
+
+
+_INDEX: dict = {}  # the last clear's indices -> their array: a model's layers drop alike
+
+
+def _index(idx: tuple) -> mx.array:
+    """``idx`` (rows of column indices) as an int32 ``[B, 1, M, 1]`` array, made once
+    for the layers of one model (every layer of a rollback drops the same columns)."""
+    got = _INDEX.get(idx)
+    if got is None:
+        _INDEX.clear()
+        got = _INDEX[idx] = mx.array(idx, dtype=mx.int32)[:, None, :, None]
+    return got
 
 
 # --- checks shared by the kinds -------------------------------------------------------

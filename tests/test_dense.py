@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import gc
 
+import collections
+import io
+import re
+
 import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvstate as kv
 from _rows import (
@@ -177,6 +183,41 @@ def test_positions(rng):
 
 
 # --- trim / checkpoint / rollback ------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    step=st.sampled_from([3, 4, 16]),
+    data=st.data(),
+)
+def test_dropped_columns_are_cleared_with_one_scatter_per_plane(lengths, step, data):
+    """``trim``/``rollback`` clear each row's dropped columns (numpy model: the
+    planes with those columns zeroed, nothing else changed) with one scatter per
+    plane: a row dropping nothing writes its zero into a hidden column of its own
+    (past its end or in its padding), so no gather, select or fill runs unless such
+    a row has no hidden column. On the old code every clear with a row dropping
+    nothing gathered and selected."""
+    rng = np.random.default_rng(sum(lengths) + 7 * step)
+    s, _ = ragged(rng, lengths, step=step)
+    mx.eval(s.keys, s.values)  # the graph below is the clear's alone
+    n = [data.draw(st.integers(0, m)) for m in lengths]
+    t = kv.trim(s, n)
+    assert t.lengths == tuple(m - k for m, k in zip(lengths, n))
+    out = io.StringIO()
+    mx.export_to_dot(out, t.keys, t.values)
+    ops = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', out.getvalue()))
+    trapped = any(
+        k == 0 and p + m == s.capacity and p == 0 for p, m, k in zip(s.left_pad, lengths, n)
+    )
+    if any(n):
+        assert ops["ScatterAxis"] == 2
+        assert trapped or not (ops["GatherAxis"] or ops["Select"] or ops["Full"])
+    for old, new in ((s.keys, t.keys), (s.values, t.values)):
+        want = np.array(old)
+        for b, (p, m, k) in enumerate(zip(s.left_pad, lengths, n)):
+            want[b][:, p + m - k : p + m] = 0
+        np.testing.assert_array_equal(np.array(new), want)
 
 
 def test_trim(rng):
