@@ -555,6 +555,15 @@ def _settled(spec: Speculation) -> tuple:
     return c, c.read
 
 
+def _submit(*models) -> None:
+    """Hand the records' planes to the device (``mx.async_eval``), no wait: a drafting
+    round's rollback (the dropped columns cleared) then runs while the host builds
+    the next round, instead of in front of the next round's forward. The input
+    records of the rollback (the verify's output) are held by nothing else by now,
+    so its writes are in place."""
+    mx.async_eval([p for states in models for s in states for p in getattr(s, "planes", ())])
+
+
 def _round_keys(keys: mx.array, K: int) -> tuple:
     """``(round_keys [B, K + 2, 2], carry [B, 2])`` for a round that drafts: each row's
     key split (``split_keys``), its ``use`` half split into the round's ``K + 2`` keys
@@ -695,6 +704,8 @@ def step(
     if draft_model is not None and Kmax:
         draft_states = _settle_model(draft_model, dstates, anchors, drafts_dev, accepted)
         lag = (0,) * B
+    if K:  # the rollbacks to the device now: it runs them while the host goes on
+        _submit(states, draft_states if draft_model is not None and Kmax else ())
     elif is_model:  # a plain round: the draft model catches up when it next drafts
         lag = tuple(n + 1 for n in lag)
     num_draft, seen = spec.num_draft, spec.seen

@@ -623,6 +623,36 @@ def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, draft
     assert sp.recorded(spec).costs[(bucket(3), 1)].uses == 8
 
 
+@pytest.mark.parametrize("use_model", [False, True])
+def test_a_drafting_round_hands_its_rollback_to_the_device(llama, monkeypatch, use_model):
+    """A round that drafts rolls every layer back (the rejected drafts' and the pad's
+    columns cleared) and hands those records to the device before returning
+    (``mx.async_eval``, no wait), so the clears run while the host builds the next
+    round; the draft model's settled records too. Tokens stay the plain loop's.
+    On the old code nothing was handed over: the clears ran in front of the next
+    round's forward."""
+    prompts = [repetitive(61, 12, 3), repetitive(62, 9, 2)]
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    want = plain(llama, prompts, 6)
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=3, window=seeded([1, 0.5, 9, 9]))
+    submitted = []
+    real_async = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: submitted.extend(a[0]) or real_async(*a))
+    rolled = 0
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 7:
+        submitted.clear()
+        spec, r = sp.step(llama, spec, drafter=drafter)
+        if r.width > 1 and min(r.accepted) < r.width - 1:  # something rolled back
+            rolled += 1
+            ids = {id(a) for a in submitted}
+            planes = [p for s in spec.states for p in s.planes]
+            if use_model:
+                planes += [p for s in spec.draft_states for p in s.planes]
+            assert planes and all(id(p) in ids for p in planes)
+    assert rolled
+    assert [list(c[len(p) : len(p) + 7]) for c, p in zip(spec.context, prompts)] == want
+
+
 @pytest.mark.parametrize("model", ["llama", "gemma"])
 def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
     """Plain rounds leave the draft model behind (ragged: a row joins with no
