@@ -153,6 +153,24 @@ def rounds_spec(model, prompts, n, window, profile=None, pipelined=False, forwar
     return out
 
 
+def rounds_forward(model, prompts, n, W):
+    """The verify forward alone: ``[B, W]`` tokens through ``kvstate.mlx_lm.forward``
+    from the same prefilled records each time (held, as a round's input records are
+    held by its caller), the argmax, evaluated: the device cost of a W-wide window
+    without any speculation bookkeeping (``W = 1``: a decode step)."""
+    logits, states = br.prefill(model, prompts)
+    mx.eval(logits, states)
+    tokens = mx.zeros((len(prompts), W), mx.uint32)
+    out = []
+    for _ in range(n):
+        WAIT[0] = 0.0
+        t0, c0 = time.perf_counter(), time.thread_time()
+        logits, new = br.forward(model, tokens, states)
+        mx.eval(mx.argmax(logits, axis=-1))
+        out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, W))
+    return out
+
+
 def show(name, rows):
     wall = [r[0] * 1e3 for r in rows]
     sync = [r[1] * 1e3 for r in rows]
@@ -193,6 +211,9 @@ def main(argv=None):
     ap.add_argument(
         "--widths", type=int, nargs="*", default=[], help="also rounds of exactly these widths"
     )
+    ap.add_argument(
+        "--forward-widths", type=int, nargs="*", default=[], help="the bare verify forward first"
+    )
     ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
@@ -219,6 +240,11 @@ def main(argv=None):
     print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
     print("method | wall ms | sync ms | host ms median [min-max] | thread CPU ms | widths")
     never = sp.Window(margin=float("inf"))
+    for W in args.forward_widths:  # warm-up, then interleaved rounds of every width
+        rounds_forward(model, prompts, 3, W)
+    for _ in range(args.repeat if args.forward_widths else 0):
+        for W in args.forward_widths:
+            show(f"verify forward alone, W = {W}", rounds_forward(model, prompts, args.rounds, W))
     rounds_plain(model, prompts, 3)
     rounds_plain(model, prompts, 3, True)
     rounds_spec(model, prompts, 3, None)
