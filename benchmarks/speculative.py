@@ -273,16 +273,21 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
         keep = _finish(out, rows, made, T, batch.context, queue)
         new = list(range(nxt, min(nxt + len(rows) - len(keep), len(queue))))
         nxt += len(new)
-        rule = sp.recorded(batch)
-        batch = sp.leave(batch, keep) if keep else None
+        if keep:  # the rule and its unrecorded rounds stay with the rows
+            batch = sp.leave(batch, keep)
+        else:  # the batch empties: the rule keeps its last rounds' costs
+            rule, batch = sp.recorded(batch), None
+            if window is not None:
+                WINDOWS[window] = rule
         for q in new:
-            batch = firsts[q] if batch is None else sp.join(batch, firsts[q])
-        if batch is not None and window is not None:
-            batch = attrs.evolve(batch, window=rule)
+            if batch is None:
+                batch = firsts[q]
+                if window is not None:
+                    batch = attrs.evolve(batch, window=WINDOWS[window])
+            else:
+                batch = sp.join(batch, firsts[q])
         rows = [rows[i] for i in keep] + new
         made = [made[i] for i in keep] + [1] * len(new)
-        if not rows and window is not None:
-            WINDOWS[window] = rule
     return (
         time.perf_counter() - t0,
         [out[q] for q in range(len(queue))],
