@@ -456,20 +456,42 @@ def trim_rows(state: _Rows, n):
 def _shorten(state, lengths: tuple):
     """``state`` holding ``lengths`` (each ``<=`` what its row holds), the
     dropped columns cleared (``invariants.clear_columns``)."""
-    drop = [range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths)]
-    # a column past a row's end, or of its padding, is hidden (zeros): where a
-    # row drops nothing the clear writes its zero there (one kernel per plane)
     C = state.capacity
-    hidden = [
-        p + n if p + n < C else (p - 1 if p else None)
-        for p, n in zip(state.left_pad, state.lengths)
-    ]
-    return with_planes(state, clear_columns(state.planes, drop, hidden), lengths=lengths)
+    key = (state.left_pad, state.lengths, lengths, C)
+    got = _DROPPED.get(key)
+    if got is None:
+        drop = tuple(range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths))
+        # a column past a row's end, or of its padding, is hidden (zeros): where a
+        # row drops nothing the clear writes its zero there (one kernel per plane)
+        hidden = tuple(
+            p + n if p + n < C else (p - 1 if p else None)
+            for p, n in zip(state.left_pad, state.lengths)
+        )
+        got = _remember(_DROPPED, key, (drop, hidden))
+    return with_planes(state, clear_columns(state.planes, *got), lengths=lengths)
+
+
+# The last layout each of these worked out: every layer of a model has the same
+# rows, so a rollback, trim or checkpoint of all its layers works it out once
+# (host work per layer, every speculative round). Values of host ints only.
+_DROPPED: dict = {}
+_CHECKED: dict = {}
+_CHECKPOINTS: dict = {}
+
+
+def _remember(memo: dict, key, value):
+    memo.clear()
+    memo[key] = value
+    return value
 
 
 @ops.checkpoint.register
 def checkpoint_rows(state: _Rows):
-    return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
+    key = (state.lengths, state.left_pad, state.row_ids)
+    got = _CHECKPOINTS.get(key)  # a value (holds no arrays): one for a model's layers
+    if got is None:
+        got = _remember(_CHECKPOINTS, key, Checkpoint(*key[:2], row_ids=key[2]))
+    return got
 
 
 def check_checkpoint_rows(state, cp, arg: str = "checkpoint") -> None:
@@ -508,11 +530,26 @@ def checkpoint_target(state, cp, keep):
 
 
 def check_checkpoint(state, cp, keep):
-    """Validated target lengths for a dense ``rollback``: within what each row holds."""
+    """Validated target lengths for a dense ``rollback``: within what each row holds
+    (worked out once for the layers of a model: the same rows, checkpoint and keep)."""
+    key = None
+    if type(cp) is Checkpoint and (
+        type(keep) is int or (type(keep) in (tuple, list) and all(type(k) is int for k in keep))
+    ):
+        key = (
+            state.lengths,
+            state.left_pad,
+            state.row_ids,
+            cp,
+            keep if type(keep) is int else tuple(keep),
+        )
+        got = _CHECKED.get(key)
+        if got is not None:
+            return got
     target = checkpoint_target(state, cp, keep)
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
-    return target
+    return target if key is None else _remember(_CHECKED, key, target)
 
 
 @ops.rollback.register

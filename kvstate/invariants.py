@@ -140,9 +140,36 @@ def clear_columns(planes, cols, hidden=None):
     ``hidden[b]`` ``None``) it writes back what its column 0 holds (a gather
     and a select more per plane).
     """
-    M = max(map(len, cols), default=0)
+    cols = tuple(c if type(c) is range else tuple(c) for c in cols)
+    key = (cols, None if hidden is None else tuple(hidden))
+    got = _CLEARS.get(key)  # a model's layers drop alike: worked out once
+    if got is None:
+        _CLEARS.clear()
+        got = _CLEARS[key] = _clear_indices(*key)
+    index, none, M = got
     if not planes or M == 0:
         return tuple(planes)
+    out = []
+    for p in planes:
+        shape = (p.shape[0], p.shape[1], M, p.shape[3])
+        at = mx.broadcast_to(index, shape)
+        if none is not None:
+            old = mx.take_along_axis(p, at, axis=2)
+            new = mx.where(none, old, mx.zeros(shape, p.dtype))
+        else:
+            new = mx.broadcast_to(mx.array(0, p.dtype), shape)
+        out.append(mx.put_along_axis(p, at, new, axis=2))
+    return tuple(out)
+
+
+_CLEARS: dict = {}  # the last clear's (cols, hidden) -> (index, rows dropping none, M)
+
+
+def _clear_indices(cols: tuple, hidden) -> tuple:
+    """``(index [B, 1, M, 1] int32, none [B, 1, 1, 1] bool or None, M)`` for ``clear_columns``."""
+    M = max(map(len, cols), default=0)
+    if M == 0:
+        return None, None, 0
     idx, none = [], []
     for b, c in enumerate(cols):
         c = list(c)
@@ -150,31 +177,8 @@ def clear_columns(planes, cols, hidden=None):
             c = [hidden[b]]
         idx.append(c + c[:1] * (M - len(c)) if c else [0] * M)
         none.append(not c)
-    index = _index(tuple(map(tuple, idx)))
-    out = []
-    for p in planes:
-        shape = (p.shape[0], p.shape[1], M, p.shape[3])
-        at = mx.broadcast_to(index, shape)
-        if any(none):
-            old = mx.take_along_axis(p, at, axis=2)
-            new = mx.where(mx.array(none)[:, None, None, None], old, mx.zeros(shape, p.dtype))
-        else:
-            new = mx.broadcast_to(mx.array(0, p.dtype), shape)
-        out.append(mx.put_along_axis(p, at, new, axis=2))
-    return tuple(out)
-
-
-_INDEX: dict = {}  # the last clear's indices -> their array: a model's layers drop alike
-
-
-def _index(idx: tuple) -> mx.array:
-    """``idx`` (rows of column indices) as an int32 ``[B, 1, M, 1]`` array, made once
-    for the layers of one model (every layer of a rollback drops the same columns)."""
-    got = _INDEX.get(idx)
-    if got is None:
-        _INDEX.clear()
-        got = _INDEX[idx] = mx.array(idx, dtype=mx.int32)[:, None, :, None]
-    return got
+    index = mx.array(idx, dtype=mx.int32)[:, None, :, None]
+    return index, (mx.array(none)[:, None, None, None] if any(none) else None), M
 
 
 # --- checks shared by the kinds -------------------------------------------------------

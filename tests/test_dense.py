@@ -220,6 +220,38 @@ def test_dropped_columns_are_cleared_with_one_scatter_per_plane(lengths, step, d
         np.testing.assert_array_equal(np.array(new), want)
 
 
+def test_a_models_layers_checkpoint_and_roll_back_with_one_layout_worked_out(rng, monkeypatch):
+    """A speculative round checkpoints and rolls back every layer of a model (the
+    same rows in each): the checkpoint is one value shared by the layers, the
+    rollback's checks and dropped columns are worked out once, not once per layer
+    (host work per layer, every round), and each layer's result is what rolling it
+    back alone gives. On the old code every layer built and checked its own."""
+    from kvstate import _rows
+
+    layers = []
+    for _ in range(6):
+        s, _ = ragged(rng, [5, 3, 4])
+        layers.append(kv.append(s, *(mx.array(rand(rng, 3, H, 2, D)) for _ in range(2))))
+    rows = layers[0].row_ids
+    layers = [attrs.evolve(s, row_ids=rows) for s in layers]  # one model's rows
+    cp = kv.checkpoint([kv.trim(s, 2) for s in layers])
+    assert all(c is cp.layers[0] for c in cp.layers)
+    alone = [kv.rollback(s, c, [1, 0, 2]) for s, c in zip(layers, cp.layers)]
+    calls = []
+    real = _rows.checkpoint_target
+    monkeypatch.setattr(_rows, "checkpoint_target", lambda *a: calls.append(1) or real(*a))
+    back = kv.rollback(layers, cp, [2, 0, 1])
+    assert len(calls) == 1
+    back = kv.rollback(layers, cp, [1, 0, 2])
+    assert len(calls) == 2
+    for got, want in zip(back, alone):
+        assert got.lengths == want.lengths == (6, 3, 6)
+        np.testing.assert_array_equal(np.array(got.keys), np.array(want.keys))
+        np.testing.assert_array_equal(np.array(got.values), np.array(want.values))
+    with pytest.raises(kv.KVStateError, match="keep"):
+        kv.rollback(layers, cp, [3, 0, 1])  # a keep the rows do not hold: still refused
+
+
 def test_trim(rng):
     s, rows = ragged(rng, [5, 3])
     t = kv.trim(s, 2)
