@@ -60,6 +60,7 @@ def timed_eval(*args, **kw):
     WAIT[0] += time.perf_counter() - t0
 
 
+DRAFTER: list = [Lookup()]  # what the speculative rounds draft with (--draft-layers)
 PHASES: collections.Counter = collections.Counter()  # phase -> host seconds (sync excluded)
 
 
@@ -103,6 +104,11 @@ def instrument(model):
     return phased("verify call", sp.eager(model))
 
 
+def _contrary_call(self, *args, **kw):
+    """A draft model's forward with its logits rolled by one (``--contrary``)."""
+    return mx.roll(super(type(self), self).__call__(*args, **kw), 1, axis=-1)
+
+
 def rounds_plain(model, prompts, n, pipelined=False):
     logits, states = br.prefill(model, prompts)
     y = mx.argmax(logits, axis=-1)
@@ -129,7 +135,8 @@ def rounds_plain(model, prompts, n, pipelined=False):
 
 def rounds_spec(model, prompts, n, window, profile=None, pipelined=False, forward=None):
     kw = {} if window is None else {"window": window}
-    spec = sp.start(model, prompts, drafter=Lookup(), num_draft=4, **kw)
+    drafter = DRAFTER[0]
+    spec = sp.start(model, prompts, drafter=drafter, num_draft=4, **kw)
     mx.eval(spec.states)
     out, last = [], None
     for _ in range(n):
@@ -138,7 +145,7 @@ def rounds_spec(model, prompts, n, window, profile=None, pipelined=False, forwar
         w0 = sum(PHASES.values())
         if profile is not None:
             profile.enable()
-        spec, r = sp.step(model, spec, drafter=Lookup(), forward=forward)
+        spec, r = sp.step(model, spec, drafter=drafter, forward=forward)
         if pipelined:  # as rounds_plain: this round to the device, the one before read
             mx.async_eval(spec.batch.tokens)
             if last is not None:
@@ -214,6 +221,19 @@ def main(argv=None):
     ap.add_argument(
         "--forward-widths", type=int, nargs="*", default=[], help="the bare verify forward first"
     )
+    ap.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="draft with the target's first N layers instead of prompt lookup (a random "
+        "--tiny model's output never repeats its prompt: lookup finds nothing to draft)",
+    )
+    ap.add_argument(
+        "--contrary",
+        action="store_true",
+        help="--draft-layers: the draft's logits rolled by one, so every draft is rejected "
+        "(a random model repeats its input token: the target's own layers always agree)",
+    )
     ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
@@ -235,6 +255,13 @@ def main(argv=None):
             tok.chat([{"role": "user", "content": texts[i % len(texts)]}])
             for i in range(args.batch)
         ]
+    if args.draft_layers:
+        from kvstate.drafts import DraftModel, truncated
+
+        draft = truncated(model, args.draft_layers)
+        if args.contrary:  # every draft rejected: each round rolls back
+            draft.__class__ = type("Contrary", (type(draft),), {"__call__": _contrary_call})
+        DRAFTER[0] = DraftModel(draft)
     mx.eval = timed_eval  # every sync, including the library's, is timed
     sp.mx.eval = timed_eval
     print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
@@ -265,9 +292,10 @@ def main(argv=None):
     prof = cProfile.Profile() if args.profile else None
     PHASES.clear()
     rows = rounds_spec(model, prompts, args.rounds, None, prof, forward=forward)
-    show("lookup round (k<=4)", rows)
+    source = "draft-model" if args.draft_layers else "lookup"
+    show(f"{source} round (k<=4)", rows)
     if args.phases:
-        show_phases("lookup round (k<=4)", rows, args.rounds)
+        show_phases(f"{source} round (k<=4)", rows, args.rounds)
     if prof is not None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     PHASES.clear()
