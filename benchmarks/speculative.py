@@ -366,7 +366,7 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft, stream=0):
         if fixed_draft:
             ms["draft"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k)
         ms["draft cost"] = lambda: spec_run(model, prompts, n, DraftModel(draft), k, "draft cost")
-    if stream:
+    if stream and len(prompts) > 1:  # (one row at a time: the fixed batch, prompt by prompt)
         B, queue = len(prompts), [prompts[i % len(prompts)] for i in range(stream)]
         ms["plain stream"] = lambda: plain_stream(model, queue, B, n, k)
         ms["lookup stream"] = lambda: spec_stream(model, queue, B, n, Lookup(), k)
@@ -422,7 +422,7 @@ def main(argv=None):
         "--stream",
         type=int,
         default=0,
-        help="also continuous batching over STREAM x B prompts, B rows at a time (0: off)",
+        help="also continuous batching over STREAM x B prompts, B > 1 rows at a time (0: off)",
     )
     ap.add_argument("--methods", nargs="*", help="run only these methods (default: all)")
     args = ap.parse_args(argv)
