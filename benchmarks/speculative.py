@@ -23,7 +23,22 @@ prior acceptance every run); its measured cost ratios are printed at the end.
 Acceptance, tokens per round and the share of plain rounds are summed over
 the timed runs (not the warm-up).
 
+Both loops are pipelined as mlx-lm's ``generate_step``: each step (round) is
+handed to the device (``mx.async_eval``) before the one before it is read, so
+the host builds step n + 1 while the device runs step n (a drafting round reads
+its acceptance inside ``speculative.step``; a plain round does not).
+
+The fixed batch above is the issue's measure (B rows, each to ``T`` tokens: the
+run ends with its slowest row). With ``--stream S`` (B > 1) each method also
+runs continuous batching (``... stream``): ``S x B`` prompts (the batch's,
+cycled), B rows at a time; a row with ``T`` tokens leaves and the next prompt
+joins (``speculative.leave``/``join``; the plain loop ``filter_rows``/
+``merge_rows``), prefills done before the clock; tokens/s counts ``T`` per
+prompt over the whole stream, against the plain loop doing the same
+(``notes/speculative.md``, session 5: why both).
+
     python benchmarks/speculative.py --rounds 5 --tokens 64
+    python benchmarks/speculative.py --batch 8 --kinds "code edit" --stream 2
 """
 
 from __future__ import annotations
