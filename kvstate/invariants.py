@@ -157,12 +157,20 @@ def clear_columns(planes, cols, hidden=None):
             old = mx.take_along_axis(p, at, axis=2)
             new = mx.where(none, old, mx.zeros(shape, p.dtype))
         else:
-            new = mx.broadcast_to(mx.array(0, p.dtype), shape)
+            new = mx.broadcast_to(_zero(p.dtype), shape)
         out.append(mx.put_along_axis(p, at, new, axis=2))
     return tuple(out)
 
 
 _CLEARS: dict = {}  # the last clear's (cols, hidden) -> (index, rows dropping none, M)
+_ZEROS: dict = {}  # dtype -> a 0 of it (one host-made array per dtype, not one per plane)
+
+
+def _zero(dtype) -> mx.array:
+    got = _ZEROS.get(dtype)
+    if got is None:
+        got = _ZEROS[dtype] = mx.array(0, dtype)
+    return got
 
 
 def _clear_indices(cols: tuple, hidden) -> tuple:

@@ -190,7 +190,7 @@ class Round:
     _emitted: tuple | _Read = attrs.field(alias="emitted")
     drafted: tuple
     accepted: tuple
-    width: int  # the verify window (1 + the longest draft)
+    width: int  # the verify window (1 + the longest draft; wider when padded: Window.pad)
 
     @property
     def emitted(self) -> tuple:
@@ -511,7 +511,7 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
         return (0,) * spec.batch_size
     if rule is None:
         return spec.num_draft
-    bound = rule.choose(spec.batch_size, alphas, spec.max_draft)
+    bound = rule.choose(spec.batch_size, alphas, spec.max_draft, 1 + max(spec.max_draft))
     return tuple(min(m, bound - 1) for m in spec.max_draft)
 
 
@@ -625,6 +625,7 @@ def step(
     rows, last = _settled(spec)  # the rows' contexts so far (the last round maybe unread)
     rule, unrecorded = _record_read(spec.window, spec.unrecorded)
     batch, B = spec.batch, spec.batch_size
+    widest = 1 + max(spec.max_draft)  # the widest window a round may run
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
     asked = _asked(spec, drafter, rule, alphas)
@@ -653,18 +654,22 @@ def step(
             host = _propose_lookup(cast(tuple, rows), drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
-            host = [d[: rule.choose(B, alphas, found) - 1] for d in host]
+            host = [d[: rule.choose(B, alphas, found, widest) - 1] for d in host]
         counts = tuple(len(d) for d in host)
         K = max(counts)
         if sampled and K:
             round_keys, carry = _round_keys(batch.keys, 0)
         drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
     K = max(counts)
+    # the window may run wider than the longest draft where that measured cheaper
+    width = 1 + K if rule is None or K == 0 else rule.pad(B, 1 + K, widest)
 
     window = batch.tokens[:, None].astype(mx.uint32)
     if K:  # pads past counts
         assert drafts_dev is not None  # [B, K]: drafted above
         window = mx.concatenate([window, drafts_dev.astype(mx.uint32)], axis=1)
+    if width > 1 + K:  # pad columns past every draft: rolled back as a short draft's
+        window = mx.concatenate([window, mx.zeros((B, width - 1 - K), mx.uint32)], axis=1)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
@@ -680,7 +685,7 @@ def step(
         pending = mx.array(nxt, dtype=mx.uint32)
     else:
         assert params is not None and round_keys is not None  # sampled rows: made above
-        p = probabilities(logits, *params)
+        p = probabilities(logits if width == 1 + K else logits[:, : 1 + K], *params)
         uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
         acc, nx = accept_sampled(
             drafts_dev.astype(mx.int32),
@@ -695,7 +700,7 @@ def step(
         pending = nx
         drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
     keep = [1 + a for a in accepted]
-    if min(keep) <= K:  # a pad or a rejected draft to give back
+    if min(keep) < width:  # a pad or a rejected draft to give back
         assert cp is not None  # K > 0: taken above
         # Every layer back to y and the accepted drafts (a recurrent layer keeping
         # part of the window replays it from the checkpoint: notes/hybrid.md).
@@ -704,10 +709,10 @@ def step(
     if draft_model is not None and Kmax:
         draft_states = _settle_model(draft_model, dstates, anchors, drafts_dev, accepted)
         lag = (0,) * B
-    if K:  # the rollbacks to the device now: it runs them while the host goes on
-        _submit(states, draft_states if draft_model is not None and Kmax else ())
     elif is_model:  # a plain round: the draft model catches up when it next drafts
         lag = tuple(n + 1 for n in lag)
+    if K:  # the rollbacks to the device now: it runs them while the host goes on
+        _submit(states, draft_states if draft_model is not None and Kmax else ())
     num_draft, seen = spec.num_draft, spec.seen
     if rule is None:
         num_draft = tuple(
@@ -736,7 +741,7 @@ def step(
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
         if rule is not None:
-            rule = rule.record(B, 1 + K, time.perf_counter() - t0)
+            rule = rule.record(B, width, time.perf_counter() - t0)
     new = derived(
         spec,
         batch=batch,
@@ -748,7 +753,7 @@ def step(
         draft_lag=lag,
         unrecorded=unrecorded,
     )
-    return new, Round(emitted, counts, accepted, 1 + K)
+    return new, Round(emitted, counts, accepted, width)
 
 
 __all__ = [

@@ -789,25 +789,58 @@ def test_window_rule_measures_then_picks_what_pays():
 @given(
     alphas=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=6),
     avail=st.lists(st.integers(0, 5), min_size=6, max_size=6),
-    ratios=st.lists(st.floats(1.0, 4.0), min_size=5, max_size=5),
+    ratios=st.lists(st.floats(0.5, 4.0), min_size=5, max_size=5),
     margin=st.floats(1.0, 1.2),
+    widest=st.sampled_from([0, 2, 4, 6]),
 )
-def test_window_choice_maximizes_the_value(alphas, avail, ratios, margin):
+def test_window_choice_maximizes_the_value(alphas, avail, ratios, margin, widest):
     """``choose`` is the argmax of ``(B + sum E[accepted]) / cost`` over the widths
-    at hand, plain unless a wider round beats it by ``margin`` (a direct
-    evaluation of the formula against the rule's own)."""
+    at hand, plain unless a wider round beats it by ``margin``, where a width costs
+    the cheapest width from it to ``widest`` (a round may run padded: ``pad`` gives
+    that width); a direct evaluation of the formula against the rule's own."""
     B, avail = len(alphas), avail[: len(alphas)]
     w = seeded([1.0, *ratios], batch_sizes=(B,), n=3, margin=margin)
 
+    def padded(W):
+        return min(range(W, max(W, widest) + 1), key=lambda v: (w.cost(B, v), v))
+
     def value(W):
         gain = sum(sp.expected_accepted(a, min(n, W - 1)) for a, n in zip(alphas, avail))
-        return (B + gain) / w.cost(B, W)
+        return (B + gain) / w.cost(B, padded(W))
 
     widths = range(2, 2 + max(avail))
     best = max(widths, key=lambda W: (value(W), -W), default=1)
     want = best if best > 1 and value(best) > B * margin else 1
-    got = w.choose(B, alphas, avail)
+    got = w.choose(B, alphas, avail, widest)
     assert got == want or value(got) == pytest.approx(value(want))
+    if got > 1:
+        assert w.pad(B, got, widest) == padded(got)
+    assert w.pad(B, 1, widest) == 1
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rounds_run_padded_to_a_cheaper_width(llama, sampled):
+    """Where a wider window measured cheaper (the H200 at B = 8: 5 wide as cheap as a
+    plain step, 2 to 4 wide ~1.5x), a round whose drafts are shorter runs padded to it:
+    the pad is rolled back as a short draft's, tokens stay the plain loop's (greedy
+    rows; a sampled row beside them takes the rejection rule over its real drafts
+    only), the round is recorded at the width it ran."""
+    prompts = [repetitive(81, 12, 3), repetitive(82, 9, 2)]
+    want = plain(llama, prompts, 8)
+    sampling = [kv.Sampling(), kv.Sampling(temperature=0.7 if sampled else 0.0)]
+    rule = seeded([1.0, 9.0, 9.0, 9.0, 1.0])
+    spec = sp.start(
+        llama, prompts, drafter=Lookup(min_ngram=1), num_draft=4, window=rule, sampling=sampling
+    )
+    padded = 0
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 9:
+        spec, r = sp.step(llama, spec, drafter=Lookup(min_ngram=1))
+        assert r.width in (1, 5)  # 2 to 4 wide never run: padded to 5
+        padded += r.width == 5 and max(r.drafted) < 4
+    assert padded
+    got = [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)]
+    assert got[0] == want[0] and (sampled or got == want)
+    assert spec.window.costs[(bucket(2), 5)].uses > rule.costs[(bucket(2), 5)].uses
 
 
 def test_first_use_rounds_are_not_kept():
