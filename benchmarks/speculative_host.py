@@ -178,6 +178,37 @@ def rounds_forward(model, prompts, n, W):
     return out
 
 
+def linear_rows(model, M, reps):
+    """Median us of each linear layer of the first layer applied to ``M`` rows
+    (``[M, in]``), evaluated alone: a verify window of ``B x W`` tokens runs every
+    matmul of the model at ``M = B x W`` rows (on CUDA a quantized matmul picks its
+    kernel by ``M``)."""
+    layer = model.model.layers[0]
+    fs = {
+        "q": layer.self_attn.q_proj,
+        "k": layer.self_attn.k_proj,
+        "v": layer.self_attn.v_proj,
+        "o": layer.self_attn.o_proj,
+        "gate": layer.mlp.gate_proj,
+        "up": layer.mlp.up_proj,
+        "down": layer.mlp.down_proj,
+    }
+    out = {}
+    for name, f in fs.items():
+        quantized = hasattr(f, "bits")
+        width = f.weight.shape[1] * (32 // f.bits) if quantized else f.weight.shape[1]
+        dtype = f.scales.dtype if quantized else f.weight.dtype
+        x = mx.random.normal((M, width)).astype(dtype)
+        _eval(x)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            _eval(f(x))
+            ts.append((time.perf_counter() - t0) * 1e6)
+        out[name] = statistics.median(ts)
+    return out
+
+
 def show(name, rows):
     wall = [r[0] * 1e3 for r in rows]
     sync = [r[1] * 1e3 for r in rows]
@@ -234,6 +265,12 @@ def main(argv=None):
         help="--draft-layers: the draft's logits rolled by one, so every draft is rejected "
         "(a random model repeats its input token: the target's own layers always agree)",
     )
+    ap.add_argument(
+        "--linear-rows", type=int, nargs="*", default=[], help="time the linears at M rows"
+    )
+    ap.add_argument(
+        "--probe-only", action="store_true", help="only --forward-widths and --linear-rows"
+    )
     ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
@@ -272,6 +309,15 @@ def main(argv=None):
     for _ in range(args.repeat if args.forward_widths else 0):
         for W in args.forward_widths:
             show(f"verify forward alone, W = {W}", rounds_forward(model, prompts, args.rounds, W))
+    for M in args.linear_rows:
+        linear_rows(model, M, 3)  # warm-up
+    for M in args.linear_rows:
+        us = linear_rows(model, M, args.rounds)
+        total = sum(us.values())
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in us.items())
+        print(f"linears of layer 0 at M = {M} rows: {total:.0f} us ({parts})", flush=True)
+    if args.probe_only:
+        return
     rounds_plain(model, prompts, 3)
     rounds_plain(model, prompts, 3, True)
     rounds_spec(model, prompts, 3, None)
