@@ -266,8 +266,8 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
     firsts = [started(model, [p], k, draft) for p in queue]
     rows, nxt = list(range(min(B, len(queue)))), min(B, len(queue))
     batch = firsts[rows[0]]
-    for q in rows[1:]:
-        batch = sp.join(batch, firsts[q])
+    if rows[1:]:
+        batch = sp.join(batch, *(firsts[q] for q in rows[1:]))
     if window is not None:
         batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
     drafted = accepted = rounds = plain = 0
@@ -294,13 +294,13 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
             rule, batch = sp.recorded(batch), None
             if window is not None:
                 WINDOWS[window] = rule
-        for q in new:
-            if batch is None:
-                batch = firsts[q]
-                if window is not None:
-                    batch = attrs.evolve(batch, window=WINDOWS[window])
-            else:
-                batch = sp.join(batch, firsts[q])
+        joining = [firsts[q] for q in new]  # one merge for all of them, as plain's
+        if batch is None and joining:
+            batch, joining = joining[0], joining[1:]
+            if window is not None:
+                batch = attrs.evolve(batch, window=WINDOWS[window])
+        if joining:
+            batch = sp.join(batch, *joining)
         rows = [rows[i] for i in keep] + new
         made = [made[i] for i in keep] + [1] * len(new)
     return (

@@ -370,29 +370,39 @@ def start(
     )
 
 
-def join(spec: Speculation, other: Speculation) -> Speculation:
-    """``other``'s rows join after ``spec``'s (``kv.extend`` of batches and draft records).
+def join(spec: Speculation, *others: Speculation) -> Speculation:
+    """``others``' rows join after ``spec``'s, in order (one ``kv.merge_rows`` of the
+    batches and of the draft records, however many join: each merge copies the
+    rows' records).
 
-    The batch keeps ``spec``'s window rule and measured costs (``other``'s when
-    ``spec`` has none) and ``spec``'s last round still to record."""
-    check(
-        (spec.draft_states is None) == (other.draft_states is None),
-        "other.draft_states",
-        "draft records exactly when spec has them",
-        other.draft_states is not None,
-    )
+    The batch keeps ``spec``'s window rule and measured costs (else the first of
+    ``others`` that has one) and ``spec``'s last rounds still to record."""
+    check(len(others) >= 1, "others", "at least one Speculation to join", 0)
+    for i, other in enumerate(others):
+        check(
+            (spec.draft_states is None) == (other.draft_states is None),
+            f"others[{i}].draft_states",
+            "draft records exactly when spec has them",
+            other.draft_states is not None,
+        )
+    every = (spec, *others)
     drafts = None
     if spec.draft_states is not None:
-        drafts = ops.extend(spec.draft_states, other.draft_states)
+        drafts = ops.merge_rows([s.draft_states for s in every])
+    rule = next((s.window for s in every if s.window is not None), None)
+
+    def cat(name):
+        return tuple(x for s in every for x in getattr(s, name))
+
     return Speculation(
-        ops.extend(spec.batch, other.batch),
-        spec.context + other.context,
-        spec.num_draft + other.num_draft,
-        spec.max_draft + other.max_draft,
+        ops.merge_rows([s.batch for s in every]),
+        cat("context"),
+        cat("num_draft"),
+        cat("max_draft"),
         drafts,
-        spec.window if spec.window is not None else other.window,
-        spec.seen + other.seen,
-        spec.draft_lag + other.draft_lag,
+        rule,
+        cat("seen"),
+        cat("draft_lag"),
         spec.unrecorded,  # its own B: recorded by the next step as measured
     )
 

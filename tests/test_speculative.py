@@ -203,6 +203,31 @@ def test_rows_join_and_leave_mid_speculation(llama, rows, use_model):
         assert done[i] == plain(llama, [p], new)[0], f"request {i}"
 
 
+@pytest.mark.parametrize("use_model", [False, True])
+def test_several_rows_join_in_one_merge(llama, monkeypatch, use_model):
+    """``join(spec, a, b)``: the rows of ``a`` and ``b`` join in one merge of the
+    batches (and of the draft records), not one per joining batch (each merge copies
+    every row's records); the same rows as joining one by one, tokens the plain loop's."""
+    prompts = [repetitive(91, 10, 3), repetitive(92, 7, 2), repetitive(93, 12, 4)]
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup()
+    parts = [sp.start(llama, [p], drafter=drafter, num_draft=3) for p in prompts]
+    merges = []
+    real = kv.merge_rows
+    monkeypatch.setattr(
+        sp.ops, "merge_rows", lambda xs: merges.append((type(xs[0]).__name__, len(xs))) or real(xs)
+    )
+    spec = sp.join(*parts)
+    assert [n for kind, n in merges if kind == "Batch"] == [3]  # one merge of the batches
+    one_by_one = sp.join(sp.join(parts[0], parts[1]), parts[2])
+    assert spec.context == one_by_one.context and spec.max_draft == one_by_one.max_draft
+    for _ in range(4):
+        spec, _ = sp.step(llama, spec, drafter=drafter)
+    want = plain(llama, prompts, 4)
+    assert [list(c[len(p) : len(p) + 5]) for c, p in zip(spec.context, prompts)] == want
+    with pytest.raises(kv.KVStateError, match="others"):
+        sp.join(parts[0])
+
+
 def test_rounds_without_drafts_are_plain_steps(llama):
     """No lookup match in any row: the verify window is one token (a plain
     step); after a rejection a row drafts less next round."""
