@@ -152,25 +152,11 @@ def started(model, prompts, k, draft=None):
 
 
 def plain_run(model, prompts, T, k):
-    """The plain greedy loop, pipelined as mlx-lm's ``generate_step``: each step is
-    handed to the device (``mx.async_eval``) before the step before it is read, so
-    the host builds step n + 1 while the device runs step n."""
-    first = started(model, prompts, k)
-    y, states = first.batch.tokens, list(first.states)
-    out = [[t] for t in y.tolist()]
-    t0, last = time.perf_counter(), None
-    for _ in range(T - 1):
-        logits, states = br.step(model, y, states)
-        y = mx.argmax(logits, axis=-1)
-        mx.async_eval(y)
-        if last is not None:
-            for o, t in zip(out, last.tolist()):
-                o.append(t)
-        last = y
-    if last is not None:
-        for o, t in zip(out, last.tolist()):
-            o.append(t)
-    return time.perf_counter() - t0, out, None
+    """The plain greedy loop over one fixed batch, pipelined as mlx-lm's
+    ``generate_step``: each step is handed to the device (``mx.async_eval``) before
+    the step before it is read, so the host builds step n + 1 while the device runs
+    step n (``plain_stream`` with every prompt in the batch: no row joins)."""
+    return plain_stream(model, prompts, len(prompts), T, k)
 
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
