@@ -18,6 +18,7 @@ from kvstate import mlx_lm as br
 from kvstate import persist
 
 import tiny_models as tm
+from _quant import needs_stock_quantized_read
 
 
 # --- helpers -------------------------------------------------------------------------
@@ -189,7 +190,11 @@ def _continue_both(model, path, logits, n=6, caches=None):
     return states
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["KVCache", "QuantizedKVCache"])
+@pytest.mark.parametrize(
+    "quantized",
+    [False, pytest.param(True, marks=needs_stock_quantized_read)],
+    ids=["KVCache", "QuantizedKVCache"],
+)
 def test_mlx_lm_file_continues_identically(tmp_path, quantized):
     model = tm.llama_model(seed=4)
     caches = lm_cache.make_prompt_cache(model)

@@ -15,7 +15,7 @@ from hypothesis import given, note, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
-from kvstate import KVStateError, to_quantized
+from kvstate import KVStateError, _quantized, to_quantized
 
 from _rows import append_peak, np_rows_mask
 from _quant import (
@@ -303,8 +303,9 @@ def test_merge_refuses_other_bits_or_group_size():
 
 def check_attend(s, q, window=None, tol=2e-4):
     """kv.attend equals mlx-lm's quantized SDPA on the same planes under the
-    contract's mask (bit for bit), and dequantize -> float attention (within
-    ``tol``); ``q`` is not modified."""
+    contract's mask (bit for bit; where the backend has that read: not MLX
+    0.32.4's CUDA), and dequantize -> float attention (within ``tol``); ``q``
+    is not modified."""
     q_before = np_of(q)
     got = kv.attend(s, q, scale=SCALE, window=window)
     keys, values = kv.fetch(s)
@@ -313,8 +314,11 @@ def check_attend(s, q, window=None, tol=2e-4):
         mask = None if n == 1 else "causal"  # what mlx-lm's make_mask answers
     else:
         mask = mx.array(np_rows_mask(n, s.left_pad, s.ends, s.width, window))
-    want = mlx_qsdpa(q, keys, values, scale=SCALE, mask=mask, group_size=s.group_size, bits=s.bits)
-    np.testing.assert_array_equal(np_of(got), np_of(want))
+    if _quantized.stock_read_runs():  # mlx-lm's read, where this backend has it (tests/_quant.py)
+        want = mlx_qsdpa(
+            q, keys, values, scale=SCALE, mask=mask, group_size=s.group_size, bits=s.bits
+        )
+        np.testing.assert_array_equal(np_of(got), np_of(want))
     ref = dequant_attend(s, q, scale=SCALE, window=window)
     np.testing.assert_allclose(np_of(got), np_of(ref), atol=tol, rtol=tol)
     np.testing.assert_array_equal(np_of(q), q_before)

@@ -18,6 +18,8 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 from kvstate import models
 
+from _quant import needs_stock_quantized_read
+
 ATOL = 2e-3  # float32 through 30 layers; observed differences are 0 or ~1e-5
 TEXTS = ["The capital of France is", "Hello", "1 2 3 4 5", "Water boils at a temperature of"]
 
@@ -56,7 +58,11 @@ def batched(model, prompts, n_new, **make):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [None, 8, 4], ids=["dense", "kv8", "kv4"])
+@pytest.mark.parametrize(
+    "bits",
+    [None, *(pytest.param(b, marks=needs_stock_quantized_read) for b in (8, 4))],
+    ids=["dense", "kv8", "kv4"],
+)
 def test_ragged_batch_equals_mlx_lm_alone(smollm, bits):
     model, prompts = smollm.model, encode(smollm)
     assert len({len(p) for p in prompts}) > 2  # ragged
