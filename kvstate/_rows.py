@@ -16,8 +16,8 @@ in the kind's storage format) and ``with_planes`` (rebuild the record).
 from __future__ import annotations
 
 import operator
-from functools import singledispatch
-from typing import Any, Optional
+from functools import lru_cache, singledispatch
+from typing import Any, NamedTuple, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -456,42 +456,35 @@ def trim_rows(state: _Rows, n):
 def _shorten(state, lengths: tuple):
     """``state`` holding ``lengths`` (each ``<=`` what its row holds), the
     dropped columns cleared (``invariants.clear_columns``)."""
-    C = state.capacity
-    key = (state.left_pad, state.lengths, lengths, C)
-    got = _DROPPED.get(key)
-    if got is None:
-        drop = tuple(range(p + m, p + n) for p, m, n in zip(state.left_pad, lengths, state.lengths))
-        # a column past a row's end, or of its padding, is hidden (zeros): where a
-        # row drops nothing the clear writes its zero there (one kernel per plane)
-        hidden = tuple(
-            p + n if p + n < C else (p - 1 if p else None)
-            for p, n in zip(state.left_pad, state.lengths)
-        )
-        got = _remember(_DROPPED, key, (drop, hidden))
-    return with_planes(state, clear_columns(state.planes, *got), lengths=lengths)
+    drop, hidden = _dropped(state.left_pad, state.lengths, lengths, state.capacity)
+    return with_planes(state, clear_columns(state.planes, drop, hidden), lengths=lengths)
 
 
-# The last layout each of these worked out: every layer of a model has the same
-# rows, so a rollback, trim or checkpoint of all its layers works it out once
-# (host work per layer, every speculative round). Values of host ints only.
-_DROPPED: dict = {}
-_CHECKED: dict = {}
-_CHECKPOINTS: dict = {}
+# Every layer of a model has the same rows, so a rollback, trim or checkpoint of all
+# its layers works each of these out once (host work per layer, every speculative
+# round): pure functions of host ints, the last layout remembered (lru_cache(1)).
 
 
-def _remember(memo: dict, key, value):
-    memo.clear()
-    memo[key] = value
-    return value
+@lru_cache(maxsize=1)
+def _dropped(left_pad: tuple, lengths: tuple, new: tuple, C: int) -> tuple:
+    """``(drop, hidden)`` for ``clear_columns``: each row's dropped columns, and a
+    column of its own past its end or in its padding (hidden: zeros), where the
+    clear writes its zero when the row drops nothing (one kernel per plane)."""
+    drop = tuple(range(p + m, p + n) for p, m, n in zip(left_pad, new, lengths))
+    hidden = tuple(
+        p + n if p + n < C else (p - 1 if p else None) for p, n in zip(left_pad, lengths)
+    )
+    return drop, hidden
+
+
+@lru_cache(maxsize=1)
+def _checkpoint(lengths: tuple, left_pad: tuple, row_ids) -> Checkpoint:
+    return Checkpoint(lengths, left_pad, row_ids=row_ids)  # a value: no arrays
 
 
 @ops.checkpoint.register
 def checkpoint_rows(state: _Rows):
-    key = (state.lengths, state.left_pad, state.row_ids)
-    got = _CHECKPOINTS.get(key)  # a value (holds no arrays): one for a model's layers
-    if got is None:
-        got = _remember(_CHECKPOINTS, key, Checkpoint(*key[:2], row_ids=key[2]))
-    return got
+    return _checkpoint(state.lengths, state.left_pad, state.row_ids)
 
 
 def check_checkpoint_rows(state, cp, arg: str = "checkpoint") -> None:
@@ -529,27 +522,36 @@ def checkpoint_target(state, cp, keep):
     return tuple(c + k for c, k in zip(cp.lengths, keep))
 
 
+class _Layout(NamedTuple):
+    """A record's rows as ``checkpoint_target`` reads them (host values only)."""
+
+    lengths: tuple
+    left_pad: tuple
+    row_ids: Any
+    batch_size: int
+
+
 def check_checkpoint(state, cp, keep):
     """Validated target lengths for a dense ``rollback``: within what each row holds
     (worked out once for the layers of a model: the same rows, checkpoint and keep)."""
-    key = None
     if type(cp) is Checkpoint and (
         type(keep) is int or (type(keep) in (tuple, list) and all(type(k) is int for k in keep))
     ):
-        key = (
-            state.lengths,
-            state.left_pad,
-            state.row_ids,
-            cp,
-            keep if type(keep) is int else tuple(keep),
-        )
-        got = _CHECKED.get(key)
-        if got is not None:
-            return got
+        keep = keep if type(keep) is int else tuple(keep)
+        return _checked(state.lengths, state.left_pad, state.row_ids, cp, keep)
+    return _check_target(state, cp, keep)
+
+
+def _check_target(state, cp, keep) -> tuple:
     target = checkpoint_target(state, cp, keep)
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
-    return target if key is None else _remember(_CHECKED, key, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _checked(lengths: tuple, left_pad: tuple, row_ids, cp: Checkpoint, keep) -> tuple:
+    return _check_target(_Layout(lengths, left_pad, row_ids, len(lengths)), cp, keep)
 
 
 @ops.rollback.register

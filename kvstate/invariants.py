@@ -27,7 +27,7 @@ belongs to another record's history. Decisions: ``notes/invariants.md``.
 from __future__ import annotations
 
 import itertools
-from functools import singledispatch
+from functools import lru_cache, singledispatch
 from typing import Any
 
 import mlx.core as mx
@@ -141,12 +141,8 @@ def clear_columns(planes, cols, hidden=None):
     and a select more per plane).
     """
     cols = tuple(c if type(c) is range else tuple(c) for c in cols)
-    key = (cols, None if hidden is None else tuple(hidden))
-    got = _CLEARS.get(key)  # a model's layers drop alike: worked out once
-    if got is None:
-        _CLEARS.clear()
-        got = _CLEARS[key] = _clear_indices(*key)
-    index, none, M = got
+    # a model's layers drop alike: worked out once (the last layout remembered)
+    index, none, M = _clear_indices(cols, None if hidden is None else tuple(hidden))
     if not planes or M == 0:
         return tuple(planes)
     out = []
@@ -162,17 +158,13 @@ def clear_columns(planes, cols, hidden=None):
     return tuple(out)
 
 
-_CLEARS: dict = {}  # the last clear's (cols, hidden) -> (index, rows dropping none, M)
-_ZEROS: dict = {}  # dtype -> a 0 of it (one host-made array per dtype, not one per plane)
-
-
+@lru_cache(maxsize=None)
 def _zero(dtype) -> mx.array:
-    got = _ZEROS.get(dtype)
-    if got is None:
-        got = _ZEROS[dtype] = mx.array(0, dtype)
-    return got
+    """A 0 of ``dtype`` (one host-made array per dtype, not one per plane)."""
+    return mx.array(0, dtype)
 
 
+@lru_cache(maxsize=1)
 def _clear_indices(cols: tuple, hidden) -> tuple:
     """``(index [B, 1, M, 1] int32, none [B, 1, 1, 1] bool or None, M)`` for ``clear_columns``."""
     M = max(map(len, cols), default=0)
