@@ -454,39 +454,38 @@ class Decoder:
         where: list = []
         groups: list = []
         fits: dict = {}  # id(remembered Spec) -> its layout's slot, once one fits as it is
+
+        def add(planes, held, spec, p, at, group) -> None:
+            # one layer's entries; ``held``: planes read, never written (a shared
+            # layer's own prefix planes), entered beside its planes
+            flats.append((planes, held) if held else (planes,))
+            specs.append(spec)
+            prepared.append(p)
+            where.append(at)
+            groups.append(group)
+
         for s in states:
             mine = returned.get(id(s))
             known = mine[1] if mine is not None and mine[0]() is s else None  # (its Spec)
-            if known is not None:
-                at = fits.get(id(known))
-                if at is not None:
-                    held = compiled.held_planes(s)  # (a shared layer's own prefix planes)
-                    flats.append((s.planes, held) if held else (s.planes,))
-                    specs.append(known)
-                    prepared.append(s)
-                    where.append(at)
-                    groups.append(id(known))
-                    continue
+            if known is not None and id(known) in fits:
+                add(s.planes, compiled.held_planes(s), known, s, fits[id(known)], id(known))
+                continue
             p = compiled.prepare(s, N)
-            if p is s and known is not None:
+            as_is = p is s and known is not None
+            if as_is:
                 flat, spec = compiled.Flat(s.planes, tuple(positions(s))), known
             else:
                 flat, spec = compiled.flatten(p, room=N, positions=positions(p), prepared=True)
                 spec = canon.setdefault(spec, spec)  # equal layouts: one Spec object
-            held = compiled.held_planes(p)  # (read, never written: a shared prefix)
             ids = tuple(id(a) for a in flat.positions)
             if ids not in slot:
                 slot[ids] = len(layouts)
                 layouts.append(flat.positions)
-            where.append(slot[ids])
-            flats.append((flat.planes, held) if held else (flat.planes,))
-            specs.append(spec)
-            prepared.append(p)
-            if p is s and known is not None:
-                fits[id(spec)] = where[-1]
-                groups.append(id(spec))
-            else:
-                groups.append((id(spec), tuple(x.shape for x in p.planes)))
+            at = slot[ids]
+            if as_is:
+                fits[id(spec)] = at
+            group = id(spec) if as_is else (id(spec), tuple(x.shape for x in p.planes))
+            add(flat.planes, compiled.held_planes(p), spec, p, at, group)
         return flats, specs, prepared, layouts, where, groups
 
     def _rebuild(self, out: list, specs: list, prepared: list, groups: list, N: int) -> list:
