@@ -177,8 +177,11 @@ def _clear_indices(cols: tuple, hidden) -> tuple:
             c = [hidden[b]]
         idx.append(c + c[:1] * (M - len(c)) if c else [0] * M)
         none.append(not c)
-    index = mx.array(idx, dtype=mx.int32)[:, None, :, None]
-    return index, (mx.array(none)[:, None, None, None] if any(none) else None), M
+    # built at their final shapes from host lists: arrays with their data, no lazy
+    # op (a cached lazy array is bound to the stream of the thread that made it, and
+    # another thread's use of the same layout fails to evaluate it)
+    index = mx.array([[[[i] for i in row]] for row in idx], dtype=mx.int32)
+    return index, (mx.array([[[[n]]] for n in none]) if any(none) else None), M
 
 
 # --- checks shared by the kinds -------------------------------------------------------

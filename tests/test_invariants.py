@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
 
 import attrs
 import mlx.core as mx
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvstate as kv
-from kvstate import compiled
+from kvstate import compiled, invariants
 from kvstate.invariants import validate
 from kvstate.records import derived
 
@@ -624,3 +625,29 @@ def kind_of(s):
 Adversary.sequences = Adversary.operations = Adversary.refused = 0
 Adversary.TestCase.settings = settings(max_examples=200, stateful_step_count=20)
 TestAdversary = Adversary.TestCase
+
+
+@pytest.mark.parametrize("cols", [(range(5, 7), range(6, 8)), (range(5, 7), ())])
+def test_a_clear_layout_cached_by_one_thread_serves_another(cols):
+    # clear_columns remembers its last layout's index arrays across calls; made lazily
+    # they were bound to the stream of the thread that built them, and another thread
+    # clearing the same layout failed ("There is no Stream(cpu, 0) in current thread")
+    p = mx.arange(2 * 8 * 4, dtype=mx.float32).reshape(2, 1, 8, 4)
+    mx.eval(p)
+    invariants.clear_columns((p,), cols)  # built here, never evaluated here
+    out: dict = {}
+
+    def other():
+        try:
+            out["plane"] = np.array(invariants.clear_columns((p,), cols)[0])
+        except RuntimeError as e:
+            out["error"] = str(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    want = np.array(p)
+    for b, c in enumerate(cols):
+        want[b, :, list(c)] = 0
+    np.testing.assert_array_equal(out["plane"], want)
