@@ -61,19 +61,19 @@ class _P2P:
     def __init__(self, group, peer: int, speaks_first: bool):
         self.group, self.peer, self.first = group, peer, speaks_first
 
-    def exchange(self, header, n, body, stream):
+    def exchange(self, header, n, body):
         g, p = self.group, self.peer
 
         def send():
-            mx.eval(mx.distributed.send(header, p, group=g, stream=stream))
+            mx.eval(mx.distributed.send(header, p, group=g))
             if n:
-                mx.eval(mx.distributed.send(body, p, group=g, stream=stream))
+                mx.eval(mx.distributed.send(body, p, group=g))
 
         def recv():
-            h = mx.distributed.recv((4,), mx.int32, p, group=g, stream=stream)
+            h = mx.distributed.recv((4,), mx.int32, p, group=g)
             mx.eval(h)
             kind, m = _parse(h, p)
-            data = mx.distributed.recv((m,), mx.uint8, p, group=g, stream=stream) if m else None
+            data = mx.distributed.recv((m,), mx.uint8, p, group=g) if m else None
             if m:
                 mx.eval(data)
             return kind, data
@@ -102,12 +102,12 @@ class _Collective:
     def __init__(self, group, peer: int):
         self.group, self.peer = group, peer
 
-    def _gather(self, x, stream=None):
+    def _gather(self, x):
         flat = x.reshape(1, -1)
-        return mx.distributed.all_gather(flat, group=self.group, stream=stream)[self.peer]
+        return mx.distributed.all_gather(flat, group=self.group)[self.peer]
 
-    def exchange(self, header, n, body, stream):
-        h = self._gather(header, stream)
+    def exchange(self, header, n, body):
+        h = self._gather(header)
         mx.eval(h)
         kind, m = _parse(h, self.peer)
         size = max(n, m)
@@ -120,7 +120,7 @@ class _Collective:
                     [body if n else mx.zeros((0,), mx.uint8), mx.zeros((size - n,), mx.uint8)]
                 )
             )
-            data = self._gather(mine, stream)[:m]
+            data = self._gather(mine)[:m]
             mx.eval(data)
         return kind, data if m else None
 
@@ -161,48 +161,51 @@ def _transport(group, peer: int, transport: str, speaks_first: bool):
 
 
 class _Waiter:
-    """A long-lived daemon thread with its own stream that runs handshakes.
+    """A long-lived daemon thread that runs handshakes.
 
     MLX 0.32 streams belong to the thread that made them, and every new
-    stream starts threads of its own that never end, so one waiter per
-    device serves every handshake instead of a thread and a stream each.
-    A waiter whose handshake timed out stays blocked; it is dropped and
-    the next handshake makes a new one.
+    stream starts threads of its own that never end, so one waiter serves
+    every handshake instead of a thread and streams each. A handshake on the
+    waiter passes no stream: each op takes the waiter thread's own default
+    stream of the device it runs on, made there at its first use. The
+    communication ops take the group's backend's own choice
+    (``mx.distributed``: the CPU for ring and MPI, the GPU for NCCL); a GPU
+    stream given to a ring collective fails on MLX's CUDA backend ("There is
+    no Stream(cpu, i) in current thread", session 5's H200 run). A waiter
+    whose handshake timed out stays blocked; it is dropped and the next
+    handshake makes a new one.
     """
 
     _lock = threading.Lock()
-    _live: ClassVar[dict] = {}  # str(device) -> _Waiter
+    _live: ClassVar[list] = []  # the waiter, once made
 
-    def __init__(self, device):
-        self.device = device
+    def __init__(self):
         self.jobs = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="kvstate-handshake", daemon=True).start()
 
     def _loop(self):
-        stream = mx.new_stream(self.device)
         while True:
             fn, box, done = self.jobs.get()
             try:
-                box["out"] = fn(stream)
+                box["out"] = fn()
             except Exception as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["err"] = e
             done.set()
 
     @classmethod
-    def run(cls, device, fn, timeout: float):
-        """``fn(stream)`` on the waiter of ``device``; ``None`` when it timed out."""
-        key = str(device)
+    def run(cls, fn, timeout: float):
+        """``fn()`` on the waiter; ``None`` when it timed out."""
         with cls._lock:
-            waiter = cls._live.get(key)
-            if waiter is None:
-                waiter = cls._live[key] = cls(device)
+            if not cls._live:
+                cls._live.append(cls())
+            waiter = cls._live[0]
         box: dict = {}
         done = threading.Event()
         waiter.jobs.put((fn, box, done))
         if not done.wait(timeout):
             with cls._lock:
-                if cls._live.get(key) is waiter:
-                    del cls._live[key]
+                if cls._live and cls._live[0] is waiter:
+                    cls._live.clear()
             return None
         if "err" in box:
             raise box["err"]
@@ -212,17 +215,16 @@ class _Waiter:
 def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
     """Send one message and receive the peer's, waiting at most ``timeout`` seconds.
 
-    The wait runs on a waiter thread with its own stream (``_Waiter``): a
-    peer that never answers leaves that stream blocked, not the caller's,
-    and the caller gets a KVStateError instead of a hang.
+    The wait runs on a waiter thread (``_Waiter``), on that thread's own
+    streams: a peer that never answers leaves those streams blocked, not the
+    caller's, and the caller gets a KVStateError instead of a hang.
     """
     n, body = _body(obj)
     header = _header(kind, n)
-    device = mx.default_device() if isinstance(link, _Collective) else mx.cpu
-    if timeout is None:  # wait in the caller's thread, on the default stream
-        their, data = link.exchange(header, n, body, mx.cpu if device == mx.cpu else None)
+    if timeout is None:  # wait in the caller's thread, on its default streams
+        their, data = link.exchange(header, n, body)
         return their, _message(data, peer)
-    out = _Waiter.run(device, lambda stream: link.exchange(header, n, body, stream), timeout)
+    out = _Waiter.run(lambda: link.exchange(header, n, body), timeout)
     if out is None:
         raise bad(
             f"rank {peer}",

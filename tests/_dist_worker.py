@@ -136,8 +136,10 @@ def migrate_one(group, config: str, transport: str) -> dict:
         for n, t in zip(names, greedy(logits)):
             toks[n].append(t)
     out = {}
-    # The collective runs wait in the caller's thread (timeout=None); p2p on a thread.
-    timeout = None if transport == "collective" else 60.0
+    # p2p waits in the caller's thread (timeout=None); the collective on the
+    # waiter thread, as transport="auto" runs it by default on a GPU (its
+    # streams are the waiter thread's own; the other cases run p2p there on a CPU).
+    timeout = None if transport == "p2p" else 60.0
     threads = len(os.listdir("/proc/self/task"))
     t0 = time.perf_counter()
     if rank == 0:
