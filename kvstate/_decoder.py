@@ -217,10 +217,13 @@ def _whole(cache, keys, values) -> tuple:
 class _TracedReads:
     """A traced step's attention router: a layer whose kind reads itself
     (``compiled.traced_read``: shared-prefix rows) goes there; with
-    ``kernel``, the others go to ``routed_read``; anything else
-    to the model's own SDPA. ``check`` raises when a self-reading layer was
-    not read through the router (a model bypassing mlx-lm's global would
-    otherwise attend over the suffix columns alone)."""
+    ``kernel``, the others go to ``routed_read``; without, quantized rows
+    where the stock quantized read cannot run (MLX's CUDA backend) are read
+    dequantized under the model's mask (``_masked_quantized``: still a masked
+    read, as ``attention="mask"`` says); anything else to the model's own
+    SDPA. ``check`` raises when a self-reading layer was not read through the
+    router (a model bypassing mlx-lm's global would otherwise attend over the
+    suffix columns alone)."""
 
     def __init__(self, ctx, kernel: bool):
         self.ctx, self.kernel, self.read = ctx, kernel, 0
@@ -235,6 +238,8 @@ class _TracedReads:
                 return out
         if self.kernel:
             return routed_read(queries, keys, values, cache, scale, sinks, mask)
+        if sinks is None and isinstance(cache, _shells.Shell):
+            return _masked_quantized(cache, queries, keys, values, scale, mask)
         return None
 
     def check(self, own: int) -> None:
@@ -331,7 +336,10 @@ class Decoder:
             keys, squeeze, where = key
             kernel = self.attention == "kernel"
             own = sum(compiled.reads_itself(k[0]) for k in keys)
-            if (kernel or own) and self._mods is None:
+            # quantized rows under "mask" where the stock quantized read cannot run
+            unread = not _quantized.stock_read_runs() and any(k[0] is QuantizedState for k in keys)
+            routed = kernel or own or unread
+            if routed and self._mods is None:
                 self._mods = _attention_modules(self.model)
 
             def step(tokens, flats, positions):
@@ -341,7 +349,7 @@ class Decoder:
                     _shells.shell(compiled.Traced.of((f[0], positions[w], *f[1:]), k), ctx)
                     for f, k, w in zip(flats, keys, where)
                 ]
-                if not (kernel or own):
+                if not routed:
                     logits = self.model(tokens, cache=shells)
                 else:
                     reader = _TracedReads(ctx, kernel)

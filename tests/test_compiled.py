@@ -17,10 +17,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as kv
 import kvstate.compiled as kc
-from kvstate import _decoder, _rows, kernels, mlx_lm as br
+from kvstate import _decoder, _quantized, _rows, kernels, mlx_lm as br
 
 import tiny_models as tm
-from _quant import needs_stock_quantized_read
 from _tol import atol
 
 ATOL = atol(mx.float32)
@@ -156,7 +155,6 @@ def test_llama_compiled_equals_eager_across_buckets(monkeypatch):
     assert sc[0].capacity == 48 and decode.traces == 3  # buckets 16, 32, 48: one trace each
 
 
-@needs_stock_quantized_read  # (attention="mask" reads quantized rows with the stock read)
 def test_quantized_batch_compiled_equals_eager():
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
@@ -164,6 +162,37 @@ def test_quantized_batch_compiled_equals_eager():
     decode = br.Decoder(model, attention="mask")
     worst, _, sc = loops(model, logits, states, 12, decode)
     assert worst <= ATOL
+    assert isinstance(sc[0], kv.QuantizedState) and decode.traces == 1
+
+
+def test_masked_quantized_rows_read_dequantized_where_the_stock_read_cannot_run(monkeypatch):
+    """``attention="mask"`` over quantized rows where the stock quantized read
+    cannot run (MLX's CUDA backend; forced here, with ``mx.quantized_matmul``
+    failing as it does there): each layer reads its columns dequantized under
+    the step's mask, and the loop equals the eager stock read's, logits and
+    greedy tokens. (Session 5's code handed them to the failing stock read.)"""
+    model = tm.llama_model()
+    _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
+    tok, want = mx.argmax(logits, axis=-1), []
+    se, te = states, tok
+    for _ in range(6):  # the eager stock read, before it is made to fail
+        le, se = br.step(model, te, se)
+        te = mx.argmax(le, axis=-1)
+        want.append(le)
+    mx.eval(want)
+    monkeypatch.setattr(_quantized, "stock_read_runs", lambda: False)
+
+    def missing(*a, **kw):
+        raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+
+    monkeypatch.setattr(mx, "quantized_matmul", missing)
+    decode = br.Decoder(model, attention="mask")
+    sc, tc = states, tok
+    for t, le in enumerate(want):
+        lc, sc = decode(tc, sc)
+        assert mx.abs(le - lc).max().item() <= ATOL, t
+        tc = mx.argmax(lc, axis=-1)
+        assert tc.tolist() == mx.argmax(le, axis=-1).tolist(), f"greedy tokens differ at step {t}"
     assert isinstance(sc[0], kv.QuantizedState) and decode.traces == 1
 
 
@@ -207,14 +236,7 @@ def test_gemma3_rings_compiled_equals_mlx_lm_alone_and_eager():
     [
         "dense",
         "rings",
-        pytest.param(
-            "quantized",
-            marks=pytest.mark.skipif(
-                kernels.kernel_available(),
-                reason="attention='mask' reads quantized rows with the stock quantized_matmul, "
-                "which MLX 0.32.4's CUDA lacks for these shapes",
-            ),
-        ),
+        "quantized",
     ],
 )
 def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
