@@ -133,9 +133,20 @@ def append_peak(state, k, steps: int, keep_old: bool):
     from there on only this loop holds the newest record, unless
     ``keep_old`` keeps every old record alive (the control: then each
     append must copy the planes).
+
+    Each append is waited for with ``mx.synchronize`` (a no-op wait on the
+    CPU, where ``mx.eval`` has already run it): MLX writes a plane in place
+    only when nothing else holds its buffer, and on its CUDA backend a
+    finished command's buffers are let go by a worker thread after
+    ``mx.eval`` may have returned, so the next append can find the plane
+    still held and copy it (``notes/gpu.md``, session 5; the H200 measured
+    one or two plane copies in 16 appends without the wait). With the wait
+    the contract is the same on every backend: a dropped record's planes
+    are written in place.
     """
     state = kv.append(state, k, k)
     mx.eval(k, *state.planes)
+    mx.synchronize()
     kept = []
 
     def run():
@@ -145,6 +156,7 @@ def append_peak(state, k, steps: int, keep_old: bool):
                 kept.append(state)
             state = kv.append(state, k, k)
             mx.eval(*state.planes)
+            mx.synchronize()
 
     return peak_growth(run), state
 
