@@ -233,6 +233,13 @@ def main(argv=None):
         help="also decode each side's rows with the compiled decoder (model part)",
     )
     ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="host part: after the rounds, profile the eager steps of each side "
+        "(cProfile, this many lines by own time) and time the calls a layer's read makes",
+    )
+    ap.add_argument(
         "--cuda-route",
         action="store_true",
         help="host/cache parts: CUDA's routes with stub kernel launches (host work only)",
@@ -552,6 +559,8 @@ def host_part(args):
             print(
                 f"| {B} | {step} | {spread(a)} | {spread(b)} | {ratio_spread(a, b)} |", flush=True
             )
+        if args.profile:
+            res["profile"]()
 
 
 def host_rounds(model, args, B) -> dict:
@@ -618,7 +627,69 @@ def host_rounds(model, args, B) -> dict:
                 if step == "compiled":
                     res.setdefault(("compiled call", side), []).append(statistics.median(inside))
         print(f"# B={B} round {r} done", flush=True)
+    res["profile"] = functools.partial(profile_eager, model, args, rows, tok)
     return res
+
+
+def profile_eager(model, args, rows, tok):
+    """``--profile``: where an eager step's host time goes, per side (cProfile's
+    own time per function: a C++ call counts in its Python caller's), then the
+    seconds of single calls one layer's read makes (not evaluated)."""
+    import cProfile
+    import pstats
+
+    from kvstate import mlx_lm as bridge
+    from kvstate import kernels, shared
+
+    for side, states in rows.items():
+        traced = shared.traces()
+        prof = cProfile.Profile()
+        for _ in range(args.reps):
+            prof.enable()
+            logits, states = bridge.step(model, tok, states)
+            prof.disable()
+            mx.eval(logits, [p for s in states for p in s.planes])
+        print(
+            f"# profile: eager {side}, {args.reps} steps, "
+            f"{shared.traces() - traced} traces of the shared read",
+            flush=True,
+        )
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
+    state = rows["shared"][0]
+    B = state.batch_size
+    q = mx.random.normal((B, args.heads, 1, state.suffix.keys.shape[3])).astype(
+        state.suffix.keys.dtype
+    )
+    k, v = state.suffix.keys, state.suffix.values
+    lay = shared.Layouts()
+    views, pos = lay.views(state), lay.positions(state.suffix)
+    planes = shared.prefix_planes(state)
+    fn = shared._compiled_read(0.125)
+    ints = list(range(B))
+    mx.eval(q, fn(q, k, v, *pos, *views, *planes))
+    calls = {
+        "compiled shared read": lambda: fn(q, k, v, *pos, *views, *planes),
+        "shared.read (layouts kept)": lambda: shared.read(state, q, scale=0.125, layouts=lay),
+        "shared.read (fresh layouts)": lambda: shared.read(state, q, scale=0.125),
+        "mx.fast.sdpa, N=1, no mask": lambda: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=0.125
+        ),
+        "kernels.ragged_attention with the prefix (uncompiled)": lambda: kernels.ragged_attention(
+            q, k, v, *pos, scale=0.125, prefix=(*planes, *views[1:])
+        ),
+        "mx.array of B ints": lambda: mx.array(ints, dtype=mx.int32),
+        "layout_key": lambda: shared.layout_key(state),
+    }
+    print("| call | us per call (median of 5 x 200) |")
+    print("|---|---|")
+    for name, call in calls.items():
+        per = []
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(200):
+                call()
+            per.append((time.perf_counter() - t) / 200)
+        print(f"| {name} | {statistics.median(per) * 1e6:.1f} |", flush=True)
 
 
 def wide_part(args):

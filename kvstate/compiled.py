@@ -212,9 +212,13 @@ def flatten(
     return Flat(state.planes, tuple(positions)), spec_of(state)
 
 
-def position_arrays(state: Any) -> tuple:
-    """The int32 ``[B]`` arrays of ``host_positions(state)`` (``Flat.positions``)."""
-    return _int32(host_positions(state))
+@singledispatch
+def position_arrays(state: Any, host: tuple | None = None) -> tuple:
+    """The int32 ``[B]`` arrays of ``host_positions(state)`` (``Flat.positions``;
+    ``host``: those tuples, when the caller has them): new arrays, unless the
+    kind registers arrays it keeps (a ``SharedState``'s row map, which decoding
+    never changes, is built once per map)."""
+    return _int32(host_positions(state) if host is None else host)
 
 
 def _int32(host: tuple) -> tuple:
@@ -238,7 +242,7 @@ class Positions:
         key = (type(state), *host)
         got = self._got.get(key)
         if got is None:
-            got = self._got[key] = _int32(host)
+            got = self._got[key] = position_arrays(state, host)
         return got
 
 

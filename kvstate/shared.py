@@ -621,33 +621,58 @@ def _views(key: tuple) -> tuple:
 
 
 def view_arrays(state: SharedState) -> tuple:
-    """``views_of(state)`` as four int32 ``[B]`` arrays."""
-    return tuple(mx.array(v, dtype=mx.int32) for v in views_of(state))
+    """``views_of(state)`` as four int32 ``[B]`` arrays, built once per row map
+    (``layout_key``) and kept: decoding never changes the map (an append keeps
+    it, ``with_suffix``), so a decode loop builds them once, not once per step
+    (the eager bridge's reads and the compiled decoder's positions take the
+    same arrays every step, every layer)."""
+    return _view_arrays(layout_key(state))
+
+
+@functools.lru_cache(maxsize=64)
+def _view_arrays(key: tuple) -> tuple:
+    # (built from host lists: arrays holding their data, never lazy results; a
+    # kept lazy array is bound to the stream of the thread that made it, d7c42ec)
+    return tuple(mx.array(v, dtype=mx.int32) for v in _views(key))
+
+
+@compiled.position_arrays.register(SharedState)
+def position_arrays_shared(state, host=None):
+    # the suffix's (ends, left_pad), new each step; the row map's arrays, kept
+    suffix = compiled.host_positions(state.suffix) if host is None else host[:2]
+    return compiled.position_arrays(state.suffix, suffix) + view_arrays(state)
 
 
 class Layouts:
-    """The int32 arrays the shared reads of one forward take, each built once
-    for every layer: the row map (``view_arrays``, per ``layout_key``) and the
-    suffix rows' ``left_pad``/``ends`` (per layout, through ``positions``: the
-    forward's ``compiled.Positions`` when given). The eager bridge keeps one
-    per forward (``kvstate.mlx_lm``); ``read`` makes its own when given none."""
+    """The int32 arrays the shared reads of one forward take: the row map
+    (``view_arrays``, kept across forwards) and the suffix rows'
+    ``left_pad``/``ends`` (once per layout, through ``positions``: the
+    forward's ``compiled.Positions`` when given; the layers after the first
+    hold the very same bookkeeping tuples, matched without hashing). The
+    eager bridge keeps one per forward (``kvstate.mlx_lm``); ``read`` makes
+    its own when given none."""
 
-    __slots__ = ("_got", "_positions")
+    __slots__ = ("_last", "_positions")
 
     def __init__(self, positions: compiled.Positions | None = None) -> None:
-        self._got: dict = {}
+        self._last: tuple | None = None  # (kind, lengths, left_pad, arrays) of the last suffix
         self._positions = compiled.Positions() if positions is None else positions
 
     def views(self, state: SharedState) -> tuple:
-        key = layout_key(state)
-        got = self._got.get(key)
-        if got is None:
-            got = self._got[key] = view_arrays(state)
-        return got
+        return view_arrays(state)
 
     def positions(self, suffix) -> tuple:
         """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
+        last = self._last
+        if (
+            last is not None
+            and last[1] is suffix.lengths
+            and last[2] is suffix.left_pad
+            and last[0] is type(suffix)
+        ):
+            return last[3]
         ends, left_pad = self._positions(suffix)  # (compiled.host_positions's order)
+        self._last = (type(suffix), suffix.lengths, suffix.left_pad, (left_pad, ends))
         return left_pad, ends
 
 

@@ -146,6 +146,29 @@ def test_prefix_rows_without_a_view_read_only_their_suffix():
     assert _rel(got, want) < 1e-2
 
 
+@cuda
+@pytest.mark.parametrize("N,dtype", [(129, mx.bfloat16), (256, mx.bfloat16), (512, mx.bfloat16)])
+def test_prefix_kernel_reads_rests_past_128_queries(monkeypatch, N, dtype):
+    """A cached request's rest of up to 512 queries per row read over its prefix
+    in the kernel (``PREFIX_QUERIES`` raised to ``N`` where it is lower: where
+    the limit may go; the H200 measured the kernel faster than the cascade at
+    every width to 512, notes/prefix.md), against the same rows stored unshared."""
+    monkeypatch.setattr(kernels, "PREFIX_QUERIES", max(kernels.PREFIX_QUERIES, N))
+    H, gqa, D = 2, 3, 64
+    state = _shared_rows(dtype, H, D, N, seed=N)
+    q = mx.random.normal((6, H * gqa, N, D)).astype(dtype)
+    k, v, lp, en, prefix = _prefix_args(state)
+    assert kernels.decode_read(N, q, k, prefix=True) == "kernel"
+    got = kernels.ragged_attention(q, k, v, lp, en, scale=D**-0.5, prefix=prefix)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert _rel(got, _reference(state, q, D**-0.5)) < BF16_RTOL
+    # and the shared read itself (shared.prefix_read: the route it takes for this width)
+    out, _ = shared.prefix_read(
+        q, (k, v), lp, en, [prefix[:2]], shared.view_arrays(state), scale=D**-0.5
+    )
+    assert _rel(out, got) < 1e-2
+
+
 def _bytes(a):
     import numpy as np
 

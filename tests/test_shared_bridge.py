@@ -158,15 +158,27 @@ class _NoRoute:
         return False
 
 
-def test_bridge_builds_the_row_map_once_per_forward(monkeypatch):
-    """Host work that does not change between layers is done once per forward:
-    the row map's arrays (every layer's records differ, their layout does not)
-    and the walk for the model's attention modules (once per model)."""
+def test_bridge_builds_the_row_map_once_per_map_not_per_step(monkeypatch):
+    """Host work that does not change between layers or decode steps is done
+    once: the row map's arrays (decoding never changes the map: every layer
+    of every step reads the very same four arrays; session 5 built them once
+    per forward) and the walk for the model's attention modules (once per
+    model)."""
     from kvstate import _decoder, shared
 
     maps, walks = [], []
-    real_map, real_walk = shared.view_arrays, _decoder._find_attention_modules
-    monkeypatch.setattr(shared, "view_arrays", lambda s: maps.append(1) or real_map(s))
+    real_read, real_walk = shared._compiled_read, _decoder._find_attention_modules
+
+    def spy(scale):
+        fn = real_read(scale)
+
+        def call(*args):
+            maps.append(args[5:9])  # (q, suffix k, v, left_pad, ends, then the row map)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(shared, "_compiled_read", spy)
     monkeypatch.setattr(
         _decoder, "_find_attention_modules", lambda m: walks.append(1) or real_walk(m)
     )
@@ -178,7 +190,9 @@ def test_bridge_builds_the_row_map_once_per_forward(monkeypatch):
         logits, rows = bridge.step(model, tok, rows)
         tok = mx.argmax(logits, axis=-1)
     mx.eval(tok)
-    assert len(maps) == 3  # one per forward, not one per layer (9)
+    assert len(maps) == 9  # 3 layers x 3 steps, each read with the row map
+    assert all(a is b for m in maps for a, b in zip(m, maps[0]))  # one set of arrays
+    np.testing.assert_array_equal(np.array(maps[0][3]), [4, 4, 4])  # (shared: 4 tokens each)
     assert len(walks) == 1
 
 

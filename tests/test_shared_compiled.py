@@ -381,3 +381,37 @@ def test_a_shared_spec_holds_no_record_and_rebuilds_around_like():
     # the other layer reads other records in the same layout: an equal Spec
     assert rows[1].prefixes[0] is not s.prefixes[0]
     assert compiled.flatten(rows[1])[1] == spec
+
+
+def test_the_row_map_arrays_are_built_once_not_per_step():
+    """Decoding never changes the row map (which prefix row each row reads, from
+    which column, how many tokens): every step of the compiled decoder takes
+    the very same four row-map arrays (session 5 built them again each step);
+    only the suffix's positions are new. The logits equal the eager bridge's."""
+    model = llama_model(layers=3)
+    _, states = bridge.forward(model, mx.array([[1, 2, 3, 4, 5]]), bridge.make_states(model, 1))
+    rows = kv.fork(states, 0, 2)
+    decoder = _decoder.Decoder(model)
+    tok = mx.array([6, 7, 8])
+    logits, out = decoder(tok, rows)
+    got = []
+    for key, fn in list(decoder._fns.items()):
+
+        def spy(tokens, flats, layouts, fn=fn):
+            got.append(layouts)
+            return fn(tokens, flats, layouts)
+
+        decoder._fns[key] = spy
+    eager_logits, eager_rows = bridge.step(model, tok, rows)
+    np.testing.assert_allclose(np.array(logits), np.array(eager_logits), atol=ATOL, rtol=1e-5)
+    for _ in range(3):
+        tok = mx.argmax(logits, axis=-1)
+        logits, out = decoder(tok, out)
+        eager_logits, eager_rows = bridge.step(model, tok, eager_rows)
+        np.testing.assert_allclose(np.array(logits), np.array(eager_logits), atol=ATOL, rtol=1e-5)
+    assert len(got) == 3 and all(len(g) == 1 and len(g[0]) == 6 for g in got)  # one layout
+    # (ends, left_pad) of the suffix: new each step; the row map: the same arrays
+    assert not any(got[i][0][0] is got[0][0][0] for i in (1, 2))
+    assert all(a is b for g in got for a, b in zip(g[0][2:], got[0][0][2:]))
+    np.testing.assert_array_equal(np.array(got[0][0][5])[:3], [5, 5, 5])  # (+ batch padding)
+    assert decoder.traces == 1
