@@ -117,15 +117,15 @@ def with_suffix(state: SharedState, suffix) -> SharedState:
     result): the row map is unchanged, so it is not checked again (the
     decode hot path builds one per layer per step)."""
     out = object.__new__(SharedState)
-    for name, value in (
-        ("prefixes", state.prefixes),
-        ("source", state.source),
-        ("prefix_row", state.prefix_row),
-        ("shared", state.shared),
-        ("suffix", suffix),
-    ):
-        object.__setattr__(out, name, value)
+    _set(out, "prefixes", state.prefixes)
+    _set(out, "source", state.source)
+    _set(out, "prefix_row", state.prefix_row)
+    _set(out, "shared", state.shared)
+    _set(out, "suffix", suffix)
     return out
+
+
+_set = object.__setattr__
 
 
 def held_bytes(records) -> int:
@@ -567,8 +567,14 @@ def readable(state: SharedState) -> tuple:
 
 def _records_key(state: SharedState) -> tuple:
     """Per prefix record, what the read's order and the row map depend on:
-    whether it holds keys, its rows, its capacity and its rows' first columns."""
-    return tuple((bool(p.planes), p.batch_size, p.capacity, p.left_pad) for p in state.prefixes)
+    whether it holds keys, its rows, its capacity and its rows' first columns
+    (one record: whether it holds keys and its first columns; it is read
+    first whatever its shape: a decode step asks once per layer)."""
+    prefixes = state.prefixes
+    if len(prefixes) == 1:
+        p = prefixes[0]
+        return ((bool(p.planes), 0, 0, p.left_pad),)
+    return tuple((bool(p.planes), p.batch_size, p.capacity, p.left_pad) for p in prefixes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -663,12 +669,13 @@ class Layouts:
 
     def positions(self, suffix) -> tuple:
         """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
-        last = self._last
+        last = self._last  # (after one shared append the layers hold the very same
+        # lengths tuple; each keeps its own, equal, left_pad)
         if (
             last is not None
             and last[1] is suffix.lengths
-            and last[2] is suffix.left_pad
             and last[0] is type(suffix)
+            and last[2] == suffix.left_pad
         ):
             return last[3]
         ends, left_pad = self._positions(suffix)  # (compiled.host_positions's order)
