@@ -385,3 +385,33 @@ def test_a_cached_rest_is_read_over_its_prefix_in_one_kernel_call(monkeypatch):
     np.testing.assert_allclose(np.array(logits), np.array(alone), atol=2e-5, rtol=1e-5)
     for lease in leases:
         lease.release()
+
+
+def test_row_map_arrays_kept_by_one_thread_serve_another():
+    """The kept row-map arrays (``shared.view_arrays``) hold their data: a map built
+    by a step in one thread (not evaluated there) is read by a step in another
+    (a kept lazy array would be bound to the first thread's stream: d7c42ec)."""
+    import threading
+
+    from kvstate import shared
+
+    model = llama_model(layers=2)
+    _, states = bridge.forward(model, mx.array([[3, 1, 4, 1, 5]]), bridge.make_states(model, 1))
+    rows = kv.fork(states, 0, 2, step=8)  # (a step this test alone uses: a map of its own)
+    mx.eval(model.parameters(), [s.planes for s in states])  # (only the map is left lazy)
+    shared._view_arrays.cache_clear()
+    tok = mx.array([9, 2, 6])
+    first, _ = bridge.step(model, tok, rows)  # builds the map here, evaluates nothing
+    out: dict = {}
+
+    def other():
+        try:
+            out["logits"] = np.array(bridge.step(model, tok, rows)[0])
+        except RuntimeError as e:
+            out["error"] = str(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    np.testing.assert_allclose(out["logits"], np.array(first), atol=1e-5, rtol=1e-5)
