@@ -105,6 +105,15 @@ class SharedShell(_SharedReads, _shells.Shell):
 
     __slots__ = ()
 
+    @property
+    def offset(self):
+        off = self._offset
+        if off is None:
+            route = self._ctx.route
+            record = self.content
+            off = self._offset = self._ctx.offset(record) if route is None else route.offset(record)
+        return off
+
     def update_and_fetch(self, keys, values):
         ctx = self._ctx
         route = ctx.route
@@ -167,6 +176,24 @@ class _cascade:
         self.kernel = _decoder.routes_reads()
         self.pending = {}
         self.layouts = SharedLayouts(ctx.positions)  # row maps, positions: once per forward
+        self._offset: Optional[tuple] = None
+
+    def offset(self, state: SharedState):
+        """``ctx.offset`` of shared rows, once per forward's layout: after one
+        shared append plan the layers hold the very same suffix ``lengths``
+        tuple, and equal maps, so the rows' lengths are not rebuilt and hashed
+        per layer (unshared rows' offsets are matched by identity alike)."""
+        suffix, last = state.suffix, self._offset
+        if (
+            last is not None
+            and last[0] is suffix.lengths
+            and last[1] == state.shared
+            and last[2] == suffix.left_pad
+        ):
+            return last[3]
+        off = self.ctx.offset(state)
+        self._offset = (suffix.lengths, state.shared, suffix.left_pad, off)
+        return off
 
     def _read(self, queries, keys, values, cache, scale, sinks, mask):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
