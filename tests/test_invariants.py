@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import re
-import threading
 
 import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
 from _rows import assert_unchanged, filled, snapshot
+from _threads import in_another_thread
 from hypothesis import note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -635,19 +635,8 @@ def test_a_clear_layout_cached_by_one_thread_serves_another(cols):
     p = mx.arange(2 * 8 * 4, dtype=mx.float32).reshape(2, 1, 8, 4)
     mx.eval(p)
     invariants.clear_columns((p,), cols)  # built here, never evaluated here
-    out: dict = {}
-
-    def other():
-        try:
-            out["plane"] = np.array(invariants.clear_columns((p,), cols)[0])
-        except RuntimeError as e:
-            out["error"] = str(e)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert "error" not in out, out.get("error")
+    plane = in_another_thread(lambda: np.array(invariants.clear_columns((p,), cols)[0]))
     want = np.array(p)
     for b, c in enumerate(cols):
         want[b, :, list(c)] = 0
-    np.testing.assert_array_equal(out["plane"], want)
+    np.testing.assert_array_equal(plane, want)

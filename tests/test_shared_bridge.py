@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 from tiny_models import VOCAB, llama_model, qwen3_model
 from _quant import needs_stock_quantized_read
+from _threads import in_another_thread
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
@@ -391,8 +392,6 @@ def test_row_map_arrays_kept_by_one_thread_serve_another():
     """The kept row-map arrays (``shared.view_arrays``) hold their data: a map built
     by a step in one thread (not evaluated there) is read by a step in another
     (a kept lazy array would be bound to the first thread's stream: d7c42ec)."""
-    import threading
-
     from kvstate import shared
 
     model = llama_model(layers=2)
@@ -402,16 +401,5 @@ def test_row_map_arrays_kept_by_one_thread_serve_another():
     shared._view_arrays.cache_clear()
     tok = mx.array([9, 2, 6])
     first, _ = bridge.step(model, tok, rows)  # builds the map here, evaluates nothing
-    out: dict = {}
-
-    def other():
-        try:
-            out["logits"] = np.array(bridge.step(model, tok, rows)[0])
-        except RuntimeError as e:
-            out["error"] = str(e)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
-    assert "error" not in out, out.get("error")
-    np.testing.assert_allclose(out["logits"], np.array(first), atol=1e-5, rtol=1e-5)
+    logits = in_another_thread(lambda: np.array(bridge.step(model, tok, rows)[0]))
+    np.testing.assert_allclose(logits, np.array(first), atol=1e-5, rtol=1e-5)
