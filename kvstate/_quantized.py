@@ -85,9 +85,25 @@ def to_planes_quantized(state: QuantizedState, k, v):
             f"a multiple of group_size={state.group_size}",
             x.shape[3],
         )
-    qk = mx.quantize(k, group_size=state.group_size, bits=state.bits)
-    qv = mx.quantize(v, group_size=state.group_size, bits=state.bits)
+    qk = quantize(k, state.group_size, state.bits)
+    qv = quantize(v, state.group_size, state.bits)
     return (*qk, *qv)
+
+
+def quantize(x, group_size: int, bits: int) -> tuple:
+    """``mx.quantize`` of ``x`` ``[..., D]``: ``(packed uint32 [..., D * bits // 32],
+    scales, biases [..., D // group_size])``, scales and biases in ``x``'s dtype.
+    An empty ``x`` (no rows or no tokens) gets its empty planes from these
+    shapes: MLX 0.32.4's CUDA ``mx.quantize`` of an empty array kills the
+    process (SIGFPE, the H200, session 5)."""
+    if x.size == 0:
+        lead, D = x.shape[:-1], x.shape[-1]
+        return (
+            mx.zeros((*lead, D * bits // 32), mx.uint32),
+            mx.zeros((*lead, D // group_size), x.dtype),
+            mx.zeros((*lead, D // group_size), x.dtype),
+        )
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 
 @_rows.with_planes.register

@@ -71,8 +71,10 @@ def assert_same_bytes(got, want, what=""):
 
 
 def quantize_np(x: mx.array, group_size: int, bits: int) -> tuple:
-    """``mx.quantize`` of ``x`` as numpy planes (the reference for new columns)."""
-    return tuple(np_of(p) for p in mx.quantize(x, group_size=group_size, bits=bits))
+    """``mx.quantize`` of ``x`` as numpy planes (the reference for new columns;
+    through ``_quantized.quantize``, which gives an empty ``x`` its empty planes
+    without calling ``mx.quantize``: that killed the process on MLX's CUDA)."""
+    return tuple(np_of(p) for p in _quantized.quantize(x, group_size, bits))
 
 
 def mlx_qsdpa(q, keys, values, *, scale, mask, group_size, bits):

@@ -380,6 +380,26 @@ def test_attend_with_memo_matches_without(n):
     np.testing.assert_array_equal(np_of(b), np_of(c))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2, 0, 64), (0, 2, 3, 64), (0, 2, 0, 128)])
+def test_empty_tokens_quantize_to_the_planes_mx_quantize_gives(shape, dtype):
+    """``_quantized.quantize`` of an empty array (a row or batch with no tokens)
+    gives the planes ``mx.quantize`` gives, by shape, without calling it: MLX
+    0.32.4's CUDA ``mx.quantize`` of an empty array kills the process (SIGFPE).
+    The comparison runs where ``mx.quantize`` takes empty arrays (the CPU)."""
+    x = mx.zeros(shape, dtype)
+    for bits, gs in [(2, 32), (3, 32), (4, 64), (5, 32), (6, 64), (8, 32)]:
+        got = _quantized.quantize(x, gs, bits)
+        assert [(p.shape, p.dtype) for p in got] == [
+            ((*shape[:-1], shape[-1] * bits // 32), mx.uint32),
+            ((*shape[:-1], shape[-1] // gs), dtype),
+            ((*shape[:-1], shape[-1] // gs), dtype),
+        ]
+        if not kernels.kernel_available():  # (not on MLX's CUDA backend, where it dies)
+            want = mx.quantize(x, group_size=gs, bits=bits)
+            assert [(p.shape, p.dtype) for p in got] == [(p.shape, p.dtype) for p in want]
+
+
 def test_five_and_six_bits_at_head_dim_128():
     # mlx-lm's QuantizedKVCache mis-sizes these (dim // (32 // bits) words);
     # kvstate takes the planes' shape from mx.quantize itself.
