@@ -404,7 +404,10 @@ MAX_QUERIES = 8
 #: a cached request's rest (the tokens after its cached prefix, and its last) is read
 #: over the prefix in one launch, one block per query, where the alternative is the
 #: cascade's ~35 uncompiled operations per layer (``notes/prefix.md``, session 4).
-PREFIX_QUERIES = 128
+#: Measured on the H200 (session 5, ``benchmarks/shared_prefix.py --part wide``): the
+#: kernel read such rests in 0.17-0.43x the cascade's time at every width to 512 (B=1, 4);
+#: tested there to 512 queries (session 6, ``tests/test_prefix_read.py``).
+PREFIX_QUERIES = 512
 #: Blocks a split read aims for (B * H * N * S): measured on the H200 (``notes/gpu.md``),
 #: about 512 blocks beat 4096: a split's merge costs more than the extra waves save.
 TARGET_BLOCKS = 512
