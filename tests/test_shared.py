@@ -391,3 +391,33 @@ def test_save_and_load_a_shared_state(tmp_path):
     mx.save_safetensors(str(path), arrays, meta)
     with pytest.raises(kv.KVStateError, match=r"shared\[3\]"):
         kv.load(path)
+
+
+def test_a_forwards_layouts_reuse_arrays_only_for_an_equal_layout():
+    """``Layouts.arrays`` (one forward's read arrays: the suffix's positions, then the
+    row map) hands a layer the last layer's arrays only when its layout is the same:
+    the very same suffix lengths tuple and an equal map, first columns and left_pad.
+    Layers that hold the same suffix bookkeeping but another map (fewer shared tokens,
+    another prefix row, a prefix record with other first columns) get their own."""
+    prefix = kv.from_arrays(
+        mx.ones((2, 1, 8, 4)), mx.ones((2, 1, 8, 4)), lengths=[6, 5], left_pad=[2, 3]
+    )
+    other = kv.from_arrays(
+        mx.ones((2, 1, 8, 4)), mx.ones((2, 1, 8, 4)), lengths=[6, 5], left_pad=[1, 3]
+    )
+    base = kv.append(kv.fork(prefix, 0, 3), mx.ones((5, 1, 2, 4)), mx.ones((5, 1, 2, 4)))
+    sx = base.suffix
+    layers = [
+        base,
+        shared.with_suffix(base, sx),  # (the same layout: the same arrays)
+        kv.SharedState((prefix,), base.source, base.prefix_row, (6, 5, 4, 6, 6), sx),
+        kv.SharedState((prefix,), base.source, (0, 1, 1, 0, 0), (6, 5, 5, 6, 6), sx),
+        kv.SharedState((other,), base.source, base.prefix_row, base.shared, sx),
+    ]
+    lay = shared.Layouts()
+    got = [lay.arrays(s) for s in layers]
+    assert all(a is b for a, b in zip(got[1], got[0]))
+    for s, g in zip(layers, got):
+        want = (sx.left_pad, sx.ends, *shared.views_of(s))
+        assert [np.array(a).tolist() for a in g] == [list(w) for w in want]
+    assert [np.array(a).tolist() for a in got[4][2:]] != [np.array(a).tolist() for a in got[0][2:]]
