@@ -39,6 +39,12 @@ prompt over the whole stream, against the plain loop doing the same
 
     python benchmarks/speculative.py --rounds 5 --tokens 64
     python benchmarks/speculative.py --batch 8 --kinds "code edit" --stream 2
+
+``--compiled``: the target's plain steps (plain loop) and verify windows (every
+speculative method) run through one compiled ``Decoder`` (the draft model and
+mlx-lm's loops as before): a drafting round builds its graph while the device
+waits (it cannot pipeline), and the compiled step builds it in a fraction of the
+eager forward's host time.
 """
 
 from __future__ import annotations
@@ -161,6 +167,19 @@ def plain_run(model, prompts, T, k):
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
 
+FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops), else None
+
+
+def _step(model, y, states):
+    """A plain decode step: ``kvstate.mlx_lm.step``, or the compiled decoder."""
+    dec = FORWARD[0]
+    return br.step(model, y, states) if dec is None else dec(y, states)
+
+
+def _verify(model):
+    """``speculative.step``'s forward: the default (eager), or the compiled decoder."""
+    return FORWARD[0]
+
 
 def spec_run(model, prompts, T, drafter, k, window=None):
     draft = drafter.model if isinstance(drafter, DraftModel) else None
@@ -173,7 +192,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     while min(made) < T:
         # pipelined as plain_run: the round handed to the device, then the one before
         # it read (a plain round's tokens: a drafting round's are read inside step)
-        batch, r = sp.step(model, batch, drafter=drafter)
+        batch, r = sp.step(model, batch, drafter=drafter, forward=_verify(model))
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
@@ -216,7 +235,7 @@ def plain_stream(model, queue, B, T, k):
     made, out = [1] * len(rows), {}
     t0, last = time.perf_counter(), None
     while rows:
-        logits, states = br.step(model, y, states)
+        logits, states = _step(model, y, states)
         y = mx.argmax(logits, axis=-1)
         mx.async_eval(y)
         if last is not None:
@@ -260,7 +279,7 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
     made, out = [1] * len(rows), {}
     t0, last = time.perf_counter(), None
     while rows:
-        batch, r = sp.step(model, batch, drafter=drafter)
+        batch, r = sp.step(model, batch, drafter=drafter, forward=_verify(model))
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
@@ -426,14 +445,24 @@ def main(argv=None):
         help="also continuous batching over STREAM x B prompts, B > 1 rows at a time (0: off)",
     )
     ap.add_argument("--methods", nargs="*", help="run only these methods (default: all)")
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the target's steps and verify windows through one compiled Decoder (both loops)",
+    )
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized)
+    if args.compiled:
+        from kvstate._decoder import Decoder
+
+        FORWARD[0] = Decoder(model)
     draft = truncated(model, args.draft_layers)
     T, k = args.tokens, args.num_draft
     print(
         f"model {args.model} ({'quantized' if args.quantized else 'float32'}), "
         f"{T} new tokens per row, {args.rounds} paired rounds, num_draft {k}, draft = first "
         f"{args.draft_layers} layers; device {mx.default_device()}"
+        f"{'; target through one compiled Decoder' if args.compiled else ''}"
     )
     head = (
         "kind",

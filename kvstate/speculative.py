@@ -450,6 +450,17 @@ def _propose_lookup(context: tuple, drafter: Lookup, asked: Sequence[int]) -> li
     ]
 
 
+def _propose_late(rows: _Context, drafter: Lookup, asked: Sequence[int]) -> tuple:
+    """Lookup one round late: ``(drafts, guesses)`` from each row's context less its
+    last token (a pipelined plain round's, still on the device: nothing is read).
+    A row's lookup of ``k + 1`` tokens guesses that last token (its first) and
+    drafts the ``k`` after it; the drafts count only where the guess was right,
+    which ``step`` checks once it has read the token (the verify is built by then).
+    A row with no guess (a lookup of fewer than two tokens) drafts nothing."""
+    found = _propose_lookup(cast(tuple, rows.before), drafter, [k + 1 if k else 0 for k in asked])
+    return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
+
+
 def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
     tokens) in one block forward, right-padded, the pad rolled back.
@@ -639,7 +650,8 @@ def step(
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
     asked = _asked(spec, drafter, rule, alphas)
-    if last is not None and any(asked):  # drafting reads the rows: the last round first
+    late = last is not None and isinstance(drafter, Lookup)  # lookup one round late
+    if last is not None and any(asked) and not late:  # the draft model reads the rows
         rows = rows.rows()
         t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
         rule, unrecorded = _record_read(rule, unrecorded)
@@ -648,6 +660,7 @@ def step(
 
     q = round_keys = None
     host: list | None = None
+    guess: list | None = None  # a late lookup's guess of each row's unread last token
     carry = batch.keys  # greedy rows: nothing draws from the keys
     if draft_model is not None and Kmax:
         if sampled:
@@ -661,7 +674,10 @@ def step(
     else:
         host = [[]] * B  # no row asks: the context is not read
         if isinstance(drafter, Lookup) and any(asked):
-            host = _propose_lookup(cast(tuple, rows), drafter, asked)
+            if late:  # drafts from the rows' contexts less the unread last token
+                host, guess = _propose_late(cast(_Context, rows), drafter, asked)
+            else:
+                host = _propose_lookup(cast(tuple, rows), drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
             host = [d[: rule.choose(B, alphas, found, widest) - 1] for d in host]
@@ -682,6 +698,19 @@ def step(
         window = mx.concatenate([window, mx.zeros((B, width - 1 - K), mx.uint32)], axis=1)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
+    if K and guess is not None:  # a late lookup drafted: the verify to the device, then
+        # the last round read (it ran while this round was built); a row whose guess of
+        # its last token was wrong drafted nothing (its drafts ride as pad, rolled back)
+        assert last is not None  # late: the last round was unread
+        mx.async_eval(logits)
+        rows = cast(_Context, rows).rows()
+        t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
+        rule, unrecorded = _record_read(rule, unrecorded)
+        assert host is not None  # lookup drafts: on the host
+        hit = [g == c[-1] for g, c in zip(guess, rows)]
+        host = [d if h else [] for d, h in zip(host, hit)]
+        found = tuple(f if h else 0 for f, h in zip(found, hit))
+        counts = tuple(len(d) for d in host)
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         # as a plain decode step makes them: greedy rows only: the argmax, keys
         # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)

@@ -401,12 +401,14 @@ def _vocab6(seed, layers):
     return model
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup"])
+@pytest.mark.parametrize("drafter", ["model", "lookup", "late lookup"])
 def test_sampled_loop_matches_the_target_joint_distribution(drafter):
     """End to end on a 6-token vocabulary, 3000 rows of one prompt: the first two
     tokens after the last context token follow the target's exact joint
     distribution (computed from its own logits), whether the drafts come
-    from a different random model or from prompt lookup."""
+    from a different random model or from prompt lookup; ``late lookup``: a
+    plain round first, left unread, so the next round's lookup drafts from the
+    context less that round's token (its guess checked once read)."""
     target, draft = _vocab6(0, 2), _vocab6(1, 1)
     prompt, y, B, T = [1, 2, 3, 1, 2, 3, 1, 2], 3, 3000, 1.0
     use = DraftModel(draft) if drafter == "model" else Lookup(min_ngram=1)
@@ -420,6 +422,10 @@ def test_sampled_loop_matches_the_target_joint_distribution(drafter):
         states, [y] * B, keys=kv.row_keys(range(100, 100 + B)), sampling=kv.Sampling(temperature=T)
     )
     spec = sp.Speculation(batch, [prompt + [y]] * B, (3,) * B, (3,) * B, dstates)
+    if drafter == "late lookup":
+        spec, _ = sp.step(target, spec)  # a plain round, unread
+        spec, r = sp.step(target, spec, drafter=use)  # drafts one round late
+        assert r.width > 1 and 0 < sum(map(bool, r.drafted)) < B  # some guesses right
     while min(len(c) for c in spec.context) < len(prompt) + 3:
         spec, _ = sp.step(target, spec, drafter=use)
     batch = spec
@@ -646,6 +652,107 @@ def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, draft
         o.extend(e)
     assert out == want and len(submitted) >= 7
     assert sp.recorded(spec).costs[(bucket(3), 1)].uses == 8
+
+
+def pipelined(model, spec, T, drafter, rounds=None):
+    """The benchmark's pipelined loop: each round handed to the device before the one
+    before it is read (``Round.emitted``), until every row has ``T`` new tokens past
+    its first; returns the rows' first ``T + 1`` output tokens and the final spec."""
+    prompts = [c[:-1] for c in spec.context]
+    made, last = [1] * spec.batch_size, None
+    while min(made) < T + 1:
+        spec, r = sp.step(model, spec, drafter=drafter)
+        mx.async_eval(spec.batch.tokens)
+        if last is not None:
+            _ = last.emitted
+        made = [n + 1 + a for n, a in zip(made, r.accepted)]
+        last = r
+        if rounds is not None:
+            rounds.append(r)
+    return [list(c[len(p) : len(p) + T + 1]) for c, p in zip(spec.context, prompts)], spec
+
+
+def test_asked_rounds_that_end_plain_never_wait(llama, monkeypatch):
+    """A pipelined caller, a rule that asks every row for lookup drafts every round,
+    and no draft found: every round ends plain and builds without waiting for the
+    device (no ``mx.eval``: the unread last round is not read to look up drafts;
+    lookup runs on the context known on the host), and the tokens are the plain
+    loop's. On the old code a lookup round asked for drafts read the round
+    before it first (a sync), even when it found nothing."""
+    prompts = [repetitive(71, 11, 3), repetitive(72, 8, 2), repetitive(73, 13, 4)]
+    want = plain(llama, prompts, 8)
+    asked = []
+    d = Lookup()
+    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: asked.append(k) or [])
+    # every width costs a plain round: any acceptance above 0 asks for drafts
+    spec = sp.start(llama, prompts, drafter=d, window=seeded([1] * 5, margin=1.0))
+    syncs = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: syncs.append(1) or real_eval(*a))
+    out, last = [[c[-1]] for c in spec.context], None
+    plain_rounds = 0
+    for _ in range(8):
+        syncs.clear()
+        spec, r = sp.step(llama, spec, drafter=d)
+        if r.width == 1:
+            plain_rounds += 1
+            assert syncs == []  # built without waiting for the round before
+        mx.async_eval(spec.batch.tokens)
+        if last is not None:
+            for o, e in zip(out, last.emitted):
+                o.extend(e)
+        last = r
+    for o, e in zip(out, last.emitted):
+        o.extend(e)
+    assert [o[:9] for o in out] == want
+    assert plain_rounds == 8 and len(asked) == 8 * 3  # every row asked every round
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    prompts=prompt_sets,
+    k=st.integers(1, 4),
+    ratios=st.lists(st.floats(1.0, 2.0), min_size=4, max_size=4),
+    prior=st.floats(0.05, 0.95),
+)
+def test_late_lookup_drafts_are_exact(llama, prompts, k, ratios, prior):
+    """A pipelined caller (each round handed over before the one before it is read):
+    lookup after a plain round drafts from the context less its unread last token
+    (one round late), its guess of that token checked once read; whatever the rule
+    chooses, the tokens are the plain loop's, row by row."""
+    window = seeded([1.0, *ratios], prior=prior, margin=1.0)
+    spec = sp.start(llama, prompts, drafter=Lookup(min_ngram=1), num_draft=k, window=window)
+    got, _ = pipelined(llama, spec, 10, Lookup(min_ngram=1))
+    assert got == plain(llama, prompts, 10)
+
+
+def test_late_lookup_drafts_after_plain_rounds(llama, monkeypatch):
+    """Late drafts happen and pay: on repeating prompts, rounds after an unread plain
+    round draft from the late lookup (no read before the verify is built), some guesses
+    are right and their drafts accepted; a greedy row stays exact beside a sampled one."""
+    prompts = [repetitive(81, 12, 3), repetitive(82, 9, 2), repetitive(83, 14, 4)]
+    sampling = [kv.Sampling(), kv.Sampling(temperature=1.0), kv.Sampling()]
+    late = []
+    real = sp._propose_late
+    monkeypatch.setattr(sp, "_propose_late", lambda *a: late.append(r := real(*a)) or r)
+    # 2 wide costs 1.02 plain rounds: drafting pays at the prior, and a miss makes a
+    # row plain for a few rounds (then it is asked again, late)
+    window = seeded([1, 1.02, 1.6, 1.8, 2.0], prior=0.5, margin=1.0)
+    spec = sp.start(
+        llama,
+        prompts,
+        drafter=Lookup(min_ngram=1),
+        num_draft=3,
+        window=window,
+        sampling=sampling,
+        seeds=[1, 2, 3],
+    )
+    rounds = []
+    got, spec = pipelined(llama, spec, 12, Lookup(min_ngram=1), rounds)
+    want = plain(llama, prompts, 12)
+    assert got[0] == want[0] and got[2] == want[2]
+    assert any(any(d) for d, _ in late)  # late drafts were found
+    assert sum(sum(r.accepted) for r in rounds) > 0
 
 
 @pytest.mark.parametrize("use_model", [False, True])
