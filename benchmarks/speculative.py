@@ -188,6 +188,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
         batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
     drafted = accepted = rounds = plain = 0
     made = [1] * len(prompts)  # tokens per row so far (the first came with the prefill)
+    row_drafts, row_done = [0] * len(prompts), [0] * len(prompts)  # per row (--rows)
     t0, last = time.perf_counter(), None
     while min(made) < T:
         # pipelined as plain_run: the round handed to the device, then the one before
@@ -196,6 +197,10 @@ def spec_run(model, prompts, T, drafter, k, window=None):
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
+        for b, n in enumerate(made):  # per row: rounds it drafted in, rounds to T
+            if n < T:
+                row_drafts[b] += r.drafted[b] > 0
+                row_done[b] += 1
         made = [n + 1 + a for n, a in zip(made, r.accepted)]  # a row emits 1 + accepted
         drafted, accepted, rounds = drafted + sum(r.drafted), accepted + sum(r.accepted), rounds + 1
         plain += r.width == 1
@@ -206,7 +211,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     if window is not None:
         WINDOWS[window] = sp.recorded(batch)  # with its last plain round
     out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
-    return dt, out, (drafted, accepted, rounds, plain)
+    return dt, out, (drafted, accepted, rounds, plain, tuple(zip(row_drafts, row_done)))
 
 
 def _finish(out, rows, made, T, ctx, queue):
@@ -419,6 +424,31 @@ def show_windows(kind, B, k):
         )
 
 
+def show_rows(kind, B, T, plain_s, rows_seen):
+    """Where a fixed batch's ratio comes from: ``x plain = (plain rounds / rounds) x
+    (plain round / round)``. A run takes as many rounds as its slowest row needs;
+    per row, the share of its rounds (until it has ``T`` tokens) in which it drafted
+    and its tokens per round. Medians over the timed runs; the plain loop takes
+    ``T - 1`` rounds (the first token comes with the prefill)."""
+    for m, runs in rows_seen.items():
+        rounds = [max(n for _, n in rows) for _, rows in runs]
+        per_round = [s / n for (s, _), n in zip(runs, rounds)]
+        plain_round = plain_s / (T - 1)
+        tried = [sum(rows[b][0] for _, rows in runs) for b in range(B)]
+        took = [max(1, sum(rows[b][1] for _, rows in runs)) for b in range(B)]
+        drafted = [f"{d / n:.0%}" for d, n in zip(tried, took)]
+        speed = [f"{(T - 1) * len(runs) / n:.2f}" for n in took]
+        print(
+            f"  rows {kind} B={B} {m}: rounds per run {statistics.median(rounds):.1f} "
+            f"(plain {T - 1}): rounds saved x{(T - 1) / statistics.median(rounds):.2f}; "
+            f"a round costs {statistics.median(per_round) / plain_round:.2f} plain rounds "
+            f"({statistics.median(per_round) * 1e3:.1f} ms; plain {plain_round * 1e3:.1f} ms); "
+            f"per row, rounds with a draft: {' '.join(drafted)}; tokens per round: "
+            f"{' '.join(speed)}",
+            flush=True,
+        )
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -445,6 +475,12 @@ def main(argv=None):
         help="also continuous batching over STREAM x B prompts, B > 1 rows at a time (0: off)",
     )
     ap.add_argument("--methods", nargs="*", help="run only these methods (default: all)")
+    ap.add_argument(
+        "--rows",
+        action="store_true",
+        help="per speculative method: rounds saved, a round's cost, and per row the share "
+        "of rounds with a draft and tokens per round (fixed batch)",
+    )
     ap.add_argument(
         "--compiled",
         action="store_true",
@@ -495,6 +531,7 @@ def main(argv=None):
             methods = chosen(T)
             times = {m: [] for m in methods}
             stats: dict = {}
+            rows_seen: dict = {}  # method -> [(seconds, per-row stats)] of the timed runs
             refs: dict = {}  # "plain" / "plain stream" -> its tokens this round
             for r in range(args.rounds):
                 names = list(methods) if r % 2 == 0 else list(methods)[::-1]
@@ -504,6 +541,8 @@ def main(argv=None):
                     times[m].append(dt)
                     if st is not None:  # summed over the timed runs
                         stats[m] = tuple(a + b for a, b in zip(stats.get(m, (0,) * 4), st))
+                        if len(st) > 4:  # per row: (rounds drafted in, rounds to T)
+                            rows_seen.setdefault(m, []).append((dt, st[4]))
                     what = "plain stream" if m.endswith("stream") else "plain"
                     ref = refs.get(what)
                     if m == what:
@@ -530,6 +569,8 @@ def main(argv=None):
                     f"{spread(ratios)} | {acc} | {per_round} | {plain_share}",
                     flush=True,
                 )
+            if args.rows and "plain" in times:
+                show_rows(kind, B, T, statistics.median(times["plain"]), rows_seen)
             show_windows(kind, B, k)  # printed as it goes: a cut run keeps what it had
     return 1 if bad else 0
 
