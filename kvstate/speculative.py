@@ -461,9 +461,12 @@ def _propose_late(rows: _Context, drafter: Lookup, asked: Sequence[int]) -> tupl
     return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
 
 
-def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple) -> list:
+def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple, tail: int = 1) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
-    tokens) in one block forward, right-padded, the pad rolled back.
+    tokens) in one block forward, right-padded, the pad rolled back. ``context``:
+    each row's tokens but its last ``tail`` (1: the context; 0: the context less its
+    last token, a pipelined round's still unread: the records never hold that token
+    before the round, it is the first draft step's input, so it need not be read).
 
     The block is ``[B, bucket(max lag)]`` (the power of two at or above the
     longest lag), not ``[B, max lag]``: every new block shape is a new kernel
@@ -480,7 +483,7 @@ def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple) -> list:
         return states
     L = bucket(max(lag))
     block = mx.array(
-        [list(c[len(c) - 1 - n : len(c) - 1]) + [0] * (L - n) for c, n in zip(context, lag)],
+        [list(c[len(c) - tail - n : len(c) - tail]) + [0] * (L - n) for c, n in zip(context, lag)],
         dtype=mx.uint32,
     )
     cp = ops.checkpoint(states)
@@ -650,11 +653,10 @@ def step(
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
     asked = _asked(spec, drafter, rule, alphas)
-    late = last is not None and isinstance(drafter, Lookup)  # lookup one round late
-    if last is not None and any(asked) and not late:  # the draft model reads the rows
-        rows = rows.rows()
-        t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
-        rule, unrecorded = _record_read(rule, unrecorded)
+    # The last round unread (pipelined): the round is built from what the host knows,
+    # the rows' contexts less that round's token (still on the device), and reads it
+    # once the verify is handed over; a round that ends plain reads nothing.
+    late = last is not None
     Kmax = max(asked) if is_model else 0
     params = sampling_arrays(batch) if sampled else None
 
@@ -665,7 +667,8 @@ def step(
     if draft_model is not None and Kmax:
         if sampled:
             round_keys, carry = _round_keys(batch.keys, Kmax)
-        dstates = _catch_up(draft_model, spec, cast(tuple, rows))
+        known = cast(_Context, rows).before if late else rows  # late: less its last token
+        dstates = _catch_up(draft_model, spec, cast(tuple, known), 0 if late else 1)
         anchors = [ops.anchor(s) for s in dstates]
         drafts_dev, q, dstates = _propose_model(
             spec, draft_model, dstates, Kmax, params, round_keys, sampled
@@ -698,19 +701,18 @@ def step(
         window = mx.concatenate([window, mx.zeros((B, width - 1 - K), mx.uint32)], axis=1)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
-    if K and guess is not None:  # a late lookup drafted: the verify to the device, then
-        # the last round read (it ran while this round was built); a row whose guess of
-        # its last token was wrong drafted nothing (its drafts ride as pad, rolled back)
-        assert last is not None  # late: the last round was unread
+    if K and last is not None:  # drafted late: the verify to the device, then the last
+        # round read (it ran while this round was built)
         mx.async_eval(logits)
         rows = cast(_Context, rows).rows()
         t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
         rule, unrecorded = _record_read(rule, unrecorded)
-        assert host is not None  # lookup drafts: on the host
-        hit = [g == c[-1] for g, c in zip(guess, rows)]
-        host = [d if h else [] for d, h in zip(host, hit)]
-        found = tuple(f if h else 0 for f, h in zip(found, hit))
-        counts = tuple(len(d) for d in host)
+        if guess is not None:  # a row whose lookup guessed its last token wrong drafted
+            assert host is not None  # nothing (its drafts ride as pad, rolled back)
+            hit = [g == c[-1] for g, c in zip(guess, rows)]
+            host = [d if h else [] for d, h in zip(host, hit)]
+            found = tuple(f if h else 0 for f, h in zip(found, hit))
+            counts = tuple(len(d) for d in host)
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         # as a plain decode step makes them: greedy rows only: the argmax, keys
         # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)

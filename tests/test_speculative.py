@@ -708,22 +708,82 @@ def test_asked_rounds_that_end_plain_never_wait(llama, monkeypatch):
     assert plain_rounds == 8 and len(asked) == 8 * 3  # every row asked every round
 
 
+@pytest.mark.parametrize("use_model", [False, True])
+def test_a_drafting_round_after_an_unread_plain_round_builds_before_reading(
+    llama, monkeypatch, use_model
+):
+    """A round that drafts after an unread (pipelined) plain round builds its verify
+    forward from what the host knows (lookup: the context less the unread token; the
+    draft model: its catch-up never needs that token) and reads the plain round only
+    then, so the host's graph building overlaps the device's plain round. Tokens stay
+    the plain loop's. On the old code the round read the rows first (a sync before
+    anything was built)."""
+    prompts = [repetitive(91, 12, 3), repetitive(92, 9, 2), repetitive(93, 14, 4)]
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    want = plain(llama, prompts, 6)
+    never = sp.Window(samples=1, discard=0, margin=float("inf"))
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=3, window=never)
+    spec, first = sp.step(llama, spec, drafter=drafter)  # plain (the rule never widens)
+    assert first.width == 1
+    spec = attrs.evolve(spec, window=seeded([1] * 4, margin=1.0))  # now drafting pays
+    if not use_model:  # some draft found for every row (its guess mostly wrong)
+        monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k)
+    syncs, at_forward = [], []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: syncs.append(1) or real_eval(*a))
+
+    def forward(tokens, states):
+        at_forward.append((tokens.shape[1], len(syncs)))
+        return br.forward(llama, tokens, states)
+
+    spec, r = sp.step(llama, spec, drafter=drafter, forward=forward)
+    assert r.width > 1 and at_forward == [(r.width, 0)]  # built before any read
+    assert syncs and first._emitted.read  # the plain round was read after it
+    got = [list(c[len(p) :]) for c, p in zip(spec.context, prompts)]
+    assert all(g == w[: len(g)] for g, w in zip(got, want))
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     prompts=prompt_sets,
     k=st.integers(1, 4),
     ratios=st.lists(st.floats(1.0, 2.0), min_size=4, max_size=4),
     prior=st.floats(0.05, 0.95),
+    use_model=st.booleans(),
 )
-def test_late_lookup_drafts_are_exact(llama, prompts, k, ratios, prior):
+def test_late_drafts_are_exact(llama, prompts, k, ratios, prior, use_model):
     """A pipelined caller (each round handed over before the one before it is read):
-    lookup after a plain round drafts from the context less its unread last token
-    (one round late), its guess of that token checked once read; whatever the rule
-    chooses, the tokens are the plain loop's, row by row."""
+    a round after an unread plain round drafts from what the host knows (lookup: the
+    context less its unread last token, one round late, its guess of that token
+    checked once read; the draft model: caught up without that token); whatever the
+    rule chooses, the tokens are the plain loop's, row by row."""
+    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
     window = seeded([1.0, *ratios], prior=prior, margin=1.0)
-    spec = sp.start(llama, prompts, drafter=Lookup(min_ngram=1), num_draft=k, window=window)
-    got, _ = pipelined(llama, spec, 10, Lookup(min_ngram=1))
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
+    got, _ = pipelined(llama, spec, 10, drafter)
     assert got == plain(llama, prompts, 10)
+
+
+@pytest.mark.parametrize("draft", ["lookup", "rings"])
+def test_late_drafts_are_exact_on_gemma3_rings(gemma, monkeypatch, draft):
+    """The pipelined loop on gemma3 (sliding layers: rings of 8, wrapped): rounds that
+    draft after an unread plain round (lookup one round late; the draft model caught
+    up without the unread token, its rings by commit) give the plain loop's tokens."""
+    prompts = [repetitive(94, 13, 3), repetitive(95, 6, 2), repetitive(96, 10, 4)]
+    drafter = DraftModel(truncated(gemma, 2)) if draft == "rings" else Lookup(min_ngram=1)
+    late = []
+    name = "_propose_late" if draft == "lookup" else "_catch_up"
+    real = getattr(sp, name)
+
+    def spy(*a):
+        late.append(draft == "lookup" or a[-1] == 0)  # _catch_up's tail 0: late
+        return real(*a)
+
+    monkeypatch.setattr(sp, name, spy)
+    window = seeded([1, 1.2, 1.4, 1.6], prior=0.3, margin=1.0)  # misses make rows plain
+    spec = sp.start(gemma, prompts, drafter=drafter, num_draft=3, window=window)
+    got, _ = pipelined(gemma, spec, 12, drafter)
+    assert got == plain(gemma, prompts, 12) and any(late)
 
 
 def test_late_lookup_drafts_after_plain_rounds(llama, monkeypatch):
