@@ -29,6 +29,8 @@ without its compute; prompts of ``--prompt-tokens`` tokens, repeating.
     python benchmarks/speculative_host.py --tiny --batch 8 --rounds 60 --repeat 3 \
         --plain-only --pipelined
     python benchmarks/speculative_host.py --tiny --batch 8 --rounds 40 --phases
+    python benchmarks/speculative_host.py --tiny --batch 8 --rounds 60 --repeat 3 \
+        --plain-only --pipelined --asked
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import argparse
 import collections
 import cProfile
 import pstats
+import random
 import statistics
 import time
 import types
@@ -271,6 +274,12 @@ def main(argv=None):
     ap.add_argument(
         "--probe-only", action="store_true", help="only --forward-widths and --linear-rows"
     )
+    ap.add_argument(
+        "--asked",
+        action="store_true",
+        help="also pipelined rounds whose rule asks every row for lookup drafts that are "
+        "not found (prompts of distinct trigrams, Lookup(min_ngram=3)): each ends plain",
+    )
     ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
@@ -323,6 +332,11 @@ def main(argv=None):
     rounds_spec(model, prompts, 3, None)
     rounds_spec(model, prompts, 3, never, pipelined=True)
     print("warm", flush=True)
+    unmatched = [random.Random(b).sample(range(1, 500), len(p)) for b, p in enumerate(prompts)]
+    drafter = DRAFTER[0]
+    if args.asked:  # distinct tokens: no trigram repeats, so lookup finds nothing
+        DRAFTER[0] = Lookup(min_ngram=3)
+        rounds_spec(model, unmatched, 3, fixed(args.batch, 5), pipelined=True)
     for _ in range(args.repeat):  # interleaved: load drifts hit both alike
         show("plain step", rounds_plain(model, prompts, args.rounds))
         show("plain round (step, W = 1)", rounds_spec(model, prompts, args.rounds, never))
@@ -332,6 +346,16 @@ def main(argv=None):
                 "plain round, pipelined",
                 rounds_spec(model, prompts, args.rounds, never, pipelined=True),
             )
+        if args.asked:  # every row asked for a draft every round, none found
+            show(
+                "plain step, pipelined (unmatched prompts)",
+                rounds_plain(model, unmatched, args.rounds, True),
+            )
+            show(
+                "asked round, none found, pipelined",
+                rounds_spec(model, unmatched, args.rounds, fixed(args.batch, 5), pipelined=True),
+            )
+    DRAFTER[0] = drafter
     if args.plain_only:
         return
     forward = instrument(model) if args.phases else None
