@@ -38,15 +38,21 @@ class Lookup:
     Attributes:
         max_ngram: longest suffix searched for.
         min_ngram: shortest suffix searched for (>= 1).
+        ride_ngram: shortest suffix searched for a row with no draft of its own in a
+            round that verifies a wider window anyway (its columns are paid for: a
+            weaker match costs nothing there); ``min_ngram``: no such rows.
     """
 
     max_ngram: int = 3
     min_ngram: int = 2
+    ride_ngram: int = 1
 
     def __attrs_post_init__(self):
         lo, hi = as_int(self.min_ngram, "min_ngram"), as_int(self.max_ngram, "max_ngram")
+        ride = as_int(self.ride_ngram, "ride_ngram")
         check(lo >= 1, "min_ngram", ">= 1", lo)
         check(hi >= lo, "max_ngram", f">= min_ngram={lo}", hi)
+        check(1 <= ride <= lo, "ride_ngram", f"in [1, min_ngram={lo}]", ride)
 
 
 @attrs.frozen

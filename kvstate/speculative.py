@@ -443,21 +443,50 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
     return max(k - 1, 1)
 
 
-def _propose_lookup(context: tuple, drafter: Lookup, asked: Sequence[int]) -> list:
+def _width(rule: Window | None, B: int, K: int, widest: int) -> int:
+    """The verify window of a round whose longest draft is ``K``: ``1 + K``, or wider
+    where the rule measured a wider width cheaper (``Window.pad``)."""
+    return 1 + K if rule is None or K == 0 else rule.pad(B, 1 + K, widest)
+
+
+def _propose_lookup(
+    context: tuple, drafter: Lookup, asked: Sequence[int], min_ngram: int | None = None
+) -> list:
+    lo = drafter.min_ngram if min_ngram is None else min_ngram
     return [
-        lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=drafter.min_ngram) if k else []
+        lookup(c, k, max_ngram=drafter.max_ngram, min_ngram=lo) if k else []
         for c, k in zip(context, asked)
     ]
 
 
-def _propose_late(rows: _Context, drafter: Lookup, asked: Sequence[int]) -> tuple:
+def _ride(rows, late: bool, drafter: Lookup, ride: list, host: list, guess: list | None) -> tuple:
+    """Rows riding in a round's paid columns: each row with ``ride[b] > 0`` (no draft
+    of its own) takes up to that many tokens from a lookup down to ``ride_ngram``
+    (a shorter, weaker match: it costs nothing where the window is wide anyway).
+    Returns ``(host, guess, riders)``: the drafts, the late guesses (``None`` when not
+    late) and per row whether it rides."""
+    if late:
+        extra, more = _propose_late(rows, drafter, ride, drafter.ride_ngram)
+        base = guess if guess is not None else [None] * len(host)
+        guess = [m if r else g for g, m, r in zip(base, more, ride)]
+    else:
+        extra = _propose_lookup(rows, drafter, ride, drafter.ride_ngram)
+    host = [e if r else d for d, e, r in zip(host, extra, ride)]
+    return host, guess, tuple(bool(r and e) for e, r in zip(extra, ride))
+
+
+def _propose_late(
+    rows: _Context, drafter: Lookup, asked: Sequence[int], min_ngram: int | None = None
+) -> tuple:
     """Lookup one round late: ``(drafts, guesses)`` from each row's context less its
     last token (a pipelined plain round's, still on the device: nothing is read).
     A row's lookup of ``k + 1`` tokens guesses that last token (its first) and
     drafts the ``k`` after it; the drafts count only where the guess was right,
     which ``step`` checks once it has read the token (the verify is built by then).
     A row with no guess (a lookup of fewer than two tokens) drafts nothing."""
-    found = _propose_lookup(cast(tuple, rows.before), drafter, [k + 1 if k else 0 for k in asked])
+    found = _propose_lookup(
+        cast(tuple, rows.before), drafter, [k + 1 if k else 0 for k in asked], min_ngram
+    )
     return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
 
 
@@ -663,6 +692,8 @@ def step(
     q = round_keys = None
     host: list | None = None
     guess: list | None = None  # a late lookup's guess of each row's unread last token
+    riders: tuple = (False,) * B  # rows whose drafts ride in paid columns (Lookup.ride_ngram)
+    width: int | None = None
     carry = batch.keys  # greedy rows: nothing draws from the keys
     if draft_model is not None and Kmax:
         if sampled:
@@ -685,13 +716,20 @@ def step(
         if rule is not None and any(found):  # the width for the drafts at hand
             host = [d[: rule.choose(B, alphas, found, widest) - 1] for d in host]
         counts = tuple(len(d) for d in host)
+        width = _width(rule, B, max(counts), widest)
+        if width > 1 and isinstance(drafter, Lookup) and drafter.ride_ngram < drafter.min_ngram:
+            # the round's columns are paid: rows without a draft take a shorter match's
+            ride = [width - 1 if a and not c else 0 for a, c in zip(asked, counts)]
+            if any(ride):
+                host, guess, riders = _ride(rows, late, drafter, ride, host, guess)
+                counts = tuple(len(d) for d in host)
         K = max(counts)
         if sampled and K:
             round_keys, carry = _round_keys(batch.keys, 0)
         drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
     K = max(counts)
-    # the window may run wider than the longest draft where that measured cheaper
-    width = 1 + K if rule is None or K == 0 else rule.pad(B, 1 + K, widest)
+    if width is None:  # (the draft model's): wider than its drafts where that measured cheaper
+        width = _width(rule, B, K, widest)
 
     window = batch.tokens[:, None].astype(mx.uint32)
     if K:  # pads past counts
@@ -761,9 +799,9 @@ def step(
             for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
         )
     else:
-        seen = tuple(
-            rule.observe(x, c, a, k > 0 and f == 0)
-            for x, c, a, k, f in zip(spec.seen, counts, accepted, asked, found)
+        seen = tuple(  # a rider's draft is no evidence on the row's own drafts
+            rule.observe(x, 0 if r else c, 0 if r else a, k > 0 and f == 0)
+            for x, c, a, k, f, r in zip(spec.seen, counts, accepted, asked, found, riders)
         )
     if pending.dtype != mx.uint32:
         pending = pending.astype(mx.uint32)

@@ -743,6 +743,41 @@ def test_a_drafting_round_after_an_unread_plain_round_builds_before_reading(
     assert all(g == w[: len(g)] for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_rows_without_a_draft_ride_in_a_wide_round(llama, monkeypatch, late):
+    """A round wide for one row's draft: a row whose lookup found nothing at
+    ``min_ngram`` takes a shorter match's tokens (``ride_ngram``) into the columns
+    already paid for; its acceptance evidence is as if it drafted nothing (a missing
+    draft), and the tokens stay the plain loop's (read each round, or pipelined: the
+    late lookup's guess checked)."""
+    prompts = [repetitive(97, 12, 3), repetitive(98, 9, 2)]
+    calls = []
+    real = sp.lookup
+
+    def fake(c, k, *, max_ngram, min_ngram):  # row 0 (12-token prompt) drafts, row 1 rides
+        calls.append(min_ngram)
+        row0 = tuple(c[:12]) == tuple(prompts[0])
+        return real(c, k, max_ngram=max_ngram, min_ngram=1) if row0 or min_ngram == 1 else []
+
+    monkeypatch.setattr(sp, "lookup", fake)
+    drafter = Lookup()  # min_ngram 2, ride_ngram 1
+    window = seeded([1, 1, 1, 1], margin=1.0)
+    spec = sp.start(llama, prompts, drafter=drafter, num_draft=3, window=window)
+    want = plain(llama, prompts, 8)
+    if late:
+        got, spec = pipelined(llama, spec, 8, drafter)
+        assert got == want and 1 in calls
+        return
+    rode = 0
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 9:
+        before = spec.seen[1]
+        spec, r = sp.step(llama, spec, drafter=drafter)
+        if r.width > 1 and r.drafted[1]:  # row 1 rode
+            rode += 1
+            assert spec.seen[1] == spec.window.observe(before, 0, 0, True)
+    assert rode and [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)] == want
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     prompts=prompt_sets,
@@ -750,14 +785,16 @@ def test_a_drafting_round_after_an_unread_plain_round_builds_before_reading(
     ratios=st.lists(st.floats(1.0, 2.0), min_size=4, max_size=4),
     prior=st.floats(0.05, 0.95),
     use_model=st.booleans(),
+    lookup_with=st.sampled_from([Lookup(min_ngram=1), Lookup(), Lookup(max_ngram=4, min_ngram=3)]),
 )
-def test_late_drafts_are_exact(llama, prompts, k, ratios, prior, use_model):
+def test_late_drafts_are_exact(llama, prompts, k, ratios, prior, use_model, lookup_with):
     """A pipelined caller (each round handed over before the one before it is read):
     a round after an unread plain round drafts from what the host knows (lookup: the
     context less its unread last token, one round late, its guess of that token
-    checked once read; the draft model: caught up without that token); whatever the
-    rule chooses, the tokens are the plain loop's, row by row."""
-    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    checked once read; the draft model: caught up without that token; rows without a
+    draft riding with a shorter match, ``Lookup.ride_ngram``); whatever the rule
+    chooses, the tokens are the plain loop's, row by row."""
+    drafter = DraftModel(truncated(llama, 1)) if use_model else lookup_with
     window = seeded([1.0, *ratios], prior=prior, margin=1.0)
     spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
     got, _ = pipelined(llama, spec, 10, drafter)
@@ -1141,6 +1178,10 @@ def test_bad_arguments_are_refused(llama):
         sp.step(llama, spec, drafter=DraftModel(truncated(llama, 1)))
     with pytest.raises(kv.KVStateError, match="min_ngram"):
         Lookup(min_ngram=0)
+    with pytest.raises(kv.KVStateError, match="ride_ngram"):
+        Lookup(min_ngram=2, ride_ngram=3)
+    with pytest.raises(kv.KVStateError, match="ride_ngram"):
+        Lookup(ride_ngram=0)
     with pytest.raises(kv.KVStateError, match="rows"):
         sp.leave(spec, [3])
 
