@@ -589,6 +589,24 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
     return rule, rounds[n:]
 
 
+def _late_start(rule: Window | None, unrecorded: tuple, last: _Read, t0: float) -> tuple:
+    """``(start, rule, unrecorded)`` for a round that drafted late: built while the
+    device ran the plain round ``last``, which it read only after (``last.done``).
+
+    ``last``'s interval then holds this round's graph building, so it is no plain
+    round's sample: it is not recorded. This round is charged what the two cost
+    together less a plain round's median (what ``last`` would have cost in a plain
+    pipeline): it starts that long after ``last``'s interval began. Without a
+    plain median yet, ``last`` is recorded as read and this round timed from that
+    read, as a round that read the rows first."""
+    plain = rule.measured(last.B, 1) if rule is not None else None
+    if plain is None:
+        rule, unrecorded = _record_read(rule, unrecorded)
+        return max(t0, last.done), rule, unrecorded
+    rule, rest = _record_read(rule, tuple(r for r in unrecorded if r is not last))
+    return last.done - last.seconds + plain, rule, rest
+
+
 def _settled(spec: Speculation) -> tuple:
     """``(context, last)`` at a round's start, without waiting for the last round:
     a plain round two rounds back is read now (if nothing read it: at most one
@@ -743,8 +761,8 @@ def step(
         # round read (it ran while this round was built)
         mx.async_eval(logits)
         rows = cast(_Context, rows).rows()
-        t0, last = max(t0, last.done), None  # timed from that read (rounds overlapped)
-        rule, unrecorded = _record_read(rule, unrecorded)
+        t0, rule, unrecorded = _late_start(rule, unrecorded, last, t0)
+        last = None
         if guess is not None:  # a row whose lookup guessed its last token wrong drafted
             assert host is not None  # nothing (its drafts ride as pad, rolled back)
             hit = [g == c[-1] for g, c in zip(guess, rows)]
@@ -820,7 +838,7 @@ def step(
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
         if rule is not None:
-            rule = rule.record(B, width, time.perf_counter() - t0)
+            rule = rule.record(B, width, max(0.0, time.perf_counter() - t0))
     new = derived(
         spec,
         batch=batch,

@@ -621,6 +621,36 @@ def test_overlapped_plain_rounds_are_charged_the_time_between_reads(llama, monke
     assert sp.recorded(spec).costs[(2, 1)].seconds == (2.0, 0.5, 2.0, 1.0, 0.0)
 
 
+def test_a_late_drafting_round_is_charged_beyond_a_plain_rounds_median(llama, monkeypatch):
+    """A fake clock. A round that drafts late is built while the device runs the unread
+    plain round before it, and reads that round only after: the plain round's interval
+    then holds the drafting round's graph building, so it is not recorded as a plain
+    sample (on the old accounting it was, and the drafting round looked cheap: the
+    H200's draft-model rule then drafted nearly every round). The drafting round is
+    charged the two rounds' time less the plain median."""
+    now = [10.0]
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    found = [False]
+    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k if found[0] else [])
+    window = seeded([1.0, 1.0, 1.0, 1.0], batch_sizes=(2,), margin=1.0)
+    prompts = [repetitive(58, 9, 3), repetitive(59, 8, 2)]
+    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+    spec, plain_round = sp.step(llama, spec, drafter=Lookup())  # plain: nothing found
+    assert plain_round.width == 1
+    found[0] = True
+    now[0] = 11.0  # the drafting round starts; its verify is built by 12.5
+
+    def forward(tokens, states):
+        now[0] = 12.5
+        return br.forward(llama, tokens, states)
+
+    spec, r = sp.step(llama, spec, drafter=Lookup(), forward=forward)
+    assert r.width > 1 and plain_round.emitted  # read inside the drafting round
+    costs = spec.window.costs
+    assert costs[(2, 1)].uses == 60  # the seeded samples only: the plain round not recorded
+    assert costs[(2, r.width)].seconds[-1] == pytest.approx(12.5 - 10.0 - 1.0)
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
 def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
     """A caller that builds round n + 1 before reading round n (as a plain decode
