@@ -450,27 +450,39 @@ def seeded(ratios, batch_sizes=(1, 2, 3, 4), n=60, **kw):
     return sp.Window(costs=costs, keep=2 * n, **kw)
 
 
-@settings(max_examples=6)
+@settings(max_examples=10, deadline=None)
 @given(
     prompts=prompt_sets,
     k=st.integers(1, 4),
     ratios=st.lists(st.floats(1.0, 3.0), min_size=4, max_size=4),
     prior=st.floats(0.05, 0.95),
     use_model=st.booleans(),
+    lookup_with=st.sampled_from([Lookup(min_ngram=1), Lookup(), Lookup(max_ngram=4, min_ngram=3)]),
+    pipelined_caller=st.booleans(),
 )
-def test_window_choice_never_changes_tokens(llama, prompts, k, ratios, prior, use_model):
+def test_window_choice_never_changes_tokens(
+    llama, prompts, k, ratios, prior, use_model, lookup_with, pipelined_caller
+):
     """Whatever widths the rule picks (costs and priors drawn at random, plain
-    rounds between drafting ones, the draft model catching up after them), the
-    tokens are the plain loop's, row by row."""
-    drafter = DraftModel(truncated(llama, 1)) if use_model else Lookup(min_ngram=1)
+    rounds between drafting ones, the draft model catching up after them, rows
+    without a draft riding with a shorter match, ``Lookup.ride_ngram``), the tokens
+    are the plain loop's, row by row; read each round, or by a pipelined caller (each
+    round handed over before the one before it is read), where a round after an
+    unread plain round drafts from what the host knows (lookup one round late, its
+    guess of the unread token checked once read; the draft model caught up without
+    that token)."""
+    drafter = DraftModel(truncated(llama, 1)) if use_model else lookup_with
     window = seeded([1.0, *ratios], prior=prior, margin=1.0)
     spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
-    rounds = []
-    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 11:
-        spec, r = sp.step(llama, spec, drafter=drafter)
-        rounds.append(r)
-        assert all(d <= r.width - 1 for d in r.drafted)
-    got = [list(c[len(p) : len(p) + 11]) for c, p in zip(spec.context, prompts)]
+    rounds: list = []
+    if pipelined_caller:
+        got, _ = pipelined(llama, spec, 10, drafter, rounds)
+    else:
+        while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 11:
+            spec, r = sp.step(llama, spec, drafter=drafter)
+            rounds.append(r)
+        got = [list(c[len(p) : len(p) + 11]) for c, p in zip(spec.context, prompts)]
+    assert all(d <= r.width - 1 for r in rounds for d in r.drafted)
     assert got == plain(llama, prompts, 10)
 
 
@@ -806,29 +818,6 @@ def test_rows_without_a_draft_ride_in_a_wide_round(llama, monkeypatch, late):
             rode += 1
             assert spec.seen[1] == spec.window.observe(before, 0, 0, True)
     assert rode and [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)] == want
-
-
-@settings(max_examples=6, deadline=None)
-@given(
-    prompts=prompt_sets,
-    k=st.integers(1, 4),
-    ratios=st.lists(st.floats(1.0, 2.0), min_size=4, max_size=4),
-    prior=st.floats(0.05, 0.95),
-    use_model=st.booleans(),
-    lookup_with=st.sampled_from([Lookup(min_ngram=1), Lookup(), Lookup(max_ngram=4, min_ngram=3)]),
-)
-def test_late_drafts_are_exact(llama, prompts, k, ratios, prior, use_model, lookup_with):
-    """A pipelined caller (each round handed over before the one before it is read):
-    a round after an unread plain round drafts from what the host knows (lookup: the
-    context less its unread last token, one round late, its guess of that token
-    checked once read; the draft model: caught up without that token; rows without a
-    draft riding with a shorter match, ``Lookup.ride_ngram``); whatever the rule
-    chooses, the tokens are the plain loop's, row by row."""
-    drafter = DraftModel(truncated(llama, 1)) if use_model else lookup_with
-    window = seeded([1.0, *ratios], prior=prior, margin=1.0)
-    spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
-    got, _ = pipelined(llama, spec, 10, drafter)
-    assert got == plain(llama, prompts, 10)
 
 
 @pytest.mark.parametrize("draft", ["lookup", "rings"])
