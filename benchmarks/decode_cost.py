@@ -66,8 +66,10 @@ def graph_counts(*arrays) -> dict:
 
 
 def timed_steps(runs, warmup, steps, rounds, sync_rounds):
-    """Per name: pipelined wall, host and synced ms/step (lists over rounds)."""
-    out = {n: dict(wall=[], host=[], call=[], sync=[]) for n in runs}
+    """Per name: pipelined wall, host and synced ms/step, and the pipelined rounds'
+    peak memory over their start in MB (lists over rounds): about a plane pair per
+    layer in flight when the writes copy, ~0 in place."""
+    out = {n: dict(wall=[], host=[], call=[], sync=[], extra_mb=[]) for n in runs}
     for r in runs.values():
         r[1], r[2] = suite.run_steps(r[0], warmup, r[1], r[2])
 
@@ -75,6 +77,9 @@ def timed_steps(runs, warmup, steps, rounds, sync_rounds):
         host = call = 0.0
         tok, st = r[1], r[2]
         r[2] = None  # (held here, the first step's planes could not be written in place)
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
         for _ in range(steps):
             h0 = time.perf_counter()
@@ -86,14 +91,16 @@ def timed_steps(runs, warmup, steps, rounds, sync_rounds):
         mx.eval(tok)
         r[1], r[2] = tok, st
         wall = (time.perf_counter() - t0) / steps * 1e3
-        return wall, host / steps * 1e3, call / steps * 1e3
+        extra = (mx.get_peak_memory() - base) / 1e6
+        return wall, host / steps * 1e3, call / steps * 1e3, extra
 
     for _ in range(rounds):
         for name, r in runs.items():
-            wall, host, call = one(r, False)
+            wall, host, call, extra = one(r, False)
             out[name]["wall"].append(wall)
             out[name]["host"].append(host)
             out[name]["call"].append(call)
+            out[name]["extra_mb"].append(extra)
     for _ in range(sync_rounds):
         for name, r in runs.items():
             out[name]["sync"].append(one(r, True)[0])
@@ -179,10 +186,21 @@ def step_part(model, args, dtype):
         mx.eval(r[1], r[2])
     t = timed_steps(runs, args.warmup, args.steps, args.rounds, args.sync_rounds)
     print(f"step B={B} ctx={ctx} {layout}: ms/step median [min-max] of {args.rounds} rounds")
-    print(f"  {'variant':<56} {'wall':>18} {'host':>18} {'call':>18} {'sync':>18} prims")
+    print(
+        f"  {'variant':<56} {'wall':>18} {'host':>18} {'call':>18} {'sync':>18}"
+        " prims  extra MB (peak over start, max of rounds)"
+    )
     for name, d in t.items():
-        cols = [f"{statistics.median(x):6.3f} [{min(x):.2f}-{max(x):.2f}]" for x in d.values() if x]
-        print(f"  {name:<56} " + " ".join(f"{c:>18}" for c in cols), sum(counts[name].values()))
+        cols = [
+            f"{statistics.median(x):6.3f} [{min(x):.2f}-{max(x):.2f}]"
+            for k, x in d.items()
+            if x and k != "extra_mb"
+        ]
+        print(
+            f"  {name:<56} " + " ".join(f"{c:>18}" for c in cols),
+            sum(counts[name].values()),
+            f"{max(d['extra_mb']):9.1f}",
+        )
     return dict(times=t, counts=counts)
 
 
@@ -500,7 +518,10 @@ def main(argv=None):
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     dtype = getattr(mx, args.dtype)
-    print(f"mlx {mx.__version__} on {mx.default_device()}; {args.model} {dtype}", flush=True)
+    limits = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")}
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}; {args.model} {dtype}; {limits}", flush=True
+    )
     model = suite.build_model(args.model, dtype)
     part = dict(step=step_part, read=read_part, write=write_part)[args.part]
     res = part(model, args, dtype)
