@@ -149,6 +149,8 @@ def step_part(model, args, dtype):
     if args.step_prefetch:
         variants["kernel, fused write, prefetch"] = {**fused, (kernels, "PREFETCH"): True}
         variants["kernel, scatter writes, prefetch"] = {**scatter, (kernels, "PREFETCH"): True}
+    for u in args.step_unroll:
+        variants[f"kernel, fused write, unroll {u}"] = {**fused, (kernels, "UNROLL"): u}
     for S in args.step_splits:
         variants[f"kernel, fused write, splits {S}"] = {**fused, **split(S)}
         variants[f"kernel, no write, splits {S}"] = {**scatter, **no_write, **split(S)}
@@ -500,6 +502,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--step-splits", type=ints, default=[])
+    p.add_argument("--step-unroll", type=ints, default=[], help="step variants with UNROLL")
     p.add_argument("--step-prefetch", action="store_true", help="step variants with PREFETCH")
     p.add_argument("--only", help="only these step variants (names as printed, ';'-separated)")
     p.add_argument("--layers", type=int, default=16)
