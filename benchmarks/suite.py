@@ -555,7 +555,15 @@ def main(argv=None):
 
     device = str(mx.default_device())
     machine = platform.machine() + " " + platform.node()
-    print(f"mlx {mx.__version__} on {device}; model {model_name} {dtype}")
+    limits = {
+        k: os.environ[k]
+        for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
+        if k in os.environ
+    }
+    print(
+        f"mlx {mx.__version__} on {device}; model {model_name} {dtype}; "
+        f"MLX batch limits set: {limits}"
+    )
     t0 = time.perf_counter()
     model = build_model(model_name, dtype)
     wbytes = weight_bytes(model)

@@ -420,6 +420,11 @@ SINGLE_ROWS = 128
 SINGLE_SPAN = 2560
 #: Fewest columns a split reads (below this the merge costs more than the split saves).
 MIN_SPLIT = 64
+#: Most splits per (row, KV head, query). Measured on the H200 (``notes/gpu.md``,
+#: session 6): B=1 8K aligned whole steps, 32 splits 2.16 ms [2.15-2.22], 16 splits 2.19,
+#: 64 (the ``TARGET_BLOCKS`` count) 2.58 [2.22-2.69], one run; at 32K, 16 and 64 splits
+#: read alike (session 5: 59.7 vs 60.0 us a layer).
+MAX_SPLITS = 32
 #: Threads per block of the split pass (measured: 256 beat 128 at every shape swept).
 THREADS = 256
 #: Key-group steps loaded before any is used, dense planes (bytes in flight per thread:
@@ -453,16 +458,17 @@ def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
 
     One split (one launch, no merge) when ``B * H * N`` blocks fill the GPU
     (``SINGLE_ROWS``) or the span is short (``SINGLE_SPAN``); otherwise
-    ``B * H * N * S`` aims at ``TARGET_BLOCKS`` (so one row of 8K columns at
-    B=1 is spread over 64 splits per head), at least 2, and no split reads
-    fewer than ``MIN_SPLIT`` columns. Inside the kernel each row divides its
-    own length, so a short row's splits are short. The constants come from
-    the sweeps of ``benchmarks/kernel_sweep.py`` on the H200 (``notes/gpu.md``).
+    ``B * H * N * S`` aims at ``TARGET_BLOCKS``, at least 2, at most
+    ``MAX_SPLITS`` (so one row of 8K columns at B=1 is spread over 32 splits
+    per head), and no split reads fewer than ``MIN_SPLIT`` columns. Inside the
+    kernel each row divides its own length, so a short row's splits are short.
+    The constants come from the sweeps of ``benchmarks/kernel_sweep.py`` and
+    whole steps (``benchmarks/decode_cost.py``) on the H200 (``notes/gpu.md``).
     """
     rows = max(1, B * H * N)
     if rows >= SINGLE_ROWS or span <= SINGLE_SPAN:
         return 1
-    return max(1, min(256, max(2, TARGET_BLOCKS // rows), span // MIN_SPLIT))
+    return max(1, min(MAX_SPLITS, max(2, TARGET_BLOCKS // rows), span // MIN_SPLIT))
 
 
 def kernel_available(dtype=None) -> bool:

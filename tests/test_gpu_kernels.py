@@ -149,14 +149,6 @@ def test_kernel_reads_ring_rows(gqa, D):
     assert _rel(got, _masked(q, k, v, mask, D**-0.5)) < BF16_RTOL
 
 
-def test_splits_fill_the_gpu_at_any_batch():
-    assert kernels.splits_for(1, 8, 8448) == 64  # one long row spread over many blocks
-    assert kernels.splits_for(1, 8, 2304) == 1  # a short one: one launch (measured)
-    assert kernels.splits_for(32, 8, 8192) == 1  # B x H blocks fill the GPU (measured)
-    assert kernels.splits_for(8, 2, 33024) == 32  # TARGET_BLOCKS
-    assert kernels.splits_for(1, 1, 2600) == 40  # never a split under MIN_SPLIT columns
-
-
 def _bytes(a):
     return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
 

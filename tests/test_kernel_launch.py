@@ -110,3 +110,16 @@ def test_a_grid_past_int32_threads_is_refused_on_the_host(launches):
     with pytest.raises(KVStateError, match="rows x heads"):
         _read(*_rows(B, 1, 1, 1, C=16), 1)
     assert not launches
+
+
+def test_splits_fill_the_gpu_at_any_batch(monkeypatch):
+    """``splits_for``'s rule (host arithmetic: runs everywhere; the counts were
+    chosen from H200 measurements, ``notes/gpu.md``)."""
+    assert kernels.splits_for(1, 8, 8448) == 32  # one long row spread over many blocks
+    assert kernels.splits_for(1, 8, 33024) == kernels.MAX_SPLITS == 32  # (whole steps)
+    assert kernels.splits_for(1, 8, 2304) == 1  # a short one: one launch (measured)
+    assert kernels.splits_for(32, 8, 8192) == 1  # B x H blocks fill the GPU (measured)
+    assert kernels.splits_for(8, 2, 33024) == 32  # TARGET_BLOCKS
+    assert kernels.splits_for(8, 8, 8448) == 8  # TARGET_BLOCKS
+    monkeypatch.setattr(kernels, "SINGLE_SPAN", 0)
+    assert kernels.splits_for(1, 1, 1000) == 15  # never a split under MIN_SPLIT columns
