@@ -89,12 +89,20 @@ def dequant_attend(state, q, *, scale, window=None) -> mx.array:
     """Reference: dequantize the fetched planes, then float attention (fused
     SDPA, GQA by repeating heads) under the contract's mask."""
     keys, values = kv.fetch(state)
-    k = mx.dequantize(*keys, group_size=state.group_size, bits=state.bits)
-    v = mx.dequantize(*values, group_size=state.group_size, bits=state.bits)
+    mask = mx.array(np_rows_mask(q.shape[2], state.left_pad, state.ends, state.width, window))
+    return dequant_sdpa(
+        q, keys, values, scale=scale, mask=mask, group_size=state.group_size, bits=state.bits
+    )
+
+
+def dequant_sdpa(q, keys, values, *, scale, mask, group_size, bits) -> mx.array:
+    """Float attention of ``q`` on the dequantized ``(packed, scales, biases)``
+    triples (fused SDPA, GQA by repeating heads) under ``mask``."""
+    k = mx.dequantize(*keys, group_size=group_size, bits=bits)
+    v = mx.dequantize(*values, group_size=group_size, bits=bits)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-    mask = mx.array(np_rows_mask(q.shape[2], state.left_pad, state.ends, state.width, window))
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 

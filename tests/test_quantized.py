@@ -23,6 +23,7 @@ from _quant import (
     QuantizeCounter,
     assert_same_bytes,
     dequant_attend,
+    dequant_sdpa,
     fetched,
     mlx_qsdpa,
     np_of,
@@ -459,7 +460,8 @@ class QuantizedRows(RuleBasedStateMachine):
     tokens are ``mx.quantize``'d once, on their own, and then only ever
     concatenated or sliced. After every rule the record's row bytes equal the
     model's, and ``kv.attend`` equals mlx-lm's quantized SDPA on each model
-    row alone."""
+    row alone (where the backend has that read; else the dequantized float
+    read of the model row)."""
 
     D = 32
 
@@ -579,10 +581,14 @@ class QuantizedRows(RuleBasedStateMachine):
         n = min(2, min(s.lengths))
         q = rand(self.rng, s.batch_size, 2 * H, n, self.D)
         got = np_of(kv.attend(s, q, scale=SCALE))
+        # mlx-lm's read where this backend has it, else the dequantized float
+        # read (MLX 0.32.4's CUDA lacks quantized_matmul for these shapes)
+        stock = _quantized.stock_read_runs()
+        reference, tol = (mlx_qsdpa, 1e-5) if stock else (dequant_sdpa, 2e-4)
         for b, row in enumerate(self.rows):
             keys = tuple(mx.array(p[None]) for p in row[:3])
             values = tuple(mx.array(p[None]) for p in row[3:])
-            want = mlx_qsdpa(
+            want = reference(
                 q[b : b + 1],
                 keys,
                 values,
@@ -592,7 +598,7 @@ class QuantizedRows(RuleBasedStateMachine):
                 bits=self.bits,
             )
             np.testing.assert_allclose(
-                got[b : b + 1], np_of(want), atol=1e-5, rtol=1e-5, err_msg=f"row {b}"
+                got[b : b + 1], np_of(want), atol=tol, rtol=tol, err_msg=f"row {b}"
             )
 
 
