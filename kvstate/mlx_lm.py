@@ -45,6 +45,7 @@ from .invariants import share_row_ids
 from .records import CacheState, QuantizedState
 from .shared import (
     Layouts as SharedLayouts,
+    PerLayout,
     SharedState,
     read as shared_read,
     update_suffix as shared_update_suffix,
@@ -176,24 +177,13 @@ class _cascade:
         self.kernel = _decoder.routes_reads()
         self.pending = {}
         self.layouts = SharedLayouts(ctx.positions)  # row maps, positions: once per forward
-        self._offset: Optional[tuple] = None
+        self.offsets = PerLayout()  # a shared layer's offset: once per layout
 
     def offset(self, state: SharedState):
-        """``ctx.offset`` of shared rows, once per forward's layout: after one
-        shared append plan the layers hold the very same suffix ``lengths``
-        tuple, and equal maps, so the rows' lengths are not rebuilt and hashed
-        per layer (unshared rows' offsets are matched by identity alike)."""
-        suffix, last = state.suffix, self._offset
-        if (
-            last is not None
-            and last[0] is suffix.lengths
-            and last[1] == state.shared
-            and last[2] == suffix.left_pad
-        ):
-            return last[3]
-        off = self.ctx.offset(state)
-        self._offset = (suffix.lengths, state.shared, suffix.left_pad, off)
-        return off
+        """``ctx.offset`` of shared rows, once per forward's layout (``PerLayout``):
+        the rows' lengths are not rebuilt and hashed per layer (unshared rows'
+        offsets are matched by identity alike)."""
+        return self.offsets.get(state, self.ctx.offset)
 
     def _read(self, queries, keys, values, cache, scale, sinks, mask):
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:

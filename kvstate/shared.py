@@ -649,71 +649,70 @@ def position_arrays_shared(state, host=None):
     return compiled.position_arrays(state.suffix, suffix) + view_arrays(state)
 
 
-class Layouts:
-    """The int32 arrays the shared reads of one forward take: the row map
-    (``view_arrays``, kept across forwards) and the suffix rows'
-    ``left_pad``/``ends`` (once per layout, through ``positions``: the
-    forward's ``compiled.Positions`` when given; the layers after the first
-    hold the very same bookkeeping tuples, matched without hashing). The
-    eager bridge keeps one per forward (``kvstate.mlx_lm``); ``read`` makes
-    its own when given none."""
+def same_layout(a: SharedState, b: SharedState) -> bool:
+    """Whether two layers' rows have one layout (what their offsets and read arrays
+    derive from), checked without building or hashing it: the very same suffix
+    ``lengths`` tuple (one shared append plan gives every layer of a forward the
+    same object), suffixes of one kind with equal ``left_pad``, and equal maps
+    (``shared``, ``prefix_row``, ``source``) and prefix first columns."""
+    sa, sb = a.suffix, b.suffix
+    return (
+        sa.lengths is sb.lengths
+        and type(sa) is type(sb)
+        and sa.left_pad == sb.left_pad
+        and a.shared == b.shared
+        and a.prefix_row == b.prefix_row
+        and a.source == b.source
+        and _records_key(a) == _records_key(b)
+    )
 
-    __slots__ = ("_last", "_map", "_positions")
+
+class PerLayout:
+    """One value per layout of the layers of one forward: ``get(state, build)``
+    gives the last layer's value when ``same_layout`` holds, else
+    ``build(state)`` (the rule stated once; one of these per kind of value)."""
+
+    __slots__ = ("_state", "_value")
+
+    def __init__(self) -> None:
+        self._state: SharedState | None = None
+        self._value: Any = None
+
+    def get(self, state: SharedState, build) -> Any:
+        last = self._state
+        if last is None or not same_layout(last, state):
+            self._value = build(state)
+            self._state = state
+        return self._value
+
+
+class Layouts:
+    """The int32 arrays the shared reads of one forward take: the suffix rows'
+    ``left_pad``/``ends`` (``positions``: the forward's ``compiled.Positions`` when
+    given) and the row map (``view_arrays``, kept across forwards), once per
+    layout of its layers (``PerLayout``). The eager bridge keeps one per forward
+    (``kvstate.mlx_lm``); ``read`` makes its own when given none."""
+
+    __slots__ = ("_arrays", "_positions")
 
     def __init__(self, positions: compiled.Positions | None = None) -> None:
-        self._last: tuple | None = None  # (kind, lengths, left_pad, arrays) of the last suffix
-        self._map: tuple | None = None  # (what ``arrays`` depends on, its arrays), last layer's
+        self._arrays = PerLayout()
         self._positions = compiled.Positions() if positions is None else positions
 
     def arrays(self, state: SharedState) -> tuple:
         """``(left_pad, ends, source, rows, start, shared)`` of ``state``'s read: the
-        suffix's ``positions``, then the row map's arrays. The layers of one forward
-        share one layout: a layer whose suffix holds the last layer's very
-        ``lengths`` tuple (one shared append plan), with an equal map and equal
-        first columns, takes the last layer's arrays (tuples compared; nothing
-        built or hashed)."""
-        suffix, last = state.suffix, self._map
-        key = _records_key(state)
-        if (
-            last is not None
-            and last[0] is suffix.lengths
-            and last[1] == state.shared
-            and last[2] == state.prefix_row
-            and last[3] == state.source
-            and last[4] == key
-            and last[5] == suffix.left_pad
-            and last[6] is type(suffix)
-        ):
-            return last[7]
-        got = (*self.positions(suffix), *view_arrays(state))
-        self._map = (
-            suffix.lengths,
-            state.shared,
-            state.prefix_row,
-            state.source,
-            key,
-            suffix.left_pad,
-            type(suffix),
-            got,
-        )
-        return got
+        suffix's ``positions``, then the row map's arrays."""
+        return self._arrays.get(state, self._build)
+
+    def _build(self, state: SharedState) -> tuple:
+        return (*self.positions(state.suffix), *view_arrays(state))
 
     def views(self, state: SharedState) -> tuple:
         return view_arrays(state)
 
     def positions(self, suffix) -> tuple:
         """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
-        last = self._last  # (after one shared append the layers hold the very same
-        # lengths tuple; each keeps its own, equal, left_pad)
-        if (
-            last is not None
-            and last[1] is suffix.lengths
-            and last[0] is type(suffix)
-            and last[2] == suffix.left_pad
-        ):
-            return last[3]
         ends, left_pad = self._positions(suffix)  # (compiled.host_positions's order)
-        self._last = (type(suffix), suffix.lengths, suffix.left_pad, (left_pad, ends))
         return left_pad, ends
 
 
