@@ -146,8 +146,9 @@ class Speculation:
         seen: per row, its decayed ``(accepted, tried)`` drafts (``Window.alpha``).
         draft_lag: per row, context tokens the draft model has not been fed
             (plain rounds do not run it; the next drafting round feeds them).
-        unrecorded: the last plain rounds whose costs the window rule has
-            not recorded yet (their tokens unread; ``step`` records each once read).
+        unrecorded: the last rounds whose costs the window rule has not recorded
+            yet: plain rounds with their tokens unread (``step`` records each once
+            read) and a drafting round, priced once the round after it is read.
     """
 
     batch: Batch
@@ -569,24 +570,76 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
 
 
 def recorded(spec: Speculation) -> Window | None:
-    """``spec``'s window rule with its last plain rounds' costs recorded where
-    ``step`` has not recorded them yet (their tokens read now if nothing read
-    them): what a caller keeps when the rows stop."""
+    """``spec``'s window rule with its last rounds' costs recorded where ``step``
+    has not recorded them yet (plain rounds' tokens read now if nothing read
+    them; a drafting round with no round read after it as timed): what a
+    caller keeps when the rows stop."""
     for r in spec.unrecorded:
-        r.host()
-    return _record_read(spec.window, spec.unrecorded)[0]
+        if isinstance(r, _Read):
+            r.host()
+    rule, rest = _record_read(spec.window, spec.unrecorded)
+    return _flush(rule, rest)
+
+
+class _Drafted:
+    """A drafting round's sample, held until the round after it is read
+    (``_record_read``): a plain round that follows a drafting round does not
+    pipeline behind it, so its excess over the plain median is the drafting
+    round's to pay."""
+
+    __slots__ = ("B", "W", "seconds")
+
+    def __init__(self, B: int, W: int, seconds: float):
+        self.B, self.W, self.seconds = B, W, seconds
 
 
 def _record_read(rule: Window | None, rounds: tuple) -> tuple:
-    """``(rule, rest)``: ``rule`` with the plain rounds of ``rounds`` whose tokens are
-    read recorded, oldest first; ``rest``: the unread ones (a round's ``_Read``
-    reads the one before it first, so the read ones lead)."""
+    """``(rule, rest)``: ``rule`` with the rounds of ``rounds`` that can be priced
+    recorded, oldest first; ``rest``: the others (a round's ``_Read`` reads the
+    one before it first, so the read ones lead).
+
+    A plain round is priced once its tokens are read. A drafting round
+    (``_Drafted``) is priced once the plain round after it is read: that round is
+    no plain sample, and the drafting round is charged its excess over the plain
+    median (``_charge``)."""
     n = 0
-    while n < len(rounds) and rounds[n].read:
+    while n < len(rounds):
+        r = rounds[n]
+        if isinstance(r, _Drafted):
+            after = rounds[n + 1] if n + 1 < len(rounds) else None
+            if after is None or not after.read:
+                break
+            rule, n = _charge(rule, r, after), n + 2
+            continue
+        if not r.read:
+            break
         if rule is not None:
-            rule = rule.record(rounds[n].B, 1, rounds[n].seconds)
+            rule = rule.record(r.B, 1, r.seconds)
         n += 1
     return rule, rounds[n:]
+
+
+def _charge(rule: Window | None, drafted: _Drafted, after: _Read) -> Window | None:
+    """``rule`` with a drafting round and the plain round read ``after`` it recorded:
+    the drafting round charged ``after``'s time less the plain median (``after``
+    not recorded). Without a plain median yet, or with the rows changed between
+    them (another batch bucket), each is recorded as timed."""
+    if rule is None:
+        return None
+    plain = rule.measured(after.B, 1)
+    if plain is None or bucket(after.B) != bucket(drafted.B):
+        return rule.record(drafted.B, drafted.W, drafted.seconds).record(after.B, 1, after.seconds)
+    charged = max(0.0, drafted.seconds + after.seconds - plain)
+    return rule.record(drafted.B, drafted.W, charged)
+
+
+def _flush(rule: Window | None, rounds: tuple) -> Window | None:
+    """``rule`` with a drafting round left in ``rounds`` (``_record_read``'s
+    ``rest``, where no plain round was read after it) recorded as timed."""
+    for r in rounds:
+        if isinstance(r, _Drafted) and rule is not None:
+            rule = rule.record(r.B, r.W, r.seconds)
+    return rule
 
 
 def _late_start(rule: Window | None, unrecorded: tuple, last: _Read, t0: float) -> tuple:
@@ -837,8 +890,12 @@ def step(
     else:
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
-        if rule is not None:
-            rule = rule.record(B, width, max(0.0, time.perf_counter() - t0))
+        # a drafting round before this one, with no plain round after it: as timed;
+        # this one's sample waits for the round after it (``_record_read``)
+        rule = _flush(rule, unrecorded)
+        elapsed = max(0.0, time.perf_counter() - t0)
+        kept = tuple(r for r in unrecorded if isinstance(r, _Read))
+        unrecorded = kept + ((_Drafted(B, width, elapsed),) if rule is not None else ())
     new = derived(
         spec,
         batch=batch,

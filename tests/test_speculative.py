@@ -658,9 +658,50 @@ def test_a_late_drafting_round_is_charged_beyond_a_plain_rounds_median(llama, mo
 
     spec, r = sp.step(llama, spec, drafter=Lookup(), forward=forward)
     assert r.width > 1 and plain_round.emitted  # read inside the drafting round
-    costs = spec.window.costs
+    costs = sp.recorded(spec).costs  # the rows stop: no round after it to charge
     assert costs[(2, 1)].uses == 60  # the seeded samples only: the plain round not recorded
     assert costs[(2, r.width)].seconds[-1] == pytest.approx(12.5 - 10.0 - 1.0)
+
+
+def test_a_drafting_round_is_charged_the_plain_round_after_it(llama, monkeypatch):
+    """A fake clock. The plain round after a drafting round does not pipeline behind
+    it (the host read the drafting round's acceptance first), so its time over the
+    plain median is what the drafting round causes: it is no plain sample, and the
+    drafting round is recorded once that round is read, charged its own time plus
+    that excess (on the old accounting the drafting round was recorded alone, as
+    cheap as its own interval, and the slow plain round raised the plain median).
+    A drafting round followed by another drafting round is recorded as timed."""
+    now = [10.0]
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    found = [True]
+    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k if found[0] else [])
+    window = seeded([1.0, 1.0, 1.0, 1.0], batch_sizes=(2,), margin=1.0)
+    prompts = [repetitive(60, 9, 3), repetitive(61, 8, 2)]
+    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+
+    def forward(tokens, states):
+        now[0] += 0.5  # each forward built 0.5 s after its round starts
+        return br.forward(llama, tokens, states)
+
+    spec, d1 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # drafts, 10 .. 10.5
+    now[0] = 11.0
+    spec, d2 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # drafts, 11 .. 11.5
+    W1, W2 = d1.width, d2.width
+    assert W1 > 1 and W2 > 1
+    assert spec.window.costs[(2, W1)].uses == 61  # d1 recorded as timed: a drafting round next
+    assert spec.window.costs[(2, W1)].seconds[-1] == pytest.approx(0.5)
+    found[0] = False
+    now[0] = 12.0
+    spec, p = sp.step(llama, spec, drafter=Lookup())  # plain, from 12
+    assert p.width == 1
+    now[0] = 14.0
+    assert len(p.emitted) == 2  # read at 14: 2 s against the plain median's 1
+    now[0] = 15.0
+    spec, _ = sp.step(llama, spec, drafter=Lookup())  # plain: the round before it priced
+    costs = spec.window.costs
+    assert costs[(2, 1)].uses == 60  # the seeded samples only: p is no plain sample
+    assert costs[(2, W2)].seconds[-1] == pytest.approx(0.5 + (14.0 - 12.0) - 1.0)
+    assert costs[(2, W2)].uses == 60 + 1 + (W1 == W2)
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
