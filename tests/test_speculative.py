@@ -633,6 +633,19 @@ def test_overlapped_plain_rounds_are_charged_the_time_between_reads(llama, monke
     assert sp.recorded(spec).costs[(2, 1)].seconds == (2.0, 0.5, 2.0, 1.0, 0.0)
 
 
+def clocked_lookup(llama, monkeypatch, found: bool, seed: int):
+    """``(now, found, spec)``: a fake clock at ``now[0]``, a lookup that drafts each
+    row's last token repeated while ``found[0]``, and two rows under a window rule
+    seeded with every width at one plain round's cost (1 s)."""
+    now = [10.0]
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
+    flag = [found]
+    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k if flag[0] else [])
+    window = seeded([1.0, 1.0, 1.0, 1.0], batch_sizes=(2,), margin=1.0)
+    prompts = [repetitive(seed, 9, 3), repetitive(seed + 1, 8, 2)]
+    return now, flag, sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+
+
 def test_a_late_drafting_round_is_charged_beyond_a_plain_rounds_median(llama, monkeypatch):
     """A fake clock. A round that drafts late is built while the device runs the unread
     plain round before it, and reads that round only after: the plain round's interval
@@ -640,13 +653,7 @@ def test_a_late_drafting_round_is_charged_beyond_a_plain_rounds_median(llama, mo
     sample (on the old accounting it was, and the drafting round looked cheap: the
     H200's draft-model rule then drafted nearly every round). The drafting round is
     charged the two rounds' time less the plain median."""
-    now = [10.0]
-    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
-    found = [False]
-    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k if found[0] else [])
-    window = seeded([1.0, 1.0, 1.0, 1.0], batch_sizes=(2,), margin=1.0)
-    prompts = [repetitive(58, 9, 3), repetitive(59, 8, 2)]
-    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+    now, found, spec = clocked_lookup(llama, monkeypatch, False, 58)
     spec, plain_round = sp.step(llama, spec, drafter=Lookup())  # plain: nothing found
     assert plain_round.width == 1
     found[0] = True
@@ -671,13 +678,7 @@ def test_a_drafting_round_is_charged_the_plain_round_after_it(llama, monkeypatch
     that excess (on the old accounting the drafting round was recorded alone, as
     cheap as its own interval, and the slow plain round raised the plain median).
     A drafting round followed by another drafting round is recorded as timed."""
-    now = [10.0]
-    monkeypatch.setattr(sp.time, "perf_counter", lambda: now[0])
-    found = [True]
-    monkeypatch.setattr(sp, "lookup", lambda c, k, **kw: [c[-1]] * k if found[0] else [])
-    window = seeded([1.0, 1.0, 1.0, 1.0], batch_sizes=(2,), margin=1.0)
-    prompts = [repetitive(60, 9, 3), repetitive(61, 8, 2)]
-    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+    now, found, spec = clocked_lookup(llama, monkeypatch, True, 60)
 
     def forward(tokens, states):
         now[0] += 0.5  # each forward built 0.5 s after its round starts
