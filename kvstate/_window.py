@@ -215,6 +215,12 @@ class Window:
         # derived from a valid rule: not converted or checked again (every round records)
         return derived(self, costs={**self.costs, (b, W): new}, rounds={**self.rounds, b: now})
 
+    def tick(self, B: int) -> Window:
+        """This rule with one more round on ``B``'s bucket's clock and no sample: a
+        round whose cost is charged to another round (recorded with that one)."""
+        b = bucket(B)
+        return derived(self, rounds={**self.rounds, b: self.rounds.get(b, 0) + 1})
+
     def alpha(self, seen: tuple) -> float:
         """A row's running acceptance from its decayed ``(accepted, tried)``."""
         hits, tries = seen

@@ -622,15 +622,15 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
 def _charge(rule: Window | None, drafted: _Drafted, after: _Read) -> Window | None:
     """``rule`` with a drafting round and the plain round read ``after`` it recorded:
     the drafting round charged ``after``'s time less the plain median (``after``
-    not recorded). Without a plain median yet, or with the rows changed between
-    them (another batch bucket), each is recorded as timed."""
+    not recorded: it ticks the rule's clock). Without a plain median yet, or with
+    the rows changed between them (another batch bucket), each is recorded as timed."""
     if rule is None:
         return None
     plain = rule.measured(after.B, 1)
     if plain is None or bucket(after.B) != bucket(drafted.B):
         return rule.record(drafted.B, drafted.W, drafted.seconds).record(after.B, 1, after.seconds)
     charged = max(0.0, drafted.seconds + after.seconds - plain)
-    return rule.record(drafted.B, drafted.W, charged)
+    return rule.record(drafted.B, drafted.W, charged).tick(after.B)
 
 
 def _flush(rule: Window | None, rounds: tuple) -> Window | None:
@@ -647,17 +647,17 @@ def _late_start(rule: Window | None, unrecorded: tuple, last: _Read, t0: float) 
     device ran the plain round ``last``, which it read only after (``last.done``).
 
     ``last``'s interval then holds this round's graph building, so it is no plain
-    round's sample: it is not recorded. This round is charged what the two cost
-    together less a plain round's median (what ``last`` would have cost in a plain
-    pipeline): it starts that long after ``last``'s interval began. Without a
-    plain median yet, ``last`` is recorded as read and this round timed from that
-    read, as a round that read the rows first."""
+    round's sample: it is not recorded (it ticks the rule's clock). This round is
+    charged what the two cost together less a plain round's median (what ``last``
+    would have cost in a plain pipeline): it starts that long after ``last``'s
+    interval began. Without a plain median yet, ``last`` is recorded as read and
+    this round timed from that read, as a round that read the rows first."""
     plain = rule.measured(last.B, 1) if rule is not None else None
     if plain is None:
         rule, unrecorded = _record_read(rule, unrecorded)
         return max(t0, last.done), rule, unrecorded
     rule, rest = _record_read(rule, tuple(r for r in unrecorded if r is not last))
-    return last.done - last.seconds + plain, rule, rest
+    return last.done - last.seconds + plain, cast(Window, rule).tick(last.B), rest
 
 
 def _settled(spec: Speculation) -> tuple:

@@ -703,6 +703,7 @@ def test_a_drafting_round_is_charged_the_plain_round_after_it(llama, monkeypatch
     assert costs[(2, 1)].uses == 60  # the seeded samples only: p is no plain sample
     assert costs[(2, W2)].seconds[-1] == pytest.approx(0.5 + (14.0 - 12.0) - 1.0)
     assert costs[(2, W2)].uses == 60 + 1 + (W1 == W2)
+    assert spec.window.rounds == {2: 3}  # every round on the clock: d1, d2, p
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
