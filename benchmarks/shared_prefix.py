@@ -662,7 +662,8 @@ def profile_eager(model, args, rows, tok):
     )
     k, v = state.suffix.keys, state.suffix.values
     lay = shared.Layouts()
-    views, pos = lay.views(state), lay.positions(state.suffix)
+    arrays = lay.arrays(state)  # (left_pad, ends, *row map): what shared.read passes
+    pos, views = arrays[:2], arrays[2:]
     planes = shared.prefix_planes(state)
     fn = shared._compiled_read(0.125)
     ints = list(range(B))

@@ -707,9 +707,6 @@ class Layouts:
     def _build(self, state: SharedState) -> tuple:
         return (*self.positions(state.suffix), *view_arrays(state))
 
-    def views(self, state: SharedState) -> tuple:
-        return view_arrays(state)
-
     def positions(self, suffix) -> tuple:
         """``(left_pad, ends)`` of ``suffix`` rows as int32 ``[B]`` arrays."""
         ends, left_pad = self._positions(suffix)  # (compiled.host_positions's order)
