@@ -167,18 +167,14 @@ def plain_run(model, prompts, T, k):
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
 
-FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops), else None
+FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops; speculative.step's
+# forward), else None (its default, the eager forward)
 
 
 def _step(model, y, states):
     """A plain decode step: ``kvstate.mlx_lm.step``, or the compiled decoder."""
     dec = FORWARD[0]
     return br.step(model, y, states) if dec is None else dec(y, states)
-
-
-def _verify(model):
-    """``speculative.step``'s forward: the default (eager), or the compiled decoder."""
-    return FORWARD[0]
 
 
 def spec_run(model, prompts, T, drafter, k, window=None):
@@ -193,7 +189,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     while min(made) < T:
         # pipelined as plain_run: the round handed to the device, then the one before
         # it read (a plain round's tokens: a drafting round's are read inside step)
-        batch, r = sp.step(model, batch, drafter=drafter, forward=_verify(model))
+        batch, r = sp.step(model, batch, drafter=drafter, forward=FORWARD[0])
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
@@ -284,7 +280,7 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
     made, out = [1] * len(rows), {}
     t0, last = time.perf_counter(), None
     while rows:
-        batch, r = sp.step(model, batch, drafter=drafter, forward=_verify(model))
+        batch, r = sp.step(model, batch, drafter=drafter, forward=FORWARD[0])
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
