@@ -114,10 +114,11 @@ KINDS = {
 }
 
 
-def load(path, dequantize):
+def load(path, dequantize, dtype="float32"):
+    """The GGUF's model and tokenizer: its 4-bit layers kept, or dequantized to ``dtype``."""
     from kvstate.gguf import load as load_gguf
 
-    loaded = load_gguf(path, dequantize=dequantize)
+    loaded = load_gguf(path, dequantize=dequantize, dtype=getattr(mx, dtype))
     return loaded.model, loaded.tokenizer
 
 
@@ -166,6 +167,7 @@ def plain_run(model, prompts, T, k):
 
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
+TIMELINE: list = []  # per spec_run: [(drafted, seconds)] per loop iteration (--timeline)
 
 FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops; speculative.step's
 # forward), else None (its default, the eager forward)
@@ -186,13 +188,16 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     made = [1] * len(prompts)  # tokens per row so far (the first came with the prefill)
     row_drafts, row_done = [0] * len(prompts), [0] * len(prompts)  # per row (--rows)
     t0, last = time.perf_counter(), None
+    marks = []  # (drafted, seconds) per loop iteration (--timeline)
     while min(made) < T:
         # pipelined as plain_run: the round handed to the device, then the one before
         # it read (a plain round's tokens: a drafting round's are read inside step)
+        t1 = time.perf_counter()
         batch, r = sp.step(model, batch, drafter=drafter, forward=FORWARD[0])
         mx.async_eval(batch.batch.tokens)
         if last is not None:
             _ = last.emitted  # the read
+        marks.append((r.width > 1, time.perf_counter() - t1))
         for b, n in enumerate(made):  # per row: rounds it drafted in, rounds to T
             if n < T:
                 row_drafts[b] += r.drafted[b] > 0
@@ -206,6 +211,7 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     dt = time.perf_counter() - t0
     if window is not None:
         WINDOWS[window] = sp.recorded(batch)  # with its last plain round
+    TIMELINE.append(marks)
     out = [list(c[len(p) : len(p) + T]) for c, p in zip(batch.context, prompts)]
     return dt, out, (drafted, accepted, rounds, plain, tuple(zip(row_drafts, row_done)))
 
@@ -445,6 +451,39 @@ def show_rows(kind, B, T, plain_s, rows_seen):
         )
 
 
+def show_timeline(kind, B, m, runs, plain_round):
+    """Where a fixed batch's time goes, by a round's place in the run (``--timeline``):
+    a loop iteration (build this round, hand it over, read the one before) by what
+    it is and what came before it: ``P`` plain, ``D`` drafting; ``DP`` the plain
+    round right after a drafting one, ``DPP`` the one after that. Per class: rounds
+    per run, median ms, and the class's time over as many plain-loop rounds
+    (``extra``, ms per run): what the transitions cost."""
+    classes: dict = {}
+    for marks in runs:
+        prev = ""
+        for drafted, dt in marks:
+            name = "D" if drafted else "P"
+            cls = (prev[-2:] if prev.endswith("DP") else prev[-1:]) + name
+            cls = cls if cls in ("PP", "PD", "DD", "DP", "DPP") else name
+            classes.setdefault(cls, []).append(dt)
+            prev += name
+    n = len(runs)
+    parts = []
+    for cls in ("PP", "DPP", "DP", "PD", "DD", "P", "D"):
+        ts = classes.get(cls)
+        if ts:
+            extra = (sum(ts) - len(ts) * plain_round) / n
+            parts.append(
+                f"{cls} {len(ts) / n:.1f}/run {statistics.median(ts) * 1e3:.1f} ms "
+                f"(extra {extra * 1e3:+.1f} ms)"
+            )
+    print(
+        f"  timeline {kind} B={B} {m} (plain loop {plain_round * 1e3:.1f} ms a round): "
+        + "; ".join(parts),
+        flush=True,
+    )
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -482,8 +521,20 @@ def main(argv=None):
         action="store_true",
         help="the target's steps and verify windows through one compiled Decoder (both loops)",
     )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="per speculative method (fixed batch): each loop iteration's time by its place "
+        "(plain or drafting, after which), and what the transitions cost",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="without --quantized: the dequantized weights' type",
+    )
     args = ap.parse_args(argv)
-    model, tok = load(args.model, not args.quantized)
+    model, tok = load(args.model, not args.quantized, args.dtype)
     if args.compiled:
         from kvstate._decoder import Decoder
 
@@ -491,7 +542,7 @@ def main(argv=None):
     draft = truncated(model, args.draft_layers)
     T, k = args.tokens, args.num_draft
     print(
-        f"model {args.model} ({'quantized' if args.quantized else 'float32'}), "
+        f"model {args.model} ({'quantized' if args.quantized else args.dtype}), "
         f"{T} new tokens per row, {args.rounds} paired rounds, num_draft {k}, draft = first "
         f"{args.draft_layers} layers; device {mx.default_device()}"
         f"{'; target through one compiled Decoder' if args.compiled else ''}"
@@ -528,11 +579,15 @@ def main(argv=None):
             times = {m: [] for m in methods}
             stats: dict = {}
             rows_seen: dict = {}  # method -> [(seconds, per-row stats)] of the timed runs
+            timelines: dict = {}  # method -> [TIMELINE entry] of the timed runs
             refs: dict = {}  # "plain" / "plain stream" -> its tokens this round
             for r in range(args.rounds):
                 names = list(methods) if r % 2 == 0 else list(methods)[::-1]
                 for m in names:
+                    TIMELINE.clear()
                     dt, out, st = methods[m]()
+                    if TIMELINE and not m.endswith("stream"):
+                        timelines.setdefault(m, []).append(TIMELINE[-1])
                     print(f"  {kind} B={B} round {r} {m}: {dt:.2f} s", file=sys.stderr, flush=True)
                     times[m].append(dt)
                     if st is not None:  # summed over the timed runs
@@ -567,6 +622,9 @@ def main(argv=None):
                 )
             if args.rows and "plain" in times:
                 show_rows(kind, B, T, statistics.median(times["plain"]), rows_seen)
+            if args.timeline and "plain" in times:
+                for m, runs in timelines.items():
+                    show_timeline(kind, B, m, runs, statistics.median(times["plain"]) / (T - 1))
             show_windows(kind, B, k)  # printed as it goes: a cut run keeps what it had
     return 1 if bad else 0
 

@@ -80,9 +80,10 @@ def phased(name, fn):
     return run
 
 
-def instrument(model):
+def instrument(model, forward=None):
     """Wrap the library's round phases (module attributes ``speculative.step`` looks
-    up at call time); returns the verify ``forward`` to pass to ``step``."""
+    up at call time); returns the verify ``forward`` (``forward``, default the eager
+    one) to pass to ``step``."""
     sp.ops = types.SimpleNamespace(
         **{k: getattr(sp.ops, k) for k in dir(sp.ops) if not k.startswith("__")}
     )
@@ -104,7 +105,7 @@ def instrument(model):
         setattr(sp, name, phased(phase, getattr(sp, name)))
     for name in ("observe", "record"):
         setattr(_window.Window, name, phased("rule", getattr(_window.Window, name)))
-    return phased("verify call", sp.eager(model))
+    return phased("verify call", forward or sp.eager(model))
 
 
 def _contrary_call(self, *args, **kw):
@@ -163,19 +164,22 @@ def rounds_spec(model, prompts, n, window, profile=None, pipelined=False, forwar
     return out
 
 
-def rounds_forward(model, prompts, n, W):
+def rounds_forward(model, prompts, n, W, forward=None):
     """The verify forward alone: ``[B, W]`` tokens through ``kvstate.mlx_lm.forward``
-    from the same prefilled records each time (held, as a round's input records are
-    held by its caller), the argmax, evaluated: the device cost of a W-wide window
-    without any speculation bookkeeping (``W = 1``: a decode step)."""
+    (or ``forward``: ``--compiled``) from the same prefilled records each time (held,
+    as a round's input records are held by its caller), the argmax, evaluated: the
+    device cost of a W-wide window without any speculation bookkeeping (``W = 1``: a
+    decode step). Host ms is the graph building; sync ms the wait in ``mx.eval``
+    (the kernels' launch and the device's run)."""
     logits, states = br.prefill(model, prompts)
     mx.eval(logits, states)
     tokens = mx.zeros((len(prompts), W), mx.uint32)
+    run = forward or (lambda t, s: br.forward(model, t, s))
     out = []
     for _ in range(n):
         WAIT[0] = 0.0
         t0, c0 = time.perf_counter(), time.thread_time()
-        logits, new = br.forward(model, tokens, states)
+        logits, new = run(tokens, list(states))
         mx.eval(mx.argmax(logits, axis=-1))
         out.append((time.perf_counter() - t0, WAIT[0], time.thread_time() - c0, W))
     return out
@@ -280,6 +284,17 @@ def main(argv=None):
         help="also pipelined rounds whose rule asks every row for lookup drafts that are "
         "not found (prompts of distinct trigrams, Lookup(min_ngram=3)): each ends plain",
     )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="without --quantized: the dequantized weights' type",
+    )
+    ap.add_argument(
+        "--compiled",
+        action="store_true",
+        help="the target's forward (probes and rounds) through one compiled Decoder",
+    )
     ap.add_argument("--tiny-layers", type=int, default=30, help="--tiny: its layers")
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
@@ -295,7 +310,7 @@ def main(argv=None):
         ]
         args.kind = f"tiny llama {args.tiny_layers} layers, 9/3 heads, D=64, hidden 64"
     else:
-        model, tok = bench.load(args.model, not args.quantized)
+        model, tok = bench.load(args.model, not args.quantized, args.dtype)
         texts = bench.KINDS[args.kind]
         prompts = [
             tok.chat([{"role": "user", "content": texts[i % len(texts)]}])
@@ -310,14 +325,22 @@ def main(argv=None):
         DRAFTER[0] = DraftModel(draft)
     mx.eval = timed_eval  # every sync, including the library's, is timed
     sp.mx.eval = timed_eval
-    print(f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()}")
+    compiled = sp.compiled(model) if args.compiled else None
+    what = "quantized" if args.quantized else args.dtype
+    print(
+        f"B={args.batch} kind={args.kind} rounds={args.rounds} device {mx.default_device()} "
+        f"weights {what}{', compiled forward' if compiled else ''}"
+    )
     print("method | wall ms | sync ms | host ms median [min-max] | thread CPU ms | widths")
     never = sp.Window(margin=float("inf"))
     for W in args.forward_widths:  # warm-up, then interleaved rounds of every width
-        rounds_forward(model, prompts, 3, W)
+        rounds_forward(model, prompts, 3, W, compiled)
     for _ in range(args.repeat if args.forward_widths else 0):
         for W in args.forward_widths:
-            show(f"verify forward alone, W = {W}", rounds_forward(model, prompts, args.rounds, W))
+            show(
+                f"verify forward alone, W = {W}",
+                rounds_forward(model, prompts, args.rounds, W, compiled),
+            )
     for M in args.linear_rows:
         linear_rows(model, M, 3)  # warm-up
     for M in args.linear_rows:
@@ -358,7 +381,7 @@ def main(argv=None):
     DRAFTER[0] = drafter
     if args.plain_only:
         return
-    forward = instrument(model) if args.phases else None
+    forward = instrument(model, compiled) if args.phases else compiled
     prof = cProfile.Profile() if args.profile else None
     PHASES.clear()
     rows = rounds_spec(model, prompts, args.rounds, None, prof, forward=forward)
