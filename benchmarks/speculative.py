@@ -484,6 +484,16 @@ def show_timeline(kind, B, m, runs, plain_round):
     )
 
 
+def dtype_option(ap):
+    """``--dtype``: the dequantized weights' type (without ``--quantized``)."""
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="without --quantized: the dequantized weights' type",
+    )
+
+
 def spread(xs):
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -527,12 +537,7 @@ def main(argv=None):
         help="per speculative method (fixed batch): each loop iteration's time by its place "
         "(plain or drafting, after which), and what the transitions cost",
     )
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="without --quantized: the dequantized weights' type",
-    )
+    dtype_option(ap)
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized, args.dtype)
     if args.compiled:

@@ -284,12 +284,7 @@ def main(argv=None):
         help="also pipelined rounds whose rule asks every row for lookup drafts that are "
         "not found (prompts of distinct trigrams, Lookup(min_ngram=3)): each ends plain",
     )
-    ap.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="without --quantized: the dequantized weights' type",
-    )
+    bench.dtype_option(ap)
     ap.add_argument(
         "--compiled",
         action="store_true",
