@@ -116,16 +116,7 @@ def with_suffix(state: SharedState, suffix) -> SharedState:
     """``state`` with new suffix rows of the same kind and batch (an append's
     result): the row map is unchanged, so it is not checked again (the
     decode hot path builds one per layer per step)."""
-    out = object.__new__(SharedState)
-    _set(out, "prefixes", state.prefixes)
-    _set(out, "source", state.source)
-    _set(out, "prefix_row", state.prefix_row)
-    _set(out, "shared", state.shared)
-    _set(out, "suffix", suffix)
-    return out
-
-
-_set = object.__setattr__
+    return derived(state, suffix=suffix)
 
 
 def held_bytes(records) -> int:
