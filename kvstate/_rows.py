@@ -35,7 +35,7 @@ from .invariants import (
     distinct_row_ids,
 )
 from .masks import check_memo, lease, rows_key, rows_mask
-from .records import Checkpoint, _Rows, row_ids_of, rows_of
+from .records import CacheState, Checkpoint, QuantizedState, _Rows, row_ids_of, rows_of
 
 
 def round_up(n: int, step: int) -> int:
@@ -734,6 +734,13 @@ def prepare_rows(state: _Rows, n: int = 1):
     if C >= need and C % state.step == 0:
         return state
     return compiled.with_capacity(state, round_up(need, state.step))
+
+
+@compiled.room.register(CacheState)
+@compiled.room.register(QuantizedState)
+def room_rows(state: _Rows) -> int:
+    C = state.capacity  # (prepare_rows: as it is while C % step == 0 and C >= width + n)
+    return C - state.width if C % state.step == 0 else 0  # (no planes: C = 0)
 
 
 @compiled.advanced.register

@@ -51,7 +51,7 @@ import mlx.core as mx
 from ._args import as_int
 from .errors import bad, check
 from .invariants import validate
-from .records import built
+from .records import built, maker
 
 # --- the boundary ---------------------------------------------------------------
 
@@ -114,6 +114,14 @@ class Spec:
         if trusted:
             return built(self.kind, fields)
         return validated(built(self.kind, fields, convert=True))
+
+    def maker(self):
+        """``make(planes)``: ``rebuild(planes, trusted=True)`` for the many
+        layers of one layout (the field names looked up once, not per
+        record; ``records.maker``). Only for kinds rebuilt from the spec
+        alone (a ``Spec`` of its own class, not a subclass's ``rebuild``)."""
+        check(type(self) is Spec, "spec", "a plain Spec", type(self).__name__)
+        return maker(self.kind, dict(self.host), self.arrays)
 
 
 class Flat(NamedTuple):
@@ -302,6 +310,17 @@ def check_room(state, n):
 
 
 @singledispatch
+def room(state: Any) -> int:
+    """Columns every row of ``state`` can still take in its bucket: ``prepare(state,
+    n)`` is ``state`` itself for every ``1 <= n <= room(state)``, and a step
+    appending ``n`` leaves ``room(state) - n``. ``0`` (the default) where a
+    kind does not say, or holds arrays beside its planes (``held_planes``):
+    the decoder then prepares it every step (``kvstate._decoder``'s steady
+    path is for kinds that register this)."""
+    return 0
+
+
+@singledispatch
 def advanced(state: Any, n: int = 1) -> dict:
     """Host fields of ``state`` after a compiled step appended ``n`` tokens per row."""
     raise bad("state", "a kvstate record", type(state).__name__)
@@ -429,6 +448,7 @@ __all__ = [
     "validated",
     "prepare",
     "advanced",
+    "room",
     "with_capacity",
     "host_positions",
     "position_arrays",

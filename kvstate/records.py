@@ -167,6 +167,60 @@ def built(cls, fields: dict, *, convert: bool = False):
     return new
 
 
+def maker(cls, fields: dict, arrays: tuple):
+    """``make(planes)``: ``built(cls, fields | arrays from planes)``, for many
+    records of one layout (a compiled step's layers): each field's slot
+    setter is found once, here, not once per record. ``arrays``: ``((name,
+    count), ...)`` in plane order (``count`` 0: one array, else a tuple of
+    that many)."""
+    setters = _SETTERS.get(cls)
+    if setters is None:
+        setters = _SETTERS[cls] = {f.name: _setter(cls, f.name) for f in attrs.fields(cls)}
+    taken = {n for n, _ in arrays}
+    fixed = tuple((put, fields.get(n)) for n, put in setters.items() if n not in taken)
+    if all(c == 0 for _, c in arrays):
+        single = tuple(setters[n] for n, _ in arrays)
+
+        def make(planes):
+            new = _new(cls)
+            for put, v in fixed:
+                put(new, v)
+            for put, v in zip(single, planes):
+                put(new, v)
+            return new
+
+        return make
+    grouped = tuple((setters[n], c) for n, c in arrays)
+
+    def make_grouped(planes):
+        new, i = _new(cls), 0
+        for put, v in fixed:
+            put(new, v)
+        for put, c in grouped:
+            put(new, planes[i] if c == 0 else tuple(planes[i : i + c]))
+            i += c or 1
+        return new
+
+    return make_grouped
+
+
+_SETTERS: dict = {}
+
+
+def _setter(cls, name: str):
+    """``put(record, value)`` for field ``name`` of ``cls``: its slot's own
+    setter (what ``object.__setattr__`` ends in, less the name lookup), or
+    ``object.__setattr__`` for a class without slots."""
+    for c in cls.__mro__:
+        slot = c.__dict__.get(name)
+        if slot is not None:
+            put = getattr(type(slot), "__set__", None)
+            if put is not None:
+                return slot.__set__
+            break
+    return lambda new, value: _set(new, name, value)
+
+
 def _array_repr(value) -> str:
     """Arrays print as ``dtype[shape]``: a record's repr never dumps its data."""
     if value is None:
