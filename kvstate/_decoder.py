@@ -14,7 +14,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import mlx.core as mx
@@ -327,8 +327,8 @@ class Decoder:
         self._mods = None
         self._pending: mx.array | None = None
         self._layers: int | None = None
-        # the records the last step returned: id -> (weak reference, their Spec)
-        self._returned: dict = {}
+        self._last: _Last | None = None  # what the last call returned (unpadded)
+        self._steady = True  # (False: every call takes the general path; benchmarks)
 
     def _compiled(self, key):
         fn = self._fns.get(key)
@@ -344,6 +344,8 @@ class Decoder:
 
             def step(tokens, flats, positions):
                 self.traces += 1  # Python runs only while tracing
+                if squeeze:  # ([B] tokens: one per row; traced, not a host op per call)
+                    tokens = tokens[:, None]
                 ctx = _shells.Tracing(self.attention, self.write == "slice")
                 shells = [
                     _shells.shell(compiled.Traced.of((f[0], positions[w], *f[1:]), k), ctx)
@@ -369,13 +371,65 @@ class Decoder:
         if tokens.dtype != mx.int32 and mx.issubdtype(tokens.dtype, mx.integer):
             # argmax and the samplers give uint32, a list int32: one dtype, one trace
             tokens = tokens.astype(mx.int32)
-        squeeze = tokens.ndim == 1
-        if squeeze:
-            tokens = tokens[:, None]
-        check(tokens.ndim == 2, "tokens rank", "1 ([B]) or 2 ([B, N])", tokens.ndim)
-        N = tokens.shape[1]
-        check(N >= 1, "tokens length", ">= 1", N)
         states = list(states)
+        last = self._last
+        if last is not None and last.steady is not None and self._steady:
+            got = self._steady_call(last, last.steady, tokens, states)
+            if got is not None:
+                return got
+        return self._general(tokens, states)
+
+    def _steady_call(self, last: "_Last", st: "_Steady", tokens: mx.array, states: list):
+        """The decode loop's common call, ``logits, states = dec(tokens, states)``:
+        ``states`` are the records the last call returned (each layer's by
+        identity), unpadded, and every row still has room in its bucket
+        (``compiled.room``, taken when they were built), so ``prepare`` would
+        return each as it is and ``_flatten`` would give what it gave last time:
+        the same specs, keys, ``where`` and compiled function. So none of that
+        runs: the planes and one position set per layout go straight in, and
+        each layout advances its ``Spec`` once and builds its layers' records
+        with ``Spec.maker``. ``None``: anything differs (the general path)."""
+        N = st.N
+        if tokens.shape != st.shape or tokens.dtype != st.dtype or st.room < N:
+            return None
+        refs = last.refs
+        if len(states) != len(refs):
+            return None
+        for r, s in zip(refs, states):
+            if r() is not s:
+                return None
+        layouts = [compiled.position_arrays(states[i]) for i in st.reps]
+        traced = self.traces
+        logits, out = st.fn(tokens, [(s.planes,) for s in states], layouts)
+        if self.traces != traced:  # (MLX retraced: same shapes, so not expected)
+            B = tokens.shape[0]
+            caps = tuple(s.capacity for s in states)
+            self._note_trace((B, B, N, tokens.ndim == 1, st.keys, caps))
+        specs, makes = [], []
+        for i, sp in last.groups:
+            sp = sp.replace(**compiled.advanced(states[i], N))
+            specs.append((i, sp))
+            makes.append(sp.maker())
+        del layouts, states
+        new = [makes[g](f) for g, f in zip(last.group_of, out)]
+        room = min(compiled.room(new[i]) for i, _ in specs)
+        self._last = _Last([weakref.ref(x) for x in new], last.group_of, specs)
+        self._last.steady = st._replace(room=room)
+        self._settle(logits)
+        return logits, new
+
+    def _note_trace(self, sig: tuple) -> None:
+        self.trace_reasons.append(_buckets.explain(sig, self._seen))
+        self._seen.append(sig)
+
+    def _general(self, tokens: mx.array, states: list) -> tuple[mx.array, list]:
+        """Any call: the arguments checked, rows padded to their bucket, each
+        record prepared and flattened (``_flatten``), the step, the records
+        rebuilt (``_rebuild``)."""
+        check(tokens.ndim in (1, 2), "tokens rank", "1 ([B]) or 2 ([B, N])", tokens.ndim)
+        squeeze = tokens.ndim == 1
+        N = 1 if squeeze else tokens.shape[1]
+        check(N >= 1, "tokens length", ">= 1", N)
         if self._layers is None:
             from .mlx_lm import layer_count
 
@@ -394,7 +448,8 @@ class Decoder:
         if B == 0:  # nothing to run (mlx-lm models cannot run an empty batch)
             from .mlx_lm import forward
 
-            logits, states = forward(self.model, tokens, states)
+            self._last = None
+            logits, states = forward(self.model, tokens[:, None] if squeeze else tokens, states)
             return (logits[:, -1, :] if squeeze else logits), states
         Bb = _buckets.bucket_of(B, self.batch_buckets)
         padded = self._padding.pad(tokens, states, Bb) if Bb != B else None
@@ -403,21 +458,46 @@ class Decoder:
         else:
             tokens, states = padded
         flats, specs, prepared, layouts, where, groups = self._flatten(states, N)
+        alone = all(len(f) == 1 for f in flats)  # (no held planes: a steady step may follow)
         keys = _keys(specs)
         fn = self._compiled((keys, squeeze, tuple(where)))
         traced = self.traces
         logits, out = fn(tokens, flats, layouts)
         if self.traces != traced:
-            sig = (Bb, B, N, squeeze, keys, tuple(s.capacity for s in prepared))
-            self.trace_reasons.append(_buckets.explain(sig, self._seen))
-            self._seen.append(sig)
+            self._note_trace((Bb, B, N, squeeze, keys, tuple(s.capacity for s in prepared)))
         del flats, states, padded
-        new = self._rebuild(out, specs, prepared, groups, N)
+        new, group_of, firsts = self._rebuild(out, specs, prepared, groups, N)
+        last = self._last = _Last([weakref.ref(x) for x in new], group_of, firsts)
         self._settle(logits)
         if Bb != B:
-            self._returned = {}
+            self._last = None
             return self._padding.unpad(logits, new, B)
+        if alone and all(type(sp) is compiled.Spec for _, sp in firsts):
+            reps: dict = {}
+            for i, w in enumerate(where):
+                reps.setdefault(w, i)
+            last.steady = _Steady(
+                shape=tokens.shape,
+                dtype=tokens.dtype,
+                N=N,
+                fn=fn,
+                keys=keys,
+                reps=tuple(reps[w] for w in range(len(reps))),
+                room=min(compiled.room(new[i]) for i, _ in firsts),
+            )
         return logits, new
+
+    @property
+    def _returned(self) -> dict:
+        """The records the last call returned (unpadded), by id: ``(weak
+        reference, their Spec)``."""
+        last, got = self._last, {}
+        if last is not None:
+            for r, g in zip(last.refs, last.group_of):
+                x = r()
+                if x is not None:
+                    got[id(x)] = (r, last.groups[g][1])
+        return got
 
     def _settle(self, logits: mx.array) -> None:
         """With ``wait``: block until the previous step has finished, after
@@ -455,7 +535,7 @@ class Decoder:
         layout for ``_rebuild`` (its ``Spec`` and plane shapes)."""
         flats: list = []
         specs, prepared, positions = [], [], compiled.Positions()
-        returned, self._returned = self._returned, {}
+        returned, self._last = self._returned, None
         canon: dict = {}
         layouts: list = []
         slot: dict = {}
@@ -496,21 +576,56 @@ class Decoder:
             add(flat.planes, compiled.held_planes(p), spec, p, at, group)
         return flats, specs, prepared, layouts, where, groups
 
-    def _rebuild(self, out: list, specs: list, prepared: list, groups: list, N: int) -> list:
+    def _rebuild(self, out: list, specs: list, prepared: list, groups: list, N: int) -> tuple:
         """The step's new records from its output arrays; the layers of one
         layout (``groups``: one ``Spec`` object, one set of plane shapes)
-        advance their ``Spec`` once, and each new record is remembered with
-        it for the next step's ``_flatten``."""
+        advance their ``Spec`` once. Returns ``(new, group_of, firsts)``:
+        ``firsts[group_of[i]]`` is ``(first layer, advanced Spec)`` of layer
+        ``i``'s layout (remembered for the next call, ``_Last``)."""
         new: list = []
-        advanced: dict = {}
-        for f, sp, s, g in zip(out, specs, prepared, groups):
-            spec = advanced.get(g)
-            if spec is None:
-                spec = advanced[g] = sp.replace(**compiled.advanced(s, N))
-            new.append(spec.rebuild(f, trusted=True, like=s))  # (compiled.rebuild, less its
-            # checks: ``f`` is what the step returned for this Spec)
-            self._returned[id(new[-1])] = (weakref.ref(new[-1]), spec)
-        return new
+        group_of: list = []
+        firsts: list = []
+        index: dict = {}
+        for i, (f, sp, s, g) in enumerate(zip(out, specs, prepared, groups)):
+            j = index.get(g)
+            if j is None:
+                j = index[g] = len(firsts)
+                firsts.append((i, sp.replace(**compiled.advanced(s, N))))
+            new.append(firsts[j][1].rebuild(f, trusted=True, like=s))  # (compiled.rebuild,
+            # less its checks: ``f`` is what the step returned for this Spec)
+            group_of.append(j)
+        return new, group_of, firsts
+
+
+class _Steady(NamedTuple):
+    """What a steady call reuses from the call before (``Decoder._steady_call``):
+    the tokens' ``shape`` and ``dtype``, ``N`` per row, the compiled ``fn``,
+    its layers' ``keys`` and position slots (``where``: not stored, it is in
+    ``fn``'s key; ``reps[k]``: a layer whose record gives slot ``k``'s
+    position arrays), and ``room``: the fewest columns any returned record
+    has left in its bucket (``compiled.room``)."""
+
+    shape: tuple
+    dtype: Any
+    N: int
+    fn: Any
+    keys: tuple
+    reps: tuple
+    room: int
+
+
+class _Last:
+    """The records a call returned (unpadded), for the next call: a weak
+    reference to each (the decoder pins no buffer), ``group_of[i]`` (layer
+    ``i``'s layout) and ``groups[j]`` = ``(first layer, Spec)`` of layout
+    ``j``; ``steady``: what a steady call reuses, or ``None`` (padded rows,
+    a kind without ``compiled.room``, held planes, a ``Spec`` subclass)."""
+
+    __slots__ = ("refs", "group_of", "groups", "steady")
+
+    def __init__(self, refs: list, group_of: list, groups: list) -> None:
+        self.refs, self.group_of, self.groups = refs, group_of, groups
+        self.steady: _Steady | None = None
 
 
 def _keys(specs: list) -> tuple:

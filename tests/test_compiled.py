@@ -260,6 +260,8 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
     for t in range(20):
         before, asked = len(flattened), len(prepared)
         layouts = {id(decode._returned[id(r)][1]) for r in states} if t > 0 else ()
+        last = decode._last
+        steady = last is not None and last.steady is not None and last.steady.room >= 1
         _, new = decode(tok, states)
         moved = sum(a.capacity != b.capacity for a, b in zip(states, new))
         grown += moved
@@ -267,8 +269,8 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
             assert kc.spec_of(r) == decode._returned[id(r)][1], t
         if t > 0:  # flattened: only the records prepare moved to a new bucket
             assert len(flattened) - before == moved, t
-        if t > 0 and not moved:  # prepared: one record per remembered layout
-            assert len(prepared) - asked == len(layouts), t
+        if t > 0 and not moved:  # prepared: one record per remembered layout (none: steady)
+            assert len(prepared) - asked == (0 if steady else len(layouts)), t
         states = new
     assert len(flattened) < 20 * len(states)  # the fast path ran
     specs = {id(decode._returned[id(r)][1]) for r in states}
@@ -279,6 +281,74 @@ def test_decoder_reuses_the_specs_of_its_own_records(monkeypatch, kind):
     before = len(flattened)
     decode(tok, changed)
     assert len(flattened) - before == len(changed)
+
+
+def same_record(a, b) -> bool:
+    """Bit-equal records: one kind, equal host fields, equal planes (every
+    column of the capacity, hidden ones included)."""
+    if type(a) is not type(b):
+        return False
+    for f in attrs.fields(type(a)):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, mx.array) or (isinstance(x, tuple) and x and isinstance(x[0], mx.array)):
+            xs, ys = (x,) if isinstance(x, mx.array) else x, (y,) if isinstance(y, mx.array) else y
+            if len(xs) != len(ys) or not all(mx.array_equal(p, q).item() for p, q in zip(xs, ys)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("kind", ["dense", "quantized"])
+def test_steady_steps_skip_the_per_layer_host_work(monkeypatch, kind):
+    """A decode loop's call (``logits, states = dec(tok, states)``) with rows
+    that have room in their bucket runs none of the per-layer host work
+    (``prepare``, ``flatten``, the trace key, ``Spec.rebuild``): the steady
+    path. Over 24 steps its logits and records are bit-equal to the general
+    path's (a decoder that never takes the steady path), through a capacity
+    bucket crossed (that step falls back) and a step given other records
+    (trimmed: falls back too)."""
+    model = tm.llama_model(layers=3)
+    make = dict(kv_bits=8, kv_group_size=32) if kind == "quantized" else {}
+    _, logits, states = prefill(model, [5, 9, 3, 7], step=16, **make)  # a batch bucket
+    calls: dict = {}
+
+    def counted(name, fn):
+        def call(*a, **k):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(kc, "prepare", counted("prepare", kc.prepare))
+    monkeypatch.setattr(kc, "flatten", counted("flatten", kc.flatten))
+    monkeypatch.setattr(_decoder, "_keys", counted("keys", _decoder._keys))
+    monkeypatch.setattr(kc.Spec, "rebuild", counted("rebuild", kc.Spec.rebuild))
+    steady, general = br.Decoder(model, attention="mask"), br.Decoder(model, attention="mask")
+    general._steady = False
+    ss = sg = states
+    tok = mx.argmax(logits, axis=-1)
+    quiet, crossed = 0, []
+    for t in range(24):
+        if t == 12:  # other records than the decoder returned
+            ss, sg = [kv.trim(s, 1) for s in ss], [kv.trim(s, 1) for s in sg]
+        calls.clear()
+        ls, new_s = steady(tok, ss)
+        work = sum(calls.values())
+        lg, new_g = general(tok, sg)
+        assert mx.array_equal(ls, lg).item(), t
+        assert all(same_record(a, b) for a, b in zip(new_s, new_g)), t
+        grew = new_s[0].capacity != ss[0].capacity
+        crossed += [t] if grew else []
+        if t in (0, 12) or grew:  # the general path
+            assert calls.get("prepare", 0) >= 1, t
+        else:
+            assert work == 0, (t, dict(calls))
+            quiet += 1
+        ss, sg = new_s, new_g
+        tok = mx.argmax(ls, axis=-1)
+    assert [t for t in crossed if t not in (0, 12)] and quiet == 24 - len({0, 12, *crossed})
+    assert steady.traces == general.traces
 
 
 def test_layers_of_one_layout_share_their_position_arithmetic(monkeypatch):
