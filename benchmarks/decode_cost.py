@@ -8,10 +8,12 @@ inside the step call and ``async_eval``: the graph replay and its launches),
 the step call alone (Python and the compiled replay, no launch), and
 ms/step when every step is waited for (host + device, no overlap; so
 "sync - host" is about the device's time). Each variant's graph is counted
-(primitives by name, ``mx.export_to_dot``). Variants remove or swap one
+(primitives by name, ``mx.export_to_dot``; the first step's and the second's,
+a Decoder's steady call). Variants remove or swap one
 part: the fused write, the split count (``splits_for`` forced), the read
 itself (identity or the stock unmasked SDPA over the capacity: wrong
-results, timing only), the write (dropped).
+results, timing only), the write (dropped), the Decoder's host path
+("general host path": every call through its general path, no steady call).
 
 ``--part write``: one layer's plane write in place or copied (fused kernel,
 scatter, slice_update), in a pipelined loop, one that waits for the last
@@ -129,6 +131,7 @@ def step_part(model, args, dtype):
         "mlx-lm": None,
         "floor": "floor",
         "kernel, fused write (default route)": {},
+        "kernel, fused write (default route), general host path": "general",
         "kernel, fused write, no Spec reuse": "forget",
         "kernel, fused write": fused,
         "kernel, scatter writes": scatter,
@@ -171,26 +174,36 @@ def step_part(model, args, dtype):
             dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
 
             def forget(tok, st, dec=dec):
-                dec._returned = {}
+                dec._last = None  # (nothing remembered: no steady call, no Spec reuse)
                 return dec(tok, st)
 
             runs[name] = [forget, tokens, suite.kv_states(kvs, lengths, ctx)]
+        elif v == "general":  # every call through the general path (no steady calls)
+            dec = br.Decoder(model, attention="kernel", write="scatter", wait=False)
+            dec._steady = False
+            runs[name] = [dec, tokens, suite.kv_states(kvs, lengths, ctx)]
         else:
             wait = name.endswith(", wait")
             dec = br.Decoder(model, attention="kernel", write="scatter", wait=wait)
             runs[name] = [suite.patched(dec, v), tokens, suite.kv_states(kvs, lengths, ctx)]
         del kvs
-    for name, r in runs.items():  # graphs (one step each, then evaluated)
-        logits, st = r[0](r[1], r[2])
-        counts[name] = graph_counts(logits)
-        print(f"  built {name}: {sum(counts[name].values())} primitives", flush=True)
-        r[1], r[2] = mx.argmax(logits, axis=-1).astype(mx.int32), st
-        mx.eval(r[1], r[2])
+    second = {}
+    for name, r in runs.items():  # graphs (two steps each, each evaluated)
+        for i in range(2):  # (the second: a Decoder's steady call, its records its own)
+            logits, st = r[0](r[1], r[2])
+            (second if i else counts)[name] = graph_counts(logits)
+            r[1], r[2] = mx.argmax(logits, axis=-1).astype(mx.int32), st
+            mx.eval(r[1], r[2])
+        print(
+            f"  built {name}: {sum(counts[name].values())} primitives, "
+            f"second step {sum(second[name].values())}",
+            flush=True,
+        )
     t = timed_steps(runs, args.warmup, args.steps, args.rounds, args.sync_rounds)
     print(f"step B={B} ctx={ctx} {layout}: ms/step median [min-max] of {args.rounds} rounds")
     print(
         f"  {'variant':<56} {'wall':>18} {'host':>18} {'call':>18} {'sync':>18}"
-        " prims  extra MB (peak over start, max of rounds)"
+        " prims (2nd step)  extra MB (peak over start, max of rounds)"
     )
     for name, d in t.items():
         cols = [
@@ -201,9 +214,10 @@ def step_part(model, args, dtype):
         print(
             f"  {name:<56} " + " ".join(f"{c:>18}" for c in cols),
             sum(counts[name].values()),
+            f"({sum(second[name].values())})",
             f"{max(d['extra_mb']):9.1f}",
         )
-    return dict(times=t, counts=counts)
+    return dict(times=t, counts=counts, second_counts=second)
 
 
 _COPY_SRC = r"""
