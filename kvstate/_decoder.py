@@ -264,7 +264,10 @@ class Decoder:
     compiled function per static key (the layers' ``Spec.key``s, ``N`` and
     the attention mode); capacity buckets are shapes, so at most one trace
     per bucket. Input records are unchanged; drop them before evaluating the
-    result so the writes happen in place.
+    result so the writes happen in place. The decode loop's call, given back
+    the records the last call returned (with room in their bucket, unpadded),
+    runs no per-layer host work beyond building the new records (the steady
+    path; ``notes/gpu.md``, session 8).
 
     Args:
         model: an mlx-lm model whose layers read their caches through the
