@@ -9,7 +9,12 @@ chain length after taking off the one-op case of the same kind.
 
 Cases (one output the size of B=1's query, 32 x 64 floats, per op):
 
-    builtin add      ``x + 1``, MLX's own elementwise kernel
+    builtin add      ``x + 1``, MLX's own elementwise kernel; ``mx.compile`` fuses
+                     the chain into one kernel, so its per-op figure is no launch
+    builtin sdpa     ``mx.fast.scaled_dot_product_attention`` over the same B=1
+                     planes as the kvstate read, no mask: a builtin launch that
+                     does not fuse (the stock read a compiled forward without a
+                     cache makes)
     custom, short    ``mx.fast.cuda_kernel`` doing ``x + 1``, a short source
     custom, long     the same kernel with ``--long-kb`` KiB of comment in its
                      source: MLX 0.32's CUDA ``CustomKernel::eval_gpu`` hashes
@@ -135,12 +140,16 @@ def main(argv=None) -> None:
 
         return op
 
+    def sdpa(q, i, kv):
+        return mx.fast.scaled_dot_product_attention(q, kv[2 * i], kv[2 * i + 1], scale=s)
+
     def fused(q, i, kv):
         nk, nv = new
         return kernels.write_and_read(q, kv[2 * i], kv[2 * i + 1], nk, nv, lp, en, scale=s)[0]
 
     kinds = {
         "builtin add": (lambda x, i, e: x + 1, (x,)),
+        "builtin sdpa (no mask)": (sdpa, (q, *planes)),
         f"custom, short source ({short_len} chars)": (custom(short), (x,)),
         f"custom, long source ({long_len} chars)": (custom(long_), (x,)),
         "kvstate read, 1 split": (read(1), (q, *planes)),
