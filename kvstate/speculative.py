@@ -581,16 +581,16 @@ def recorded(spec: Speculation) -> Window | None:
     return _flush(rule, rest)
 
 
+@attrs.frozen
 class _Drafted:
     """A drafting round's sample, held until the round after it is read
     (``_record_read``): a plain round that follows a drafting round does not
     pipeline behind it, so its excess over the plain median is the drafting
     round's to pay."""
 
-    __slots__ = ("B", "W", "seconds")
-
-    def __init__(self, B: int, W: int, seconds: float):
-        self.B, self.W, self.seconds = B, W, seconds
+    B: int
+    W: int
+    seconds: float
 
 
 def _record_read(rule: Window | None, rounds: tuple) -> tuple:
