@@ -572,8 +572,8 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
 def recorded(spec: Speculation) -> Window | None:
     """``spec``'s window rule with its last rounds' costs recorded where ``step``
     has not recorded them yet (plain rounds' tokens read now if nothing read
-    them; a drafting round with no round read after it as timed): what a
-    caller keeps when the rows stop."""
+    them; a drafting round with no plain round read after it as charged so far,
+    ``_charge``): what a caller keeps when the rows stop."""
     for r in spec.unrecorded:
         if isinstance(r, _Read):
             r.host()
@@ -583,14 +583,47 @@ def recorded(spec: Speculation) -> Window | None:
 
 @attrs.frozen
 class _Drafted:
-    """A drafting round's sample, held until the round after it is read
-    (``_record_read``): a plain round that follows a drafting round does not
-    pipeline behind it, so its excess over the plain median is the drafting
-    round's to pay."""
+    """A drafting round's sample, held until the plain round after it is read
+    (``_record_read``); ``_charge`` says what it is charged.
+
+    Attributes:
+        B: the round's rows.
+        W: its window width.
+        seconds: its own time: from its start (or, drafting late, from the read of
+            the plain round before it) to its end.
+        excess: the time over the plain median of the plain rounds it broke,
+            charged so far (``_charge``).
+    """
 
     B: int
     W: int
     seconds: float
+    excess: float = 0.0
+
+
+def _charge(rule: Window | None, drafted: _Drafted, broken: _Read) -> tuple:
+    """``(rule, drafted)`` once a plain round whose pipelining ``drafted`` broke is read.
+
+    The rule for pricing a drafting round. It cannot pipeline (the host needs its
+    acceptance before it builds the next round), and it breaks the plain rounds'
+    pipeline on both sides: the plain round before it when it drafts late (built
+    while the device runs that round, it reads it only once its verify is handed
+    over, so that round's interval holds its graph building), and the plain round
+    after it (built only after its acceptance is read: nothing to overlap). A
+    drafting round is charged its own time plus, for each plain round it broke, that
+    round's time over the plain median (what it costs in a plain pipeline):
+    ``max(0, seconds + excess)``, recorded once the plain round after it is read (or
+    as it stands, ``_flush``, when none is). A broken round is no plain sample (it
+    ticks the rule's clock). Without a plain median at the drafting round's bucket
+    (none measured yet, or the rows changed between them) the broken round is
+    recorded as a plain sample, as timed."""
+    if rule is None:
+        return None, drafted
+    plain = rule.measured(broken.B, 1)
+    if plain is None or bucket(broken.B) != bucket(drafted.B):
+        return rule.record(broken.B, 1, broken.seconds), drafted
+    excess = drafted.excess + broken.seconds - plain
+    return rule.tick(broken.B), attrs.evolve(drafted, excess=excess)
 
 
 def _record_read(rule: Window | None, rounds: tuple) -> tuple:
@@ -599,9 +632,7 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
     one before it first, so the read ones lead).
 
     A plain round is priced once its tokens are read. A drafting round
-    (``_Drafted``) is priced once the plain round after it is read: that round is
-    no plain sample, and the drafting round is charged its excess over the plain
-    median (``_charge``)."""
+    (``_Drafted``) is priced once the plain round after it is read (``_charge``)."""
     n = 0
     while n < len(rounds):
         r = rounds[n]
@@ -609,7 +640,8 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
             after = rounds[n + 1] if n + 1 < len(rounds) else None
             if after is None or not after.read:
                 break
-            rule, n = _charge(rule, r, after), n + 2
+            rule, r = _charge(rule, r, after)
+            rule, n = _flush(rule, (r,)), n + 2
             continue
         if not r.read:
             break
@@ -619,45 +651,15 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
     return rule, rounds[n:]
 
 
-def _charge(rule: Window | None, drafted: _Drafted, after: _Read) -> Window | None:
-    """``rule`` with a drafting round and the plain round read ``after`` it recorded:
-    the drafting round charged ``after``'s time less the plain median (``after``
-    not recorded: it ticks the rule's clock). Without a plain median yet, or with
-    the rows changed between them (another batch bucket), each is recorded as timed."""
-    if rule is None:
-        return None
-    plain = rule.measured(after.B, 1)
-    if plain is None or bucket(after.B) != bucket(drafted.B):
-        return rule.record(drafted.B, drafted.W, drafted.seconds).record(after.B, 1, after.seconds)
-    charged = max(0.0, drafted.seconds + after.seconds - plain)
-    return rule.record(drafted.B, drafted.W, charged).tick(after.B)
-
-
 def _flush(rule: Window | None, rounds: tuple) -> Window | None:
-    """``rule`` with a drafting round left in ``rounds`` (``_record_read``'s
-    ``rest``, where no plain round was read after it) recorded as timed."""
+    """``rule`` with the drafting rounds in ``rounds`` recorded as charged so far
+    (``_charge``): a plain round after one was read (``_record_read``), or none
+    will be (``_record_read``'s ``rest``: another drafting round came next, or
+    the rows stopped)."""
     for r in rounds:
         if isinstance(r, _Drafted) and rule is not None:
-            rule = rule.record(r.B, r.W, r.seconds)
+            rule = rule.record(r.B, r.W, max(0.0, r.seconds + r.excess))
     return rule
-
-
-def _late_start(rule: Window | None, unrecorded: tuple, last: _Read, t0: float) -> tuple:
-    """``(start, rule, unrecorded)`` for a round that drafted late: built while the
-    device ran the plain round ``last``, which it read only after (``last.done``).
-
-    ``last``'s interval then holds this round's graph building, so it is no plain
-    round's sample: it is not recorded (it ticks the rule's clock). This round is
-    charged what the two cost together less a plain round's median (what ``last``
-    would have cost in a plain pipeline): it starts that long after ``last``'s
-    interval began. Without a plain median yet, ``last`` is recorded as read and
-    this round timed from that read, as a round that read the rows first."""
-    plain = rule.measured(last.B, 1) if rule is not None else None
-    if plain is None:
-        rule, unrecorded = _record_read(rule, unrecorded)
-        return max(t0, last.done), rule, unrecorded
-    rule, rest = _record_read(rule, tuple(r for r in unrecorded if r is not last))
-    return last.done - last.seconds + plain, cast(Window, rule).tick(last.B), rest
 
 
 def _settled(spec: Speculation) -> tuple:
@@ -765,6 +767,7 @@ def step(
     guess: list | None = None  # a late lookup's guess of each row's unread last token
     riders: tuple = (False,) * B  # rows whose drafts ride in paid columns (Lookup.ride_ngram)
     width: int | None = None
+    drafting = _Drafted(B, 1, 0.0)  # this round's sample if it drafts (W, seconds: at its end)
     carry = batch.keys  # greedy rows: nothing draws from the keys
     if draft_model is not None and Kmax:
         if sampled:
@@ -814,8 +817,9 @@ def step(
         # round read (it ran while this round was built)
         mx.async_eval(logits)
         rows = cast(_Context, rows).rows()
-        t0, rule, unrecorded = _late_start(rule, unrecorded, last, t0)
-        last = None
+        rule, unrecorded = _record_read(rule, tuple(r for r in unrecorded if r is not last))
+        rule, drafting = _charge(rule, drafting, last)  # the plain round it read late
+        t0, last = max(t0, last.done), None  # its own time from that read
         if guess is not None:  # a row whose lookup guessed its last token wrong drafted
             assert host is not None  # nothing (its drafts ride as pad, rolled back)
             hit = [g == c[-1] for g, c in zip(guess, rows)]
@@ -890,12 +894,13 @@ def step(
     else:
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
-        # a drafting round before this one, with no plain round after it: as timed;
-        # this one's sample waits for the round after it (``_record_read``)
+        # a drafting round before this one, with no plain round after it: as charged
+        # so far; this one's sample waits for the round after it (``_record_read``)
         rule = _flush(rule, unrecorded)
         elapsed = max(0.0, time.perf_counter() - t0)
         kept = tuple(r for r in unrecorded if isinstance(r, _Read))
-        unrecorded = kept + ((_Drafted(B, width, elapsed),) if rule is not None else ())
+        drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
+        unrecorded = kept + ((drafting,) if rule is not None else ())
     new = derived(
         spec,
         batch=batch,

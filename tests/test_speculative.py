@@ -706,6 +706,55 @@ def test_a_drafting_round_is_charged_the_plain_round_after_it(llama, monkeypatch
     assert spec.window.rounds == {2: 3}  # every round on the clock: d1, d2, p
 
 
+@pytest.mark.parametrize("late_read", [12.5, 10.3], ids=["slow late round", "fast late round"])
+def test_a_late_drafting_round_is_charged_both_plain_rounds_it_broke(llama, monkeypatch, late_read):
+    """A fake clock. A drafting round that drafts late breaks the plain pipeline on both
+    sides: the plain round it reads late (its interval holds the drafting round's graph
+    building) and the plain round after it (nothing to overlap). It is charged its own
+    time plus each one's time over the plain median, the sum floored at 0 once: the
+    wall time it adds over plain rounds (0.2 s of its own, the late round 2.5 s or 0.3 s
+    and the round after it 2 s against a 1 s median). Neither plain round is a plain
+    sample. On the old accounting (two rules, each floored) the fast late round's
+    saving was lost: charged 1.0 s where the rounds cost 0.5 s over plain ones."""
+    now, found, spec = clocked_lookup(llama, monkeypatch, False, 62)
+    ticks: list = []
+
+    def clock():  # now[0], then advanced by a queued tick
+        t = now[0]
+        if ticks:
+            now[0] += ticks.pop(0)
+        return t
+
+    monkeypatch.setattr(sp.time, "perf_counter", clock)
+    spec, plain_round = sp.step(llama, spec, drafter=Lookup())  # plain, from 10
+    assert plain_round.width == 1
+    found[0] = True
+    now[0] = 10.1
+
+    def forward(tokens, states):
+        now[0] = late_read  # the verify built: the plain round read then, 0.2 s before the end
+        ticks.append(0.2)
+        return br.forward(llama, tokens, states)
+
+    spec, d = sp.step(llama, spec, drafter=Lookup(), forward=forward)
+    assert d.width > 1 and plain_round.emitted
+    found[0] = False
+    now[0] = 13.0
+    spec, p = sp.step(llama, spec, drafter=Lookup())  # plain, from 13
+    assert p.width == 1
+    now[0] = 15.0
+    assert len(p.emitted) == 2  # read at 15: 2 s against the plain median's 1
+    now[0] = 16.0
+    spec, _ = sp.step(llama, spec, drafter=Lookup())  # plain: the drafting round priced
+    costs = spec.window.costs
+    assert costs[(2, 1)].uses == 60  # the seeded samples only
+    late = late_read - 10.0
+    charged = 0.2 + (late - 1.0) + (2.0 - 1.0)
+    assert costs[(2, d.width)].seconds[-1] == pytest.approx(charged)
+    assert costs[(2, d.width)].uses == 61
+    assert spec.window.rounds == {2: 3}  # every round on the clock
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
 def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
     """A caller that builds round n + 1 before reading round n (as a plain decode
