@@ -755,6 +755,45 @@ def test_a_late_drafting_round_is_charged_both_plain_rounds_it_broke(llama, monk
     assert spec.window.rounds == {2: 3}  # every round on the clock
 
 
+def test_a_plain_round_between_drafting_rounds_is_charged_once(llama, monkeypatch):
+    """A fake clock. A plain round after a drafting round, read late by the next one
+    (which drafts late), broke both pipelines; its excess is charged once, to the round
+    that read it (its interval holds that round's graph building), and the drafting
+    round before it is recorded as timed."""
+    now, found, spec = clocked_lookup(llama, monkeypatch, True, 64)
+    ticks: list = []
+
+    def clock():  # now[0], then advanced by a queued tick
+        t = now[0]
+        if ticks:
+            now[0] += ticks.pop(0)
+        return t
+
+    monkeypatch.setattr(sp.time, "perf_counter", clock)
+
+    def forward(tokens, states):  # built 0.5 s after the round starts; 0.2 s more after
+        now[0] += 0.5
+        ticks.append(0.2)
+        return br.forward(llama, tokens, states)
+
+    spec, d1 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # 10 .. 10.5
+    found[0] = False
+    now[0] = 11.0
+    spec, p = sp.step(llama, spec, drafter=Lookup())  # plain from 11, left unread
+    found[0] = True
+    now[0] = 12.5
+    spec, d2 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # reads p at 13
+    assert d1.width > 1 and p.width == 1 and d2.width > 1
+    costs = sp.recorded(spec).costs
+    assert costs[(2, 1)].uses == 60  # p is no plain sample
+    charged: dict = {}  # per width, the drafting rounds' charges in order
+    charged.setdefault(d1.width, []).append(0.5)
+    charged.setdefault(d2.width, []).append(0.2 + (13.0 - 11.0) - 1.0)
+    for W, seconds in charged.items():
+        assert costs[(2, W)].seconds[-len(seconds) :] == pytest.approx(tuple(seconds))
+        assert costs[(2, W)].uses == 60 + len(seconds)
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
 def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
     """A caller that builds round n + 1 before reading round n (as a plain decode
