@@ -491,6 +491,15 @@ def _propose_late(
     return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
 
 
+def _checked(host: list, found: tuple, guess: list, rows: tuple) -> tuple:
+    """``(host, found)`` once a late lookup's guesses (``_propose_late``) can be checked
+    against the rows' last tokens, read: a row whose guess was wrong drafted nothing
+    (its drafts, already in the verify window, ride as pad and are rolled back)."""
+    hit = [g == c[-1] for g, c in zip(guess, rows)]
+    host = [d if h else [] for d, h in zip(host, hit)]
+    return host, tuple(f if h else 0 for f, h in zip(found, hit))
+
+
 def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple, tail: int = 1) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
     tokens) in one block forward, right-padded, the pad rolled back. ``context``:
@@ -820,11 +829,9 @@ def step(
         rule, unrecorded = _record_read(rule, tuple(r for r in unrecorded if r is not last))
         rule, drafting = _charge(rule, drafting, last)  # the plain round it read late
         t0, last = max(t0, last.done), None  # its own time from that read
-        if guess is not None:  # a row whose lookup guessed its last token wrong drafted
-            assert host is not None  # nothing (its drafts ride as pad, rolled back)
-            hit = [g == c[-1] for g, c in zip(guess, rows)]
-            host = [d if h else [] for d, h in zip(host, hit)]
-            found = tuple(f if h else 0 for f, h in zip(found, hit))
+        if guess is not None:  # a late lookup's guesses, checked now
+            assert host is not None  # (a lookup round: drafted on the host)
+            host, found = _checked(host, found, guess, rows)
             counts = tuple(len(d) for d in host)
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         # as a plain decode step makes them: greedy rows only: the argmax, keys
