@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Union, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Union, cast
 
 import attrs
 import mlx.core as mx
@@ -75,6 +75,7 @@ class _Read:
     """
 
     __slots__ = ("tokens", "start", "B", "after", "_host", "seconds", "done")
+    drafted: ClassVar[bool] = False  # a round in ``Speculation.unrecorded``: a plain one
 
     def __init__(self, tokens: mx.array, start: float, B: int, after: _Read | None = None):
         self.tokens, self.start, self.B, self.after = tokens, start, B, after
@@ -584,7 +585,7 @@ def recorded(spec: Speculation) -> Window | None:
     them; a drafting round with no plain round read after it as charged so far,
     ``_charge``): what a caller keeps when the rows stop."""
     for r in spec.unrecorded:
-        if isinstance(r, _Read):
+        if not r.drafted:
             r.host()
     rule, rest = _record_read(spec.window, spec.unrecorded)
     return _flush(rule, rest)
@@ -608,6 +609,7 @@ class _Drafted:
     W: int
     seconds: float
     excess: float = 0.0
+    drafted: ClassVar[bool] = True  # (``_Read.drafted``: a plain round)
 
 
 def _charge(rule: Window | None, drafted: _Drafted, broken: _Read) -> tuple:
@@ -645,7 +647,7 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
     n = 0
     while n < len(rounds):
         r = rounds[n]
-        if isinstance(r, _Drafted):
+        if r.drafted:
             after = rounds[n + 1] if n + 1 < len(rounds) else None
             if after is None or not after.read:
                 break
@@ -666,7 +668,7 @@ def _flush(rule: Window | None, rounds: tuple) -> Window | None:
     will be (``_record_read``'s ``rest``: another drafting round came next, or
     the rows stopped)."""
     for r in rounds:
-        if isinstance(r, _Drafted) and rule is not None:
+        if r.drafted and rule is not None:
             rule = rule.record(r.B, r.W, max(0.0, r.seconds + r.excess))
     return rule
 
@@ -905,7 +907,7 @@ def step(
         # so far; this one's sample waits for the round after it (``_record_read``)
         rule = _flush(rule, unrecorded)
         elapsed = max(0.0, time.perf_counter() - t0)
-        kept = tuple(r for r in unrecorded if isinstance(r, _Read))
+        kept = tuple(r for r in unrecorded if not r.drafted)
         drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
         unrecorded = kept + ((drafting,) if rule is not None else ())
     new = derived(
