@@ -105,6 +105,12 @@ class Window:
         decay: per round, how much of a row's older acceptance evidence is kept.
         margin: a wider round is chosen only when its value beats a plain
             step's by this factor.
+        hysteresis: price entering drafting apart from staying in it. A drafting
+            round after a plain round (an entry) is recorded with ``entry=True``
+            under its own key ``(bucket(B), W, "entry")``, and a round after a plain
+            round prices its widths from those samples (``choose``, ``pad`` and
+            ``cost`` with ``entry=True``; the steady ones until an entry width has
+            ``samples`` fresh rounds). Off: one table, ``entry`` ignored.
     """
 
     costs: dict = attrs.field(factory=dict, eq=False, converter=_samples)
@@ -118,6 +124,7 @@ class Window:
     weight: float = 1.0
     decay: float = 0.9
     margin: float = 1.05
+    hysteresis: bool = False
 
     def __attrs_post_init__(self) -> None:
         check(self.samples >= 1, "samples", ">= 1", self.samples)
@@ -148,29 +155,55 @@ class Window:
         plain = self._median(b, 1)
         return max(1.0, s.median / plain) if plain else 1.0
 
-    def _median(self, b: int, W: int) -> float | None:
+    def _key(self, b: int, W: int, entry: bool) -> tuple:
+        """The ``costs`` key of a ``(bucket, W)`` round: ``(b, W, "entry")`` for an
+        entry round under ``hysteresis``, else ``(b, W)``."""
+        return (b, W, "entry") if entry and self.hysteresis and W > 1 else (b, W)
+
+    def _median(self, b: int, W: int, entry: bool = False) -> float | None:
         """``measured`` for a bucket ``b``."""
-        s = self.costs.get((b, W))
+        s = self.costs.get(self._key(b, W, entry))
         if s is None or len(s.seconds) < self.samples or not self._fresh(b, W, s):
             return None
         return s.median
 
-    def measured(self, B: int, W: int) -> float | None:
+    def measured(self, B: int, W: int, entry: bool = False) -> float | None:
         """The median measured seconds of a ``(B, W)`` round, or ``None`` below
-        ``samples`` rounds or when stale.
+        ``samples`` rounds or when stale (``entry``: an entry round's, under
+        ``hysteresis``).
 
         Batch sizes share their power-of-two bucket (``bucket``): rows join and
         leave, and a new ``B`` should not start measuring from nothing."""
-        return self._median(bucket(B), W)
+        return self._median(bucket(B), W, entry)
 
-    def cost(self, B: int, W: int) -> float:
+    def cost(self, B: int, W: int, entry: bool = False) -> float:
         """A ``(B, W)`` round's cost in plain steps of ``B`` rows (measured, else
-        modelled; a stale width no dearer than its old median)."""
+        modelled; a stale width no dearer than its old median; ``entry``: after a
+        plain round, under ``hysteresis``)."""
         check(W >= 1, "W", ">= 1", W)
-        return self._costs(B, W - 1)[W - 1]
+        return self._costs(B, W - 1, entry)[W - 1]
 
-    def _costs(self, B: int, K: int) -> list:
-        """``cost(B, W)`` for ``W = 1 .. K + 1`` (the plain median and the slope read once)."""
+    def _costs(self, B: int, K: int, entry: bool = False) -> list:
+        """``cost(B, W)`` for ``W = 1 .. K + 1`` (the plain median and the slope read once).
+
+        ``entry`` (under ``hysteresis``): a width measured as an entry costs its entry
+        median; another costs its steady cost plus the surcharge an entry measured at
+        the widest entry width (what entering adds does not grow with the width)."""
+        out = self._steady_costs(B, K)
+        b = bucket(B)
+        plain = self._median(b, 1)
+        if not (entry and self.hysteresis) or plain is None:
+            return out
+        fresh = {k[1]: self._median(b, k[1], True) for k in self.costs if len(k) == 3 and k[0] == b}
+        fresh = {W: m / plain for W, m in fresh.items() if m is not None}
+        if not fresh:
+            return out
+        widest = max(fresh)
+        extra = fresh[widest] - self._steady_costs(B, widest - 1)[widest - 1]
+        return [1.0] + [fresh.get(W, c + extra) for W, c in enumerate(out[1:], 2)]
+
+    def _steady_costs(self, B: int, K: int) -> list:
+        """``_costs`` of rounds after a drafting round (all rounds without ``hysteresis``)."""
         b = bucket(B)
         plain = self._median(b, 1)
         if plain is None:
@@ -193,27 +226,30 @@ class Window:
     def _slope(self, b: int, plain: float) -> float:
         """Cost per extra column: from the widest fresh width measured at bucket
         ``b``, else ``slope``."""
-        widths = [w for (c, w) in self.costs if c == b and w > 1 and self._median(b, w)]
+        widths = [k[1] for k in self.costs if len(k) == 2 and k[0] == b and k[1] > 1]
+        widths = [w for w in widths if self._median(b, w)]
         if not widths:
             return self.slope
         W = max(widths)
         return max(0.0, (self.costs[(b, W)].median / plain - 1.0) / (W - 1))
 
-    def record(self, B: int, W: int, seconds: float) -> Window:
-        """This rule with one more measured round (one more round on its bucket's clock).
+    def record(self, B: int, W: int, seconds: float, entry: bool = False) -> Window:
+        """This rule with one more measured round (one more round on its bucket's clock;
+        ``entry``: a drafting round after a plain round, kept apart under ``hysteresis``).
 
         A ``(B, W)``'s first ``discard`` rounds are not kept; a stale width's old
         rounds are dropped when it is measured again."""
         b = bucket(B)
         now = self.rounds.get(b, 0) + 1
-        s = self.costs.get((b, W), _NONE)
+        key = self._key(b, W, entry)
+        s = self.costs.get(key, _NONE)
         if s.uses < self.discard:
             new = Samples(s.seconds, s.median, now, s.uses + 1)
         else:
             kept = ((s.seconds if self._fresh(b, W, s) else ()) + (seconds,))[-self.keep :]
             new = Samples(kept, statistics.median(kept), now, s.uses + 1)
         # derived from a valid rule: not converted or checked again (every round records)
-        return derived(self, costs={**self.costs, (b, W): new}, rounds={**self.rounds, b: now})
+        return derived(self, costs={**self.costs, key: new}, rounds={**self.rounds, b: now})
 
     def tick(self, B: int) -> Window:
         """This rule with one more round on ``B``'s bucket's clock and no sample: a
@@ -236,7 +272,14 @@ class Window:
             return hits + accepted, tries + accepted + (accepted < drafted)
         return hits, tries + bool(missing)
 
-    def choose(self, B: int, alphas: Sequence[float], avail: Sequence[int], widest: int = 0) -> int:
+    def choose(
+        self,
+        B: int,
+        alphas: Sequence[float],
+        avail: Sequence[int],
+        widest: int = 0,
+        entry: bool = False,
+    ) -> int:
         """The window width of a round: 1 (a plain step) or ``1 + k``.
 
         A width ``W`` is priced as the cheapest width from ``W`` to ``widest``
@@ -251,6 +294,7 @@ class Window:
                 taken before drafting).
             widest: the widest window a round may be padded to (``1 +`` the
                 rows' longest draft limit); ``0``: no padding past ``1 + max(avail)``.
+            entry: the round follows a plain round (``hysteresis``).
         """
         K = max(avail, default=0)
         if K == 0 or self.measured(B, 1) is None:  # measure the plain step first
@@ -264,7 +308,7 @@ class Window:
                 gain[k] += total
             for k in range(min(n, K) + 1, K + 1):
                 gain[k] += total
-        costs = self._costs(B, max(K, widest - 1))
+        costs = self._costs(B, max(K, widest - 1), entry)
         best, best_value = 1, float(B) * self.margin
         for W in range(2, K + 2):
             value = (B + gain[W - 1]) / min(costs[W - 1 : max(W, widest)])
@@ -272,14 +316,14 @@ class Window:
                 best, best_value = W, value
         return best
 
-    def pad(self, B: int, W: int, widest: int) -> int:
+    def pad(self, B: int, W: int, widest: int, entry: bool = False) -> int:
         """The width a round chosen ``W`` wide runs at: the cheapest (measured or
         modelled) width from ``W`` to ``widest``, the narrowest of equals; ``W``
         itself for a plain round or when ``widest <= W``. The pad columns are
         rolled back as a shorter draft's are."""
         if W <= 1 or widest <= W:
             return W
-        costs = self._costs(B, widest - 1)
+        costs = self._costs(B, widest - 1, entry)
         return min(range(W, widest + 1), key=lambda w: (costs[w - 1], w))
 
 

@@ -445,10 +445,10 @@ def next_num_draft(k: int, drafted: int, accepted: int, limit: int) -> int:
     return max(k - 1, 1)
 
 
-def _width(rule: Window | None, B: int, K: int, widest: int) -> int:
+def _width(rule: Window | None, B: int, K: int, widest: int, entry: bool) -> int:
     """The verify window of a round whose longest draft is ``K``: ``1 + K``, or wider
     where the rule measured a wider width cheaper (``Window.pad``)."""
-    return 1 + K if rule is None or K == 0 else rule.pad(B, 1 + K, widest)
+    return 1 + K if rule is None or K == 0 else rule.pad(B, 1 + K, widest, entry)
 
 
 def _propose_lookup(
@@ -566,7 +566,7 @@ def _settle_model(drafter: DraftModel, states, anchors, drafts, accepted):
     return [ops.commit(s, a, keep) for s, a in zip(states, anchors)]
 
 
-def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
+def _asked(spec: Speculation, drafter, rule: Window | None, alphas, entry: bool) -> tuple:
     """Each row's draft request before drafting: its adapted ``num_draft``
     without a window rule; with one, ``min(max_draft, W - 1)`` for the width
     the rule picks when every row had its whole limit at hand (a bound:
@@ -575,7 +575,8 @@ def _asked(spec: Speculation, drafter, rule: Window | None, alphas) -> tuple:
         return (0,) * spec.batch_size
     if rule is None:
         return spec.num_draft
-    bound = rule.choose(spec.batch_size, alphas, spec.max_draft, 1 + max(spec.max_draft))
+    widest = 1 + max(spec.max_draft)
+    bound = rule.choose(spec.batch_size, alphas, spec.max_draft, widest, entry)
     return tuple(min(m, bound - 1) for m in spec.max_draft)
 
 
@@ -603,12 +604,17 @@ class _Drafted:
             the plain round before it) to its end.
         excess: the time over the plain median of the plain rounds it broke,
             charged so far (``_charge``).
+        entry: it followed a plain round. Under ``Window.hysteresis`` it is held
+            until the first plain round after its run of drafting rounds is read,
+            and that round is charged to it (the run's later rounds are charged
+            their own time): entering pays for leaving.
     """
 
     B: int
     W: int
     seconds: float
     excess: float = 0.0
+    entry: bool = False
     drafted: ClassVar[bool] = True  # (``_Read.drafted``: a plain round)
 
 
@@ -643,16 +649,20 @@ def _record_read(rule: Window | None, rounds: tuple) -> tuple:
     one before it first, so the read ones lead).
 
     A plain round is priced once its tokens are read. A drafting round
-    (``_Drafted``) is priced once the plain round after it is read (``_charge``)."""
+    (``_Drafted``) is priced once the plain round after it is read (``_charge``);
+    under ``Window.hysteresis`` a run's entry round waits in ``rounds`` with its
+    run's last round, and the plain round after the run is charged to it."""
     n = 0
     while n < len(rounds):
         r = rounds[n]
         if r.drafted:
-            after = rounds[n + 1] if n + 1 < len(rounds) else None
-            if after is None or not after.read:
+            j = n + 1  # the round after the drafting rounds held here
+            while j < len(rounds) and rounds[j].drafted:
+                j += 1
+            if j == len(rounds) or not rounds[j].read:
                 break
-            rule, r = _charge(rule, r, after)
-            rule, n = _flush(rule, (r,)), n + 2
+            rule, r = _charge(rule, r, rounds[j])
+            rule, n = _flush(rule, (r,) + rounds[n + 1 : j]), j + 1
             continue
         if not r.read:
             break
@@ -669,7 +679,7 @@ def _flush(rule: Window | None, rounds: tuple) -> Window | None:
     the rows stopped)."""
     for r in rounds:
         if r.drafted and rule is not None:
-            rule = rule.record(r.B, r.W, max(0.0, r.seconds + r.excess))
+            rule = rule.record(r.B, r.W, max(0.0, r.seconds + r.excess), r.entry)
     return rule
 
 
@@ -765,7 +775,9 @@ def step(
     widest = 1 + max(spec.max_draft)  # the widest window a round may run
     sampled = any(s.temperature > 0 for s in batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
-    asked = _asked(spec, drafter, rule, alphas)
+    # after a plain round (or none): an entry into drafting (``Window.hysteresis``)
+    entry = not (spec.unrecorded and spec.unrecorded[-1].drafted)
+    asked = _asked(spec, drafter, rule, alphas, entry)
     # The last round unread (pipelined): the round is built from what the host knows,
     # the rows' contexts less that round's token (still on the device), and reads it
     # once the verify is handed over; a round that ends plain reads nothing.
@@ -778,7 +790,7 @@ def step(
     guess: list | None = None  # a late lookup's guess of each row's unread last token
     riders: tuple = (False,) * B  # rows whose drafts ride in paid columns (Lookup.ride_ngram)
     width: int | None = None
-    drafting = _Drafted(B, 1, 0.0)  # this round's sample if it drafts (W, seconds: at its end)
+    drafting = _Drafted(B, 1, 0.0, entry=entry)  # its sample if it drafts (W, seconds: at its end)
     carry = batch.keys  # greedy rows: nothing draws from the keys
     if draft_model is not None and Kmax:
         if sampled:
@@ -799,9 +811,9 @@ def step(
                 host = _propose_lookup(cast(tuple, rows), drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand
-            host = [d[: rule.choose(B, alphas, found, widest) - 1] for d in host]
+            host = [d[: rule.choose(B, alphas, found, widest, entry) - 1] for d in host]
         counts = tuple(len(d) for d in host)
-        width = _width(rule, B, max(counts), widest)
+        width = _width(rule, B, max(counts), widest, entry)
         if width > 1 and isinstance(drafter, Lookup) and drafter.ride_ngram < drafter.min_ngram:
             # the round's columns are paid: rows without a draft take a shorter match's
             ride = [width - 1 if a and not c else 0 for a, c in zip(asked, counts)]
@@ -814,7 +826,7 @@ def step(
         drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
     K = max(counts)
     if width is None:  # (the draft model's): wider than its drafts where that measured cheaper
-        width = _width(rule, B, K, widest)
+        width = _width(rule, B, K, widest, entry)
 
     window = batch.tokens[:, None].astype(mx.uint32)
     if K:  # pads past counts
@@ -904,10 +916,13 @@ def step(
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
         # a drafting round before this one, with no plain round after it: as charged
-        # so far; this one's sample waits for the round after it (``_record_read``)
-        rule = _flush(rule, unrecorded)
+        # so far (its run's entry round held, under hysteresis, while the run goes
+        # on); this one's sample waits for the round after it (``_record_read``)
+        hold = rule is not None and rule.hysteresis and not entry
+        keep = [not r.drafted or (hold and r.entry) for r in unrecorded]
+        rule = _flush(rule, tuple(r for r, k in zip(unrecorded, keep) if not k))
+        kept = tuple(r for r, k in zip(unrecorded, keep) if k)
         elapsed = max(0.0, time.perf_counter() - t0)
-        kept = tuple(r for r in unrecorded if not r.drafted)
         drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
         unrecorded = kept + ((drafting,) if rule is not None else ())
     new = derived(

@@ -794,6 +794,63 @@ def test_a_plain_round_between_drafting_rounds_is_charged_once(llama, monkeypatc
         assert costs[(2, W)].uses == 60 + len(seconds)
 
 
+@pytest.mark.parametrize("hysteresis", [True, False])
+def test_a_run_of_drafting_rounds_charges_its_exit(llama, monkeypatch, hysteresis):
+    """A fake clock: a plain round, a run of two drafting rounds (the first drafts late),
+    a slow plain round. Under ``hysteresis`` the run's entry round is held until the
+    plain round after the run is read and is charged it (entering pays for leaving:
+    0.2 s own, the late round 0.5 s and the exit 2 s against a 1 s median), under its
+    entry key; the second round its own time, steady. Without it the exit lands on the
+    run's last round and the entry round is recorded when the next round drafts."""
+    window = seeded([1.0] * 5, batch_sizes=(2,), margin=1.0, discard=0, hysteresis=hysteresis)
+    now, found, _ = clocked_lookup(llama, monkeypatch, False, 66)
+    prompts = [repetitive(66, 9, 3), repetitive(67, 8, 2)]
+    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+    ticks: list = []
+
+    def clock():  # now[0], then advanced by a queued tick
+        t = now[0]
+        if ticks:
+            now[0] += ticks.pop(0)
+        return t
+
+    monkeypatch.setattr(sp.time, "perf_counter", clock)
+
+    def forward(tokens, states):  # the verify built 0.5 s after the round starts
+        now[0] += 0.5
+        ticks.append(0.2)  # then 0.2 s more: after the late read, or to the round's end
+        return br.forward(llama, tokens, states)
+
+    spec, p0 = sp.step(llama, spec, drafter=Lookup())  # plain, from 10, unread
+    found[0] = True
+    spec, d1 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # p0 read at 10.5
+    now[0] = 11.0
+    spec, d2 = sp.step(llama, spec, drafter=Lookup(), forward=forward)  # 11 .. 11.5
+    assert p0.width == 1 and d1.width > 1 and d2.width > 1
+    found[0] = False
+    now[0] = 12.0
+    spec, p = sp.step(llama, spec, drafter=Lookup())  # plain, from 12
+    assert p.width == 1
+    now[0] = 14.0
+    assert len(p.emitted) == 2  # read at 14: 2 s
+    now[0] = 15.0
+    spec, _ = sp.step(llama, spec, drafter=Lookup())
+    costs = spec.window.costs
+    assert costs[(2, 1)].uses == 60  # p0 and p are no plain samples
+    assert spec.window.rounds == {2: 4}
+    entry = 0.2 + (0.5 - 1.0) + (2.0 - 1.0)
+    if hysteresis:
+        assert costs[(2, d1.width, "entry")].seconds == pytest.approx((entry,))
+        assert costs[(2, d2.width)].seconds[-1] == pytest.approx(0.5)
+    else:
+        charged: dict = {}  # per width, the rounds' charges in order
+        charged.setdefault(d1.width, []).append(0.0)  # 0.2 - 0.5, floored
+        charged.setdefault(d2.width, []).append(0.5 + 1.0)
+        for W, seconds in charged.items():
+            assert costs[(2, W)].seconds[-len(seconds) :] == pytest.approx(tuple(seconds))
+        assert not any(len(key) == 3 for key in costs)
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
 def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
     """A caller that builds round n + 1 before reading round n (as a plain decode
@@ -1162,6 +1219,33 @@ def test_window_rule_measures_then_picks_what_pays():
             sp.Window(**{name: value})
     with pytest.raises(kv.KVStateError, match="window"):
         sp.start(tm.llama_model(layers=1), [[1, 2]], window="cost")
+
+
+def test_hysteresis_prices_entering_drafting_apart_from_staying():
+    """Under ``hysteresis`` an entry round (a drafting round after a plain one) is
+    recorded under its own key and a round after a plain round prices its widths from
+    those samples, the steady ones until an entry width is measured; off, ``entry``
+    is ignored (one table)."""
+    w = sp.Window(samples=2, discard=0, hysteresis=True)
+    for _ in range(2):
+        w = w.record(2, 1, 1.0).record(2, 5, 1.0).record(2, 5, 3.0, entry=True)
+    a, avail = [0.6, 0.6], [4, 4]
+    assert w.costs[(2, 5)].seconds == (1.0, 1.0)
+    assert w.costs[(2, 5, "entry")].seconds == (3.0, 3.0)
+    assert w.measured(2, 5) == 1.0 and w.measured(2, 5, entry=True) == 3.0
+    assert w.cost(2, 5) == 1.0 and w.cost(2, 5, entry=True) == 3.0
+    assert w.choose(2, a, avail, 5) == 5  # staying: the steady price pays
+    assert w.choose(2, a, avail, 5, entry=True) == 1  # entering: too dear
+    w = w.record(2, 2, 2.0).record(2, 2, 2.0)  # steady W=2 dear: the others model at 1.0
+    entering = {W: w.cost(2, W, entry=True) for W in range(2, 6)}
+    assert entering == {2: 4.0, 3: 3.0, 4: 3.0, 5: 3.0}  # steady + W=5's extra, W=5 measured
+    assert w.pad(2, 2, 5) == 3 and w.pad(2, 2, 5, entry=True) == 3
+    assert w.measured(2, 4, entry=True) is None  # not measured as an entry
+    unseen = sp.Window(samples=2, discard=0, hysteresis=True)
+    unseen = unseen.record(2, 1, 1.0).record(2, 1, 1.0).record(2, 5, 1.0).record(2, 5, 1.0)
+    assert unseen.cost(2, 5, entry=True) == 1.0  # no entry samples: the steady ones
+    off = sp.Window(samples=2, discard=0).record(2, 5, 3.0, entry=True)
+    assert list(off.costs) == [(2, 5)] and off.costs[(2, 5)].seconds == (3.0,)
 
 
 @settings(max_examples=40, deadline=None)
