@@ -8,6 +8,8 @@ script times, in paired rounds whose order alternates:
 * lookup: ``kvstate.speculative`` with prompt lookup (``Lookup``), every row
   drafting up to its adapted ``num_draft`` each round (no window rule);
 * lookup cost: the same with the cost-aware window (``Window``);
+* lookup entry: the same with ``Window(hysteresis=True)`` (entering drafting
+  priced apart from staying in it);
 * draft cost: a draft model (the target's first ``--draft-layers`` layers)
   with the cost-aware window (``draft``: without it, with ``--fixed-draft``);
 
@@ -167,6 +169,7 @@ def plain_run(model, prompts, T, k):
 
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
+RULES: dict = {"lookup entry": {"hysteresis": True}}  # method -> its Window's options
 TIMELINE: list = []  # per spec_run: [(drafted, seconds)] per loop iteration (--timeline)
 
 FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops; speculative.step's
@@ -183,7 +186,9 @@ def spec_run(model, prompts, T, drafter, k, window=None):
     draft = drafter.model if isinstance(drafter, DraftModel) else None
     batch = started(model, prompts, k, draft)  # prefills done before the clock, once
     if window is not None:  # a fresh batch carrying the method's rule
-        batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
+        batch = attrs.evolve(
+            batch, window=WINDOWS.setdefault(window, sp.Window(**RULES.get(window, {})))
+        )
     drafted = accepted = rounds = plain = 0
     made = [1] * len(prompts)  # tokens per row so far (the first came with the prefill)
     row_drafts, row_done = [0] * len(prompts), [0] * len(prompts)  # per row (--rows)
@@ -281,7 +286,9 @@ def spec_stream(model, queue, B, T, drafter, k, window=None):
     if rows[1:]:
         batch = sp.join(batch, *(firsts[q] for q in rows[1:]))
     if window is not None:
-        batch = attrs.evolve(batch, window=WINDOWS.setdefault(window, sp.Window()))
+        batch = attrs.evolve(
+            batch, window=WINDOWS.setdefault(window, sp.Window(**RULES.get(window, {})))
+        )
     drafted = accepted = rounds = plain = 0
     made, out = [1] * len(rows), {}
     t0, last = time.perf_counter(), None
@@ -388,6 +395,7 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft, stream=0):
         "plain": lambda: plain_run(model, prompts, n, k),
         "lookup": lambda: spec_run(model, prompts, n, Lookup(), k),
         "lookup cost": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup cost"),
+        "lookup entry": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup entry"),
     }
     if with_draft:
         if fixed_draft:
@@ -417,11 +425,17 @@ def show_windows(kind, B, k):
         ratios = ", ".join(
             f"W={W}: {w.cost(B, W):.2f}" for W in range(2, k + 2) if w.measured(B, W) is not None
         )
+        entering = ", ".join(  # under hysteresis: entering drafting, where measured
+            f"W={W}: {w.cost(B, W, entry=True):.2f}"
+            for W in range(2, k + 2)
+            if w.hysteresis and w.measured(B, W, entry=True) is not None
+        )
+        ratios = "; entering ".join(x for x in (ratios or "none", entering) if x)
         base = w.measured(B, 1)
         print(
             f"  window after {kind} B={B}, {name}: plain round "
             f"{base * 1e3 if base else float('nan'):.1f} ms; measured cost in plain rounds: "
-            f"{ratios or 'no wider width measured'}",
+            f"{ratios if ratios != 'none' else 'no wider width measured'}",
             flush=True,
         )
 
