@@ -459,9 +459,10 @@ def seeded(ratios, batch_sizes=(1, 2, 3, 4), n=60, **kw):
     use_model=st.booleans(),
     lookup_with=st.sampled_from([Lookup(min_ngram=1), Lookup(), Lookup(max_ngram=4, min_ngram=3)]),
     pipelined_caller=st.booleans(),
+    hysteresis=st.booleans(),
 )
 def test_window_choice_never_changes_tokens(
-    llama, prompts, k, ratios, prior, use_model, lookup_with, pipelined_caller
+    llama, prompts, k, ratios, prior, use_model, lookup_with, pipelined_caller, hysteresis
 ):
     """Whatever widths the rule picks (costs and priors drawn at random, plain
     rounds between drafting ones, the draft model catching up after them, rows
@@ -470,9 +471,9 @@ def test_window_choice_never_changes_tokens(
     round handed over before the one before it is read), where a round after an
     unread plain round drafts from what the host knows (lookup one round late, its
     guess of the unread token checked once read; the draft model caught up without
-    that token)."""
+    that token); entering drafting priced apart or not (``Window.hysteresis``)."""
     drafter = DraftModel(truncated(llama, 1)) if use_model else lookup_with
-    window = seeded([1.0, *ratios], prior=prior, margin=1.0)
+    window = seeded([1.0, *ratios], prior=prior, margin=1.0, hysteresis=hysteresis)
     spec = sp.start(llama, prompts, drafter=drafter, num_draft=k, window=window)
     rounds: list = []
     if pipelined_caller:
