@@ -852,6 +852,28 @@ def test_a_run_of_drafting_rounds_charges_its_exit(llama, monkeypatch, hysteresi
         assert not any(len(key) == 3 for key in costs)
 
 
+def test_hysteresis_enters_at_the_entry_price_and_stays_at_the_steady_one(llama, monkeypatch):
+    """Under ``hysteresis`` ``step`` prices a round after a plain round (or the first)
+    from the entry samples and a round after a drafting round from the steady ones:
+    entering measured dear (9 plain rounds), staying cheap (1): the round after a plain
+    round stays plain with drafts at hand, the round after a drafting round drafts."""
+    _, found, _ = clocked_lookup(llama, monkeypatch, True, 68)
+    window = seeded([1.0] * 5, batch_sizes=(2,), margin=1.0, hysteresis=True)
+    window = attrs.evolve(window, costs={**window.costs, (2, 5, "entry"): (9.0,) * 60})
+    prompts = [repetitive(68, 9, 3), repetitive(69, 8, 2)]
+    spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
+    spec, first = sp.step(llama, spec, drafter=Lookup())
+    spec, second = sp.step(llama, spec, drafter=Lookup())
+    assert first.width == second.width == 1  # entering: too dear
+    _ = second.emitted
+    drafted = attrs.evolve(spec, unrecorded=(*spec.unrecorded, sp._Drafted(2, 4, 1.0)))
+    _, staying = sp.step(llama, drafted, drafter=Lookup())
+    assert staying.width > 1  # after a drafting round: the steady price
+    off = attrs.evolve(spec, window=attrs.evolve(spec.window, hysteresis=False))
+    _, one_table = sp.step(llama, off, drafter=Lookup())
+    assert one_table.width > 1  # without hysteresis the entry samples are not read
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "draft model", "none"])
 def test_pipelined_plain_rounds_never_wait_inside_step(llama, monkeypatch, drafter):
     """A caller that builds round n + 1 before reading round n (as a plain decode
