@@ -89,7 +89,8 @@ class Window:
     Attributes:
         costs: ``{(bucket(B), W): Samples}``: the measured rounds of window
             width ``W`` at batch sizes in ``B``'s bucket (a tuple of seconds
-            is taken as that many rounds measured at round 0).
+            is taken as that many rounds measured at round 0); entry rounds under
+            ``(bucket(B), W, "entry")`` (``hysteresis``).
         rounds: ``{bucket(B): n}``: rounds recorded at each bucket (the clock
             ``stale`` counts in).
         slope: modelled cost of each window column past the first, in plain
@@ -109,8 +110,10 @@ class Window:
             round after a plain round (an entry) is recorded with ``entry=True``
             under its own key ``(bucket(B), W, "entry")``, and a round after a plain
             round prices its widths from those samples (``choose``, ``pad`` and
-            ``cost`` with ``entry=True``; the steady ones until an entry width has
-            ``samples`` fresh rounds). Off: one table, ``entry`` ignored.
+            ``cost`` with ``entry=True``; ``_costs``: a width not measured as an
+            entry at its steady cost plus the widest entry width's surcharge; the
+            steady costs until an entry is measured). Off: one table, ``entry``
+            ignored.
     """
 
     costs: dict = attrs.field(factory=dict, eq=False, converter=_samples)
