@@ -142,18 +142,28 @@ def clear_columns(planes, cols, hidden=None):
     """
     cols = tuple(c if type(c) is range else tuple(c) for c in cols)
     # a model's layers drop alike: worked out once (the last layout remembered)
-    index, none, M = _clear_indices(cols, None if hidden is None else tuple(hidden))
+    return clear_at(planes, *_clear_indices(cols, None if hidden is None else tuple(hidden)))
+
+
+def clear_at(planes, index, none, M: int) -> tuple:
+    """``clear_columns`` from its worked-out indices (``_clear_indices``: a caller that
+    clears many records of one layout works them out once); planes of one shape
+    (a layer's keys and values) share one broadcast index."""
     if not planes or M == 0:
         return tuple(planes)
     out = []
+    shape = at = zeros = dtype = None
     for p in planes:
-        shape = (p.shape[0], p.shape[1], M, p.shape[3])
-        at = mx.broadcast_to(index, shape)
+        if shape is None or p.shape[1] != shape[1] or p.shape[3] != shape[3]:
+            shape, zeros = (p.shape[0], p.shape[1], M, p.shape[3]), None
+            at = mx.broadcast_to(index, shape)
         if none is not None:
             old = mx.take_along_axis(p, at, axis=2)
             new = mx.where(none, old, mx.zeros(shape, p.dtype))
         else:
-            new = mx.broadcast_to(_zero(p.dtype), shape)
+            if zeros is None or p.dtype != dtype:
+                zeros, dtype = mx.broadcast_to(_zero(p.dtype), shape), p.dtype
+            new = zeros
         out.append(mx.put_along_axis(p, at, new, axis=2))
     return tuple(out)
 
