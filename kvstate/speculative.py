@@ -810,8 +810,9 @@ def step(
             else:
                 host = _propose_lookup(cast(tuple, rows), drafter, asked)
         found = tuple(len(d) for d in host)
-        if rule is not None and any(found):  # the width for the drafts at hand
-            host = [d[: rule.choose(B, alphas, found, widest, entry) - 1] for d in host]
+        if rule is not None and any(found):  # the width for the drafts at hand (once)
+            chosen = rule.choose(B, alphas, found, widest, entry)
+            host = [d[: chosen - 1] for d in host]
         counts = tuple(len(d) for d in host)
         width = _width(rule, B, max(counts), widest, entry)
         if width > 1 and isinstance(drafter, Lookup) and drafter.ride_ngram < drafter.min_ngram:

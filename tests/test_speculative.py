@@ -513,6 +513,31 @@ def test_rows_with_drafts_disabled_run_plain_steps(llama, monkeypatch, use_model
     assert [list(c[len(p) : len(p) + 9]) for c, p in zip(spec.context, prompts)] == want
 
 
+def test_a_drafting_round_chooses_its_width_once_not_once_a_row(llama, monkeypatch):
+    """The rule prices a lookup round twice (the bound before drafting, the width for
+    the drafts at hand), whatever the rows: the width for the drafts is one choice
+    for the batch (it was one identical ``Window.choose`` per row: host work that grew
+    with ``B``)."""
+    prompts = [repetitive(21 + b, 12, 3) for b in range(4)]
+    spec = sp.start(llama, prompts, drafter=Lookup(min_ngram=1), num_draft=4,
+                    window=seeded([1, 1, 1, 1, 1], prior=0.9, margin=1.0))
+    calls = []
+    choose = sp.Window.choose
+
+    def counted(self, *a, **k):
+        calls.append(a[0])
+        return choose(self, *a, **k)
+
+    monkeypatch.setattr(sp.Window, "choose", counted)
+    for _ in range(12):  # to a round in which every row drafts
+        calls.clear()
+        spec, r = sp.step(llama, spec, drafter=Lookup(min_ngram=1))
+        if all(r.drafted):
+            break
+    assert r.width > 1 and all(r.drafted)
+    assert calls == [4, 4]
+
+
 def graph_ops(*arrays):
     """The multiset of primitives in the lazy graph behind ``arrays``
     (``mx.export_to_dot``): what the device will run for them."""
