@@ -538,6 +538,32 @@ def test_a_drafting_round_chooses_its_width_once_not_once_a_row(llama, monkeypat
     assert calls == [4, 4]
 
 
+def test_a_rollback_checks_a_models_layers_once(llama, monkeypatch):
+    """Rolling back every layer of a model to one ``keep`` checks the checkpoint and
+    works out the dropped columns once, not once per layer (the layers hold the same
+    rows: a speculative round's host work); each rollback with its own ``keep``."""
+    from kvstate import _rows
+
+    prompts = [repetitive(31, 9, 3), repetitive(32, 6, 2)]  # rows of two lengths
+    _, states = br.prefill(llama, prompts)
+    cp = kv.checkpoint(states)
+    tokens = mx.array([[1, 2, 3], [4, 5, 6]], dtype=mx.uint32)
+    _, fed = br.forward(llama, tokens, list(states))
+    calls = []
+    check = _rows.check_checkpoint
+
+    def counted(*a):
+        calls.append(1)
+        return check(*a)
+
+    monkeypatch.setattr(_rows, "check_checkpoint", counted)
+    for keep in ([1, 2], [3, 0], [1, 2]):
+        out = br.rollback(llama, fed, cp, keep, tokens)
+        want = tuple(n + k for n, k in zip(states[0].lengths, keep))
+        assert [s.lengths for s in out] == [want] * len(states)
+    assert len(states) == 3 and len(calls) == 3  # one check a rollback (was one a layer)
+
+
 def graph_ops(*arrays):
     """The multiset of primitives in the lazy graph behind ``arrays``
     (``mx.export_to_dot``): what the device will run for them."""
