@@ -17,7 +17,8 @@ a round's wall time is then the interval between two reads); prompt lookup
 without a rule (k <= 4); the cost-aware window. For the drafting rounds the host
 time is split by phase (``--phases``): the rule, drafting, checkpoint, the verify
 forward's graph building, acceptance, the per-row rollback, its hand-over to the
-device (submit), the draft model's settle, the new records, the rest of ``step``; and the sync inside ``step``.
+device (submit), the draft model's settle, the new records, the rest of ``step``;
+and the sync inside ``step``.
 With ``--profile``, the top Python functions of the lookup rounds (cProfile).
 
 ``--tiny``: a random llama with the real model's 30 layers and attention geometry

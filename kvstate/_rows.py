@@ -597,7 +597,13 @@ def rollback_rows(state: _Rows, checkpoint, keep=0):
 def _remember(state, checkpoint, keep, worked) -> None:
     global _LAST_ROLLBACK
     _LAST_ROLLBACK = (
-        state.lengths, state.left_pad, state.row_ids, state.capacity, checkpoint, keep, worked
+        state.lengths,
+        state.left_pad,
+        state.row_ids,
+        state.capacity,
+        checkpoint,
+        keep,
+        worked,
     )
 
 

@@ -519,8 +519,13 @@ def test_a_drafting_round_chooses_its_width_once_not_once_a_row(llama, monkeypat
     for the batch (it was one identical ``Window.choose`` per row: host work that grew
     with ``B``)."""
     prompts = [repetitive(21 + b, 12, 3) for b in range(4)]
-    spec = sp.start(llama, prompts, drafter=Lookup(min_ngram=1), num_draft=4,
-                    window=seeded([1, 1, 1, 1, 1], prior=0.9, margin=1.0))
+    spec = sp.start(
+        llama,
+        prompts,
+        drafter=Lookup(min_ngram=1),
+        num_draft=4,
+        window=seeded([1, 1, 1, 1, 1], prior=0.9, margin=1.0),
+    )
     calls = []
     choose = sp.Window.choose
 
