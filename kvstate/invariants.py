@@ -152,7 +152,10 @@ def clear_at(planes, index, none, M: int) -> tuple:
     if not planes or M == 0:
         return tuple(planes)
     out = []
-    shape = at = zeros = dtype = None
+    shape: Any = None
+    at: Any = None
+    zeros: Any = None
+    dtype: Any = None
     for p in planes:
         if shape is None or p.shape[1] != shape[1] or p.shape[3] != shape[3]:
             shape, zeros = (p.shape[0], p.shape[1], M, p.shape[3]), None
