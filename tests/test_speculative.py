@@ -703,6 +703,22 @@ def clocked_lookup(llama, monkeypatch, found: bool, seed: int):
     return now, flag, sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
 
 
+def ticking(now: list, monkeypatch) -> list:
+    """``ticks``: the fake clock (``clocked_lookup``'s ``now``) made to read ``now[0]``,
+    then advance it by the first queued tick if any (``ticks.append(dt)``: the next
+    reading is followed by a step of ``dt``)."""
+    ticks: list = []
+
+    def clock():
+        t = now[0]
+        if ticks:
+            now[0] += ticks.pop(0)
+        return t
+
+    monkeypatch.setattr(sp.time, "perf_counter", clock)
+    return ticks
+
+
 def test_a_late_drafting_round_is_charged_beyond_a_plain_rounds_median(llama, monkeypatch):
     """A fake clock. A round that drafts late is built while the device runs the unread
     plain round before it, and reads that round only after: the plain round's interval
@@ -774,15 +790,7 @@ def test_a_late_drafting_round_is_charged_both_plain_rounds_it_broke(llama, monk
     sample. On the old accounting (two rules, each floored) the fast late round's
     saving was lost: charged 1.0 s where the rounds cost 0.5 s over plain ones."""
     now, found, spec = clocked_lookup(llama, monkeypatch, False, 62)
-    ticks: list = []
-
-    def clock():  # now[0], then advanced by a queued tick
-        t = now[0]
-        if ticks:
-            now[0] += ticks.pop(0)
-        return t
-
-    monkeypatch.setattr(sp.time, "perf_counter", clock)
+    ticks = ticking(now, monkeypatch)
     spec, plain_round = sp.step(llama, spec, drafter=Lookup())  # plain, from 10
     assert plain_round.width == 1
     found[0] = True
@@ -818,15 +826,7 @@ def test_a_plain_round_between_drafting_rounds_is_charged_once(llama, monkeypatc
     that read it (its interval holds that round's graph building), and the drafting
     round before it is recorded as timed."""
     now, found, spec = clocked_lookup(llama, monkeypatch, True, 64)
-    ticks: list = []
-
-    def clock():  # now[0], then advanced by a queued tick
-        t = now[0]
-        if ticks:
-            now[0] += ticks.pop(0)
-        return t
-
-    monkeypatch.setattr(sp.time, "perf_counter", clock)
+    ticks = ticking(now, monkeypatch)
 
     def forward(tokens, states):  # built 0.5 s after the round starts; 0.2 s more after
         now[0] += 0.5
@@ -863,15 +863,7 @@ def test_a_run_of_drafting_rounds_charges_its_exit(llama, monkeypatch, hysteresi
     now, found, _ = clocked_lookup(llama, monkeypatch, False, 66)
     prompts = [repetitive(66, 9, 3), repetitive(67, 8, 2)]
     spec = sp.start(llama, prompts, drafter=Lookup(), num_draft=3, window=window)
-    ticks: list = []
-
-    def clock():  # now[0], then advanced by a queued tick
-        t = now[0]
-        if ticks:
-            now[0] += ticks.pop(0)
-        return t
-
-    monkeypatch.setattr(sp.time, "perf_counter", clock)
+    ticks = ticking(now, monkeypatch)
 
     def forward(tokens, states):  # the verify built 0.5 s after the round starts
         now[0] += 0.5
