@@ -102,25 +102,46 @@ class _Read:
 
 
 class _Context:
-    """Rows' contexts whose last token (a plain round's) is not read yet: a
-    ``Speculation.context`` that reads it (``_Read``) when first looked at.
-    ``before`` is the rows' contexts before it (a tuple, or the previous round's
-    unread ``_Context``: at most one deep, ``_settled``)."""
+    """Rows' contexts with the tokens of the plain rounds since they were last built
+    as tuples not appended yet: a ``Speculation.context`` that appends them (reading
+    the last, ``_Read``, when nothing read it) when first looked at. ``before`` is the
+    rows' contexts before those rounds (a tuple), ``reads`` the rounds (``_Read``s,
+    oldest first; all but the last read, ``_settled``). A run of plain rounds appends
+    its tokens to the whole contexts once (``rows``), not once a round: a context's
+    tuple is ``O(len)`` to build."""
 
-    __slots__ = ("before", "read", "_rows")
+    __slots__ = ("before", "reads", "_rows")
 
-    def __init__(self, before: tuple | _Context, read: _Read):
-        self.before, self.read = before, read
+    def __init__(self, before: tuple, reads: tuple):
+        self.before, self.reads = before, reads
         self._rows: tuple | None = None
+
+    @property
+    def read(self) -> _Read:
+        """The last plain round (its tokens maybe unread)."""
+        return self.reads[-1]
 
     def __len__(self) -> int:
         return len(self.before)
 
     def rows(self) -> tuple:
         if self._rows is None:
-            before = self.before if isinstance(self.before, tuple) else self.before.rows()
-            self._rows = tuple(c + (t,) for c, t in zip(before, self.read.host()))
+            new = zip(*(r.host() for r in self.reads))  # per row, its tokens since before
+            self._rows = tuple(c + t for c, t in zip(self.before, new))
         return self._rows
+
+    def known(self) -> tuple:
+        """The contexts less the last round's token (read or not)."""
+        if len(self.reads) == 1:
+            return self.before
+        return _Context(self.before, self.reads[:-1]).rows()
+
+    def then(self, read: _Read) -> _Context:
+        """These contexts and one more plain round's tokens (after the tuples, where
+        a round built them: a lookup's)."""
+        if self._rows is not None:
+            return _Context(self._rows, (read,))
+        return _Context(self.before, self.reads + (read,))
 
 
 def _contexts(c) -> tuple | _Context:
@@ -472,7 +493,7 @@ def _ride(rows, late: bool, drafter: Lookup, ride: list, host: list, guess: list
         base = guess if guess is not None else [None] * len(host)
         guess = [m if r else g for g, m, r in zip(base, more, ride)]
     else:
-        extra = _propose_lookup(rows, drafter, ride, drafter.ride_ngram)
+        extra = _propose_lookup(_rows(rows), drafter, ride, drafter.ride_ngram)
     host = [e if r else d for d, e, r in zip(host, extra, ride)]
     return host, guess, tuple(bool(r and e) for e, r in zip(extra, ride))
 
@@ -486,9 +507,7 @@ def _propose_late(
     drafts the ``k`` after it; the drafts count only where the guess was right,
     which ``step`` checks once it has read the token (the verify is built by then).
     A row with no guess (a lookup of fewer than two tokens) drafts nothing."""
-    found = _propose_lookup(
-        cast(tuple, rows.before), drafter, [k + 1 if k else 0 for k in asked], min_ngram
-    )
+    found = _propose_lookup(rows.known(), drafter, [k + 1 if k else 0 for k in asked], min_ngram)
     return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
 
 
@@ -683,6 +702,9 @@ def _flush(rule: Window | None, rounds: tuple) -> Window | None:
     return rule
 
 
+SETTLE = 32  # plain rounds whose tokens a _Context holds at most before they are appended
+
+
 def _settled(spec: Speculation) -> tuple:
     """``(context, last)`` at a round's start, without waiting for the last round:
     a plain round two rounds back is read now (if nothing read it: at most one
@@ -690,16 +712,25 @@ def _settled(spec: Speculation) -> tuple:
     with ``mx.async_eval`` keeps it); the last round's tokens, when still unread,
     are handed to the device (``mx.async_eval``: the caller has dropped that
     round's input records by now, so the appends write in place) and returned as
-    ``last``, to be read after this round is built."""
+    ``last``, to be read after this round is built. ``context`` is a tuple, or a
+    ``_Context`` (``_rows`` makes its tuple where a round needs it): a run of plain
+    rounds appends their tokens once, up to ``SETTLE`` rounds at a time."""
     c = spec._context
     if not isinstance(c, _Context):
         return c, None
-    if isinstance(c.before, _Context):
-        c = _Context(c.before.rows(), c.read)
+    if len(c.reads) > 1:
+        c.reads[-2].host()  # (a no-op when read: the round two back)
+    if len(c.reads) > SETTLE:
+        c = _Context(_Context(c.before, c.reads[:-1]).rows(), c.reads[-1:])
     if c.read.read:
-        return c.rows(), None
+        return c, None
     mx.async_eval(c.read.tokens)
     return c, c.read
+
+
+def _rows(rows: tuple | _Context) -> tuple:
+    """The rows' contexts as tuples (every plain round's token read)."""
+    return rows if isinstance(rows, tuple) else rows.rows()
 
 
 def _submit(*models) -> None:
@@ -795,8 +826,8 @@ def step(
     if draft_model is not None and Kmax:
         if sampled:
             round_keys, carry = _round_keys(batch.keys, Kmax)
-        known = cast(_Context, rows).before if late else rows  # late: less its last token
-        dstates = _catch_up(draft_model, spec, cast(tuple, known), 0 if late else 1)
+        known = cast(_Context, rows).known() if late else _rows(rows)  # late: less its last
+        dstates = _catch_up(draft_model, spec, known, 0 if late else 1)
         anchors = [ops.anchor(s) for s in dstates]
         drafts_dev, q, dstates = _propose_model(
             spec, draft_model, dstates, Kmax, params, round_keys, sampled
@@ -808,7 +839,7 @@ def step(
             if late:  # drafts from the rows' contexts less the unread last token
                 host, guess = _propose_late(cast(_Context, rows), drafter, asked)
             else:
-                host = _propose_lookup(cast(tuple, rows), drafter, asked)
+                host = _propose_lookup(_rows(rows), drafter, asked)
         found = tuple(len(d) for d in host)
         if rule is not None and any(found):  # the width for the drafts at hand (once)
             chosen = rule.choose(B, alphas, found, widest, entry)
@@ -911,11 +942,12 @@ def step(
     emitted: tuple | _Read
     context: tuple | _Context
     if K == 0:  # read later (``_Read``); a later step records its cost
-        context, unrecorded = _Context(rows, read), unrecorded + (read,)
+        context = rows.then(read) if isinstance(rows, _Context) else _Context(rows, (read,))
+        unrecorded = unrecorded + (read,)
         emitted = read
     else:
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
-        context = tuple(c + e for c, e in zip(cast(tuple, rows), emitted))
+        context = tuple(c + e for c, e in zip(_rows(rows), emitted))
         # a drafting round before this one, with no plain round after it: as charged
         # so far (its run's entry round held, under hysteresis, while the run goes
         # on); this one's sample waits for the round after it (``_record_read``)

@@ -973,6 +973,38 @@ def pipelined(model, spec, T, drafter, rounds=None):
     return [list(c[len(p) : len(p) + T + 1]) for c, p in zip(spec.context, prompts)], spec
 
 
+@pytest.mark.parametrize("read_each", [False, True], ids=["pipelined", "read each round"])
+def test_a_run_of_plain_rounds_builds_the_context_tuples_once(llama, monkeypatch, read_each):
+    """Plain rounds append their tokens to the rows' context tuples (``O(len)`` each)
+    once, when the context is looked at (or every ``SETTLE`` rounds), not once a round;
+    the tokens are the plain loop's. On the old code every ``step`` after the first
+    built every row's tuple again (8 rounds: 6 builds pipelined, 7 read each round)."""
+    prompts = [repetitive(70, 11, 3), repetitive(71, 8, 2)]
+    want = plain(llama, prompts, 8)
+    never = sp.Window(samples=1, discard=0, margin=float("inf"))
+    spec = sp.start(llama, prompts, drafter=Lookup(), window=never)
+    built, real = [], sp._Context.rows
+
+    def rows(self):
+        if self._rows is None:
+            built.append(1)
+        return real(self)
+
+    monkeypatch.setattr(sp._Context, "rows", rows)
+    last = None
+    for _ in range(8):
+        spec, r = sp.step(llama, spec, drafter=Lookup())
+        assert r.width == 1
+        if read_each:
+            _ = r.emitted
+        elif last is not None:
+            _ = last.emitted
+        last = r
+    assert built == []
+    assert [list(c[len(p) :]) for c, p in zip(spec.context, prompts)] == want
+    assert built == [1]
+
+
 def test_asked_rounds_that_end_plain_never_wait(llama, monkeypatch):
     """A pipelined caller, a rule that asks every row for lookup drafts every round,
     and no draft found: every round ends plain and builds without waiting for the
