@@ -202,7 +202,8 @@ class Window:
         if not fresh:
             return out
         widest = max(fresh)
-        extra = fresh[widest] - self._steady_costs(B, widest - 1)[widest - 1]
+        steady = out if widest - 1 <= K else self._steady_costs(B, widest - 1)
+        extra = fresh[widest] - steady[widest - 1]
         return [1.0] + [fresh.get(W, c + extra) for W, c in enumerate(out[1:], 2)]
 
     def _steady_costs(self, B: int, K: int) -> list:
