@@ -10,6 +10,9 @@ script times, in paired rounds whose order alternates:
 * lookup cost: the same with the cost-aware window (``Window``);
 * lookup entry: the same with ``Window(hysteresis=True)`` (entering drafting
   priced apart from staying in it);
+* lookup fresh: the same as lookup cost with a new ``Window`` for each prompt kind
+  and batch size (what one ``kvstate generate`` process has: no round costs
+  measured under another kind's mix);
 * draft cost: a draft model (the target's first ``--draft-layers`` layers)
   with the cost-aware window (``draft``: without it, with ``--fixed-draft``);
 
@@ -170,6 +173,7 @@ def plain_run(model, prompts, T, k):
 
 WINDOWS: dict = {}  # method -> the Window it carries through the process
 RULES: dict = {"lookup entry": {"hysteresis": True}}  # method -> its Window's options
+FRESH = ("lookup fresh",)  # methods whose Window starts anew at each kind and batch size
 TIMELINE: list = []  # per spec_run: [(drafted, seconds)] per loop iteration (--timeline)
 
 FORWARD: list = [None]  # --compiled: the target's one Decoder (both loops; speculative.step's
@@ -396,6 +400,7 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft, stream=0):
         "lookup": lambda: spec_run(model, prompts, n, Lookup(), k),
         "lookup cost": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup cost"),
         "lookup entry": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup entry"),
+        "lookup fresh": lambda: spec_run(model, prompts, n, Lookup(), k, "lookup fresh"),
     }
     if with_draft:
         if fixed_draft:
@@ -420,7 +425,8 @@ def methods_for(model, draft, prompts, n, k, with_draft, fixed_draft, stream=0):
 
 def show_windows(kind, B, k):
     """What each method's window rule has measured at ``B`` so far on this device:
-    a round's cost by width, in plain rounds of the same batch bucket."""
+    a round's cost by width, in plain rounds of the same batch bucket, and the
+    price the rule reads for every width (measured, stale or modelled)."""
     for name, w in WINDOWS.items():
         ratios = ", ".join(
             f"W={W}: {w.cost(B, W):.2f}" for W in range(2, k + 2) if w.measured(B, W) is not None
@@ -432,10 +438,12 @@ def show_windows(kind, B, k):
         )
         ratios = "; entering ".join(x for x in (ratios or "none", entering) if x)
         base = w.measured(B, 1)
+        priced = " ".join(f"{w.cost(B, W):.2f}" for W in range(2, k + 2))  # what choose reads
         print(
             f"  window after {kind} B={B}, {name}: plain round "
             f"{base * 1e3 if base else float('nan'):.1f} ms; measured cost in plain rounds: "
-            f"{ratios if ratios != 'none' else 'no wider width measured'}",
+            f"{ratios if ratios != 'none' else 'no wider width measured'}; "
+            f"priced W=2..{k + 1}: {priced}",
             flush=True,
         )
 
@@ -592,6 +600,8 @@ def main(argv=None):
                 )
                 return {m: f for m, f in ms.items() if not args.methods or m in args.methods}
 
+            for m in FRESH:  # a new rule for this kind and batch size (warm-up included)
+                WINDOWS.pop(m, None)
             for f in chosen(args.warmup_tokens).values():  # warm-up: a short run of each
                 f()
             methods = chosen(T)
