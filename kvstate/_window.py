@@ -14,11 +14,14 @@ acceptance: recent evidence, decayed each round toward a prior, so a row
 that stopped drafting is tried again later). ``cost(B, W)`` is the median
 of the last rounds measured on the device in use (wall time of a whole
 round, host work included); a width's first round at a batch bucket is not
-kept (it pays one-time compilation), and a width not measured for ``stale``
-rounds of its bucket times its cost in plain rounds is stale: it is modelled
-again (no dearer than its old median), so the rule can choose it and
-re-measure it, and its old samples are dropped when it is. Until a width has
-``samples`` fresh rounds, the model ``1 + slope * (W - 1)`` plain steps,
+kept (it pays one-time compilation). A price goes stale with the rule's
+clock: a width not measured for ``stale`` rounds of its bucket (times its
+excess over the prior model, in plain rounds, where that is over 1) is
+modelled again (no dearer than its old median), so the rule can choose it,
+and one round re-measures it (its old samples dropped): a price measured
+under another mix of rounds (another kind of prompt) cannot keep a width out
+for long, and a width far dearer than the model is retried rarely. Until a
+width has ``samples`` fresh rounds, the model ``1 + slope * (W - 1)`` plain steps,
 ``slope`` taken from the widest fresh width measured (the prior ``slope``
 before any). The chosen width maximizes ``value``; ``W = 1`` (a plain step)
 unless a wider round beats it by ``margin``. Decisions and the reasons: ``notes/speculative.md``.
@@ -98,9 +101,9 @@ class Window:
         samples: fresh measured rounds of a ``(B, W)`` before its median replaces the model.
         keep: measured rounds kept per ``(B, W)``.
         discard: first rounds of each ``(B, W)`` not kept (compilation, tracing).
-        stale: rounds of its bucket, times the width's cost in plain rounds,
-            after which its last measurement is stale (the width is modelled
-            again until re-measured).
+        stale: rounds of its bucket after which a width's last measurement is
+            stale (modelled again until one round re-measures it), times its
+            excess over the prior model in plain rounds where that is over 1.
         prior: a row's acceptance before (and long after) it drafted.
         weight: pseudo-drafts behind the prior.
         decay: per round, how much of a row's older acceptance evidence is kept.
@@ -122,7 +125,7 @@ class Window:
     samples: int = 3
     keep: int = 9
     discard: int = 1
-    stale: int = 256
+    stale: int = 64
     prior: float = 0.5
     weight: float = 1.0
     decay: float = 0.9
@@ -140,23 +143,34 @@ class Window:
         check(self.slope >= 0, "slope", ">= 0", self.slope)
 
     def _fresh(self, b: int, W: int, s: Samples) -> bool:
-        """Measured within ``stale * cost`` rounds of its bucket (``cost`` in plain
-        rounds, at least 1): re-measuring a width costs its price, so a dear width
-        is retried less often and re-measuring takes under ``samples / stale`` of the
-        time however dear it is."""
+        """Measured within ``stale * excess`` rounds of its bucket (``excess``: its
+        price over the prior model's, in plain rounds, at least 1). A re-measuring
+        round costs the price, so one far dearer than the model is retried less
+        often: re-measuring takes about ``1 / stale`` of the time or less however
+        dear the width is, and a width near the model is retried every ``stale``
+        rounds (a price from another mix of rounds does not last)."""
         age = self.rounds.get(b, 0) - s.at
-        if age <= self.stale:  # fresh at any price (a price is at least 1)
+        if age <= self.stale:  # fresh at any price (an excess is at least 1)
             return True
-        return age <= self.stale * self._price(b, W, s)
+        return age <= self.stale * self._excess(b, W, s)
 
-    def _price(self, b: int, W: int, s: Samples) -> float:
-        """A measured width's cost in plain rounds of bucket ``b``, at least 1: its
-        median over the plain rounds' fresh median; 1 for plain rounds themselves
+    def _excess(self, b: int, W: int, s: Samples) -> float:
+        """A measured width's cost in plain rounds of bucket ``b`` over the prior
+        model's ``1 + slope * (W - 1)``, at least 1; 1 for plain rounds themselves
         and where either median is missing."""
         if W == 1 or s.median is None:
             return 1.0
         plain = self._median(b, 1)
-        return max(1.0, s.median / plain) if plain else 1.0
+        if not plain:
+            return 1.0
+        return max(1.0, s.median / plain - self.slope * (W - 1) - 1.0)
+
+    def _enough(self, s: Samples) -> bool:
+        """``samples`` rounds kept, or one where the width had ``samples`` before: a
+        stale width is re-measured in one round (compiled already; it was dropped
+        for its age, not its noise)."""
+        need = 1 if s.uses > self.discard + self.samples else self.samples
+        return len(s.seconds) >= need
 
     def _key(self, b: int, W: int, entry: bool) -> tuple:
         """The ``costs`` key of a ``(bucket, W)`` round: ``(b, W, "entry")`` for an
@@ -166,7 +180,7 @@ class Window:
     def _median(self, b: int, W: int, entry: bool = False) -> float | None:
         """``measured`` for a bucket ``b``."""
         s = self.costs.get(self._key(b, W, entry))
-        if s is None or len(s.seconds) < self.samples or not self._fresh(b, W, s):
+        if s is None or not self._enough(s) or not self._fresh(b, W, s):
             return None
         return s.median
 
@@ -222,7 +236,7 @@ class Window:
                 slope = self._slope(b, plain)
             model = 1.0 + slope * (W - 1)
             old = self.costs.get((b, W))
-            if old is not None and len(old.seconds) >= self.samples:
+            if old is not None and self._enough(old):
                 model = min(model, old.median / plain)  # stale: re-measured if the model pays
             out.append(model)
         return out

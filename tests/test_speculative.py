@@ -1424,9 +1424,10 @@ def test_first_use_rounds_are_not_kept():
 
 def test_stale_widths_are_modelled_again_and_remeasured():
     """A width the rule dropped on an inflated measurement is stale after ``stale``
-    rounds of its bucket times its cost (a dear width is retried less often):
-    modelled again (never dearer than its old median), chosen when the model says
-    it pays, and its old rounds are dropped when re-measured."""
+    rounds of its bucket times its excess over the prior model (a dear width is
+    retried less often): modelled again (never dearer than its old median), chosen
+    when the model says it pays, its old rounds dropped and its price known again
+    from the one round that re-measures it."""
     w = sp.Window(samples=2, discard=0, stale=5)
     for _ in range(2):
         w = w.record(2, 1, 1.0).record(2, 2, 1.2)  # W=2: 0.2 plain steps per column
@@ -1438,22 +1439,51 @@ def test_stale_widths_are_modelled_again_and_remeasured():
     while w.measured(2, 4) is not None:  # the rule keeps W=2 and plain: W=4 not measured
         assert w.choose(2, a, [3, 3]) == 2
         w, rounds = w.record(2, 2, 1.2).record(2, 1, 1.0), rounds + 2
-    assert 5 * 30 < rounds <= 5 * 30 + 2  # stale after stale * its cost (30 plain rounds)
+    excess = 30 - (1 + 0.25 * 3)  # over the prior model of a 4-wide round, in plain rounds
+    assert 5 * excess < rounds <= 5 * excess + 2  # stale after stale * its excess
     assert w.cost(2, 4) == pytest.approx(1.6)  # the fresh W=2's slope models it
     assert w.choose(2, a, [3, 3]) == 4
     w = w.record(2, 4, 1.6)
     assert w.costs[(2, 4)].seconds == (1.6,)  # the inflated rounds are gone
+    assert w.measured(2, 4) == 1.6 and w.choose(2, a, [3, 3]) == 4  # one round re-prices it
     w = w.record(2, 4, 1.6)
-    assert w.measured(2, 4) == 1.6 and w.choose(2, a, [3, 3]) == 4
+    assert w.measured(2, 4) == 1.6
     fresh = sp.Window(samples=1, discard=0).record(1, 1, 1.0).record(1, 3, 9.0)
     assert fresh.cost(1, 3) == 9.0  # a fresh measurement is the cost, model or not
+
+
+def test_a_price_from_another_mix_of_rounds_does_not_keep_a_width_out():
+    """A fake clock, from the H200 (session 8, third batch): after low-acceptance
+    kinds the table held W=2 at 1.42 and W=4 at 2.71 plain rounds (isolated
+    drafting rounds, each paying for the plain rounds it broke), and a kind that
+    drafts every round (a drafting round then ~1.1-1.2 plain rounds, whatever its
+    width) stayed at W=2: W=2 was re-measured each round, W=4 never, and the
+    slope from W=4 priced W=5 out. The default rule must widen within about
+    ``stale`` rounds of the bucket, and then keep the wide window."""
+    plain = 8.3e-3
+    w = sp.Window(
+        costs={(8, 1): [plain] * 9, (8, 2): [1.42 * plain] * 9, (8, 4): [2.71 * plain] * 9}
+    )
+    true = {1: 1.0, 2: 1.09, 3: 1.12, 4: 1.15, 5: 1.18}  # the drafting kind's real prices
+    widths = []
+    for _ in range(3 * w.stale):
+        W = w.pad(8, w.choose(8, [0.9] * 8, [4] * 8, widest=5), 5)
+        widths.append(W)
+        w = w.record(8, W, true[W] * plain)
+    assert widths[0] == 2  # the old table's choice
+    first = widths.index(5)
+    assert first <= w.stale + 2, widths
+    later = widths[first:]
+    assert later.count(5) >= len(later) - 3, widths  # wide from then on (plain re-measured)
+    assert w.cost(8, 4) < 1.2  # W=4 priced from the new mix
 
 
 @pytest.mark.parametrize("dear", [2.0, 10.0, 40.0])
 def test_remeasuring_a_dear_width_costs_a_bounded_share_of_time(dear):
     """A fake clock: a width that never pays (``dear`` plain rounds) is retried
-    when stale, but its re-measuring rounds take under ``samples / stale`` of the
-    run's time however dear it is (stale after ``stale * cost`` rounds)."""
+    when stale, but its re-measuring rounds take under ``2 / stale`` of the run's
+    time however dear it is (stale after ``stale * excess`` rounds; one round
+    re-measures it)."""
     w, spent, total = sp.Window(stale=64), 0.0, 0.0
     for r in range(8000):
         W = w.choose(1, [0.6], [1])
@@ -1462,7 +1492,7 @@ def test_remeasuring_a_dear_width_costs_a_bounded_share_of_time(dear):
         if r >= 100:  # after its first measurement
             total += seconds
             spent += seconds if W == 2 else 0.0
-    assert 0 < spent / total < w.samples / w.stale
+    assert 0 < spent / total < 2 / w.stale
 
 
 @settings(max_examples=60, deadline=None)
