@@ -39,6 +39,10 @@ from .errors import check
 from .records import derived
 
 
+FREE = 1e-6  # the least price, in plain rounds: a round charged nothing (``_charge`` floors
+# a drafting round's charge at 0) is priced as nearly free, never divided by
+
+
 def bucket(B: int) -> int:
     """The power of two at or above ``B`` (the compiled decoder's batch bucket,
     ``_buckets.bucket_of``): batch sizes whose round costs are pooled."""
@@ -148,17 +152,24 @@ class Window:
         round costs the price, so one far dearer than the model is retried less
         often: re-measuring takes about ``1 / stale`` of the time or less however
         dear the width is, and a width near the model is retried every ``stale``
-        rounds (a price from another mix of rounds does not last)."""
+        rounds (a price from another mix of rounds does not last).
+
+        The plain round's median, the unit of every price, is stale after ``4 *
+        stale`` rounds: re-measuring it in a run of drafting rounds takes plain
+        rounds the rule would not choose (the first after a drafting round is
+        broken, no sample: ``speculative._charge``), and it drifts less than the
+        prices measured in it."""
         age = self.rounds.get(b, 0) - s.at
+        if W == 1:  # the unit (below)
+            return age <= 4 * self.stale
         if age <= self.stale:  # fresh at any price (an excess is at least 1)
             return True
         return age <= self.stale * self._excess(b, W, s)
 
     def _excess(self, b: int, W: int, s: Samples) -> float:
         """A measured width's cost in plain rounds of bucket ``b`` over the prior
-        model's ``1 + slope * (W - 1)``, at least 1; 1 for plain rounds themselves
-        and where either median is missing."""
-        if W == 1 or s.median is None:
+        model's ``1 + slope * (W - 1)``, at least 1; 1 where either median is missing."""
+        if s.median is None:
             return 1.0
         plain = self._median(b, 1)
         if not plain:
@@ -218,7 +229,7 @@ class Window:
         widest = max(fresh)
         steady = out if widest - 1 <= K else self._steady_costs(B, widest - 1)
         extra = fresh[widest] - steady[widest - 1]
-        return [1.0] + [fresh.get(W, c + extra) for W, c in enumerate(out[1:], 2)]
+        return [1.0] + [max(fresh.get(W, c + extra), FREE) for W, c in enumerate(out[1:], 2)]
 
     def _steady_costs(self, B: int, K: int) -> list:
         """``_costs`` of rounds after a drafting round (all rounds without ``hysteresis``)."""
@@ -230,14 +241,14 @@ class Window:
         for W in range(2, K + 2):
             wide = self._median(b, W)
             if wide is not None:
-                out.append(wide / plain)
+                out.append(max(wide / plain, FREE))
                 continue
             if slope is None:
                 slope = self._slope(b, plain)
             model = 1.0 + slope * (W - 1)
             old = self.costs.get((b, W))
             if old is not None and self._enough(old):
-                model = min(model, old.median / plain)  # stale: re-measured if the model pays
+                model = max(min(model, old.median / plain), FREE)  # stale: re-measured if it pays
             out.append(model)
         return out
 

@@ -650,14 +650,18 @@ def _charge(rule: Window | None, drafted: _Drafted, broken: _Read) -> tuple:
     round's time over the plain median (what it costs in a plain pipeline):
     ``max(0, seconds + excess)``, recorded once the plain round after it is read (or
     as it stands, ``_flush``, when none is). A broken round is no plain sample (it
-    ticks the rule's clock). Without a plain median at the drafting round's bucket
-    (none measured yet, or the rows changed between them) the broken round is
-    recorded as a plain sample, as timed."""
+    ticks the rule's clock), not even where the plain median is stale: the plain
+    rounds the rule then runs measure it, the first of them broken, the next ones
+    pipelined (a broken round's time as a plain sample put the H200's plain median
+    at twice the plain loop's). Where the rows changed bucket between them the
+    broken round is recorded as a plain sample of its own bucket, as timed."""
     if rule is None:
         return None, drafted
-    plain = rule.measured(broken.B, 1)
-    if plain is None or bucket(broken.B) != bucket(drafted.B):
+    if bucket(broken.B) != bucket(drafted.B):
         return rule.record(broken.B, 1, broken.seconds), drafted
+    plain = rule.measured(broken.B, 1)
+    if plain is None:  # stale: no excess to charge, and no plain sample
+        return rule.tick(broken.B), drafted
     excess = drafted.excess + broken.seconds - plain
     return rule.tick(broken.B), attrs.evolve(drafted, excess=excess)
 

@@ -820,6 +820,29 @@ def test_a_late_drafting_round_is_charged_both_plain_rounds_it_broke(llama, monk
     assert spec.window.rounds == {2: 3}  # every round on the clock
 
 
+def test_a_broken_plain_round_is_no_plain_sample_when_the_plain_median_is_stale():
+    """A plain round a drafting round broke is timed with the drafting round's host
+    work in it: never a plain sample, also where the plain median is stale (the rule
+    then runs plain rounds, which measure it). On the old rule it was recorded as
+    timed there, and on the H200 such rounds put the plain median at twice the
+    plain loop's (drafting then priced under a plain round, charged nothing)."""
+    w = sp.Window(samples=1, discard=0, stale=4)
+    w = w.record(2, 1, 1.0).record(2, 3, 1.5)
+    for _ in range(4 * 4 + 1):
+        w = w.record(2, 3, 1.5)
+    assert w.measured(2, 1) is None  # stale after 4 * stale rounds of drafting
+    broken = sp._Read(mx.array([0, 0]), 0.0, 2)
+    broken.seconds = 2.5
+    drafted = sp._Drafted(2, 3, 1.5, 0.0)
+    w2, d2 = sp._charge(w, drafted, broken)
+    assert w2.costs == w.costs and w2.rounds == {2: w.rounds[2] + 1}  # a tick, no sample
+    assert d2 == drafted  # no excess without a unit to measure it in
+    other = sp._Read(mx.array([0] * 5), 0.0, 5)  # the rows changed bucket: its own plain sample
+    other.seconds = 2.5
+    w3, _ = sp._charge(w2, drafted, other)
+    assert w3.measured(5, 1) == 2.5
+
+
 def test_a_plain_round_between_drafting_rounds_is_charged_once(llama, monkeypatch):
     """A fake clock. A plain round after a drafting round, read late by the next one
     (which drafts late), broke both pipelines; its excess is charged once, to the round
@@ -1476,6 +1499,37 @@ def test_a_price_from_another_mix_of_rounds_does_not_keep_a_width_out():
     later = widths[first:]
     assert later.count(5) >= len(later) - 3, widths  # wide from then on (plain re-measured)
     assert w.cost(8, 4) < 1.2  # W=4 priced from the new mix
+
+
+@pytest.mark.parametrize("hysteresis", [False, True])
+def test_a_round_charged_nothing_is_priced_not_divided_by(hysteresis):
+    """``_charge`` floors a drafting round's charge at 0 (the plain rounds it broke
+    ran under the plain median by more than its own time): a width measured at 0
+    seconds is nearly free, and ``choose``/``pad`` take it (the H200 raised
+    ZeroDivisionError in ``choose`` once one round re-priced a stale width)."""
+    w = sp.Window(samples=1, discard=0, hysteresis=hysteresis)
+    w = w.record(8, 1, 1e-2).record(8, 3, 0.0).record(8, 3, 0.0, entry=True)
+    for entry in (False, True):
+        assert 0 < w.cost(8, 3, entry) < 1e-3
+        assert w.choose(8, [0.5] * 8, [4] * 8, widest=5, entry=entry) in (3, 4, 5)
+        assert w.pad(8, 2, 5, entry) == 3
+
+
+def test_the_plain_median_goes_stale_four_times_slower_than_a_price():
+    """Prices are in plain rounds: the plain median is their unit, re-measured in
+    a run of drafting rounds only by plain rounds the rule would not choose. It
+    goes stale after ``4 * stale`` rounds of drafting; a wide width not measured
+    for ``stale`` rounds is modelled again first."""
+    w = sp.Window(samples=1, discard=0)
+    w = w.record(8, 1, 1e-2).record(8, 5, 1.2e-2)
+    for _ in range(2 * w.stale):
+        w = w.record(8, 4, 1.2e-2)
+    assert w.measured(8, 1) == 1e-2 and w.measured(8, 4) == 1.2e-2
+    assert w.measured(8, 5) is None  # stale: modelled again
+    assert w.choose(8, [0.9] * 8, [4] * 8, widest=5) > 1  # no forced plain round yet
+    for _ in range(2 * w.stale):
+        w = w.record(8, 4, 1.2e-2)
+    assert w.measured(8, 1) is None and w.choose(8, [0.9] * 8, [4] * 8, widest=5) == 1
 
 
 @pytest.mark.parametrize("dear", [2.0, 10.0, 40.0])
