@@ -520,36 +520,43 @@ def _checked(host: list, found: tuple, guess: list, rows: tuple) -> tuple:
     return host, tuple(f if h else 0 for f, h in zip(found, hit))
 
 
+CATCH_UP = 8  # the draft model's catch-up block width (``_catch_up``)
+
+
 def _catch_up(drafter: DraftModel, spec: Speculation, context: tuple, tail: int = 1) -> list:
     """The draft records fed each row's lagged context tokens (the plain rounds'
-    tokens) in one block forward, right-padded, the pad rolled back. ``context``:
-    each row's tokens but its last ``tail`` (1: the context; 0: the context less its
-    last token, a pipelined round's still unread: the records never hold that token
-    before the round, it is the first draft step's input, so it need not be read).
+    tokens) in blocks of ``CATCH_UP`` columns, right-padded, each block's pad rolled
+    back. ``context``: each row's tokens but its last ``tail`` (1: the context; 0:
+    the context less its last token, a pipelined round's still unread: the records
+    never hold that token before the round, it is the first draft step's input, so
+    it need not be read).
 
-    The block is ``[B, bucket(max lag)]`` (the power of two at or above the
-    longest lag), not ``[B, max lag]``: every new block shape is a new kernel
-    set for the device (graph tracing, kernel selection, on CUDA first-use
-    compilation), and a lag can take any value, so unbucketed a long run meets
-    a new shape at nearly every catch-up. With buckets a context of ``N``
-    tokens meets at most ``log2 N + 1`` of them, for at most twice the block's
-    tokens (the pad is rolled back with the rows' other pad; it is right of
-    every real token, so no real token attends to it).
+    Every block is ``[B, CATCH_UP]``, whatever the lag: every new block shape is a
+    new kernel set for the device (graph tracing, kernel selection, on CUDA
+    first-use compilation: the H200 took 29.8 s for the draft model's first
+    ``[8, 64]`` block and 12.6 ms for the next), and a lag can take any value. One
+    width is one compilation per batch size; a lag past ``CATCH_UP`` (the draft model
+    not paying: plain rounds for a while) takes one more forward per ``CATCH_UP``
+    tokens, milliseconds against a compilation's seconds. A lag after a drafting
+    round is a few plain rounds: one block. Decision: ``notes/speculative.md``.
     """
     assert spec.draft_states is not None  # a model drafter's rows: start/join fill them
     states, lag = list(spec.draft_states), spec.draft_lag
-    if max(lag) == 0:
-        return states
-    L = bucket(max(lag))
-    block = mx.array(
-        [list(c[len(c) - tail - n : len(c) - tail]) + [0] * (L - n) for c, n in zip(context, lag)],
-        dtype=mx.uint32,
-    )
-    cp = ops.checkpoint(states)
-    _, fed = bridge.forward(drafter.model, block, states)
-    if min(lag) == L:
-        return fed
-    return bridge.rollback(drafter.model, fed, cp, list(lag), block)
+    for start in range(0, max(lag), CATCH_UP):
+        counts = [max(0, min(CATCH_UP, n - start)) for n in lag]
+        block = mx.array(
+            [
+                list(c[len(c) - tail - n + start : len(c) - tail - n + start + k])
+                + [0] * (CATCH_UP - k)
+                for c, n, k in zip(context, lag, counts)
+            ],
+            dtype=mx.uint32,
+        )
+        cp = ops.checkpoint(states)
+        _, fed = bridge.forward(drafter.model, block, states)
+        full = min(counts) == CATCH_UP
+        states = fed if full else bridge.rollback(drafter.model, fed, cp, counts, block)
+    return states
 
 
 def _propose_model(spec: Speculation, drafter: DraftModel, states, K, params, keys, sampled):
