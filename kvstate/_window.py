@@ -21,7 +21,8 @@ modelled again (no dearer than its old median), so the rule can choose it,
 and one round re-measures it (its old samples dropped): a price measured
 under another mix of rounds (another kind of prompt) cannot keep a width out
 for long, and a width far dearer than the model is retried rarely. Until a
-width has ``samples`` fresh rounds, the model ``1 + slope * (W - 1)`` plain steps,
+width has ``samples`` fresh rounds (one, re-measuring a stale width), the
+model ``1 + slope * (W - 1)`` plain steps,
 ``slope`` taken from the widest fresh width measured (the prior ``slope``
 before any). The chosen width maximizes ``value``; ``W = 1`` (a plain step)
 unless a wider round beats it by ``margin``. Decisions and the reasons: ``notes/speculative.md``.
