@@ -1215,29 +1215,32 @@ def test_a_drafting_round_hands_its_rollback_to_the_device(llama, monkeypatch, u
     assert [list(c[len(p) : len(p) + 7]) for c, p in zip(spec.context, prompts)] == want
 
 
+@pytest.mark.parametrize("lag", [3, 11], ids=["one block", "two blocks"])
 @pytest.mark.parametrize("model", ["llama", "gemma"])
-def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model):
+def test_draft_model_catches_up_after_plain_rounds(llama, gemma, model, lag):
     """Plain rounds leave the draft model behind (ragged: a row joins with no
-    lag); when drafting pays again it is fed the missed tokens in one block,
-    the pad rolled back (gemma3: rings of 8, wrapped), and stays exact."""
+    lag); when drafting pays again it is fed the missed tokens in blocks of
+    ``CATCH_UP``, each block's pad rolled back (gemma3: rings of 8, wrapped; a lag
+    of 11 takes two blocks, the second on a ring the first wrapped), and stays exact."""
     target = llama if model == "llama" else gemma
     drafter = DraftModel(truncated(target, 1 if model == "llama" else 2))
     prompts = [repetitive(31, 10, 3), repetitive(32, 7, 2), repetitive(33, 12, 4)]
     costly, cheap = seeded([1, 9, 9, 9, 9]), seeded([1, 1, 1, 1, 1], prior=0.9)
     spec = sp.start(target, prompts[:2], drafter=drafter, num_draft=3, window=costly)
-    for _ in range(3):
+    for _ in range(lag):
         spec, r = sp.step(target, spec, drafter=drafter)
         assert r.width == 1
     spec = sp.join(spec, sp.start(target, prompts[2:], drafter=drafter, num_draft=3))
-    assert spec.draft_lag == (3, 3, 0)
+    assert spec.draft_lag == (lag, lag, 0)
     spec = attrs.evolve(spec, window=cheap)
     spec, r = sp.step(target, spec, drafter=drafter)
     assert r.width == 4 and spec.draft_lag == (0, 0, 0)
-    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < 13:
+    n = lag + 10
+    while min(len(c) - len(p) for c, p in zip(spec.context, prompts)) < n + 1:
         spec, _ = sp.step(target, spec, drafter=drafter)
     for b, p in enumerate(prompts):
-        want = plain(target, [p], 12)[0]
-        assert list(spec.context[b][len(p) : len(p) + 13]) == want, f"row {b}"
+        want = plain(target, [p], n)[0]
+        assert list(spec.context[b][len(p) : len(p) + n + 1]) == want, f"row {b}"
 
 
 def test_draft_catch_up_blocks_take_one_shape(llama, monkeypatch):
