@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
 from .errors import bad
+from .invariants import MAX_ROWS, ROW_BYTES
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -33,6 +34,25 @@ def as_int(value, arg: str) -> int:
             pass
         raise bad(arg, "an int", f"{type(value).__name__} {value!r}")
     return value
+
+
+def row_count(value, arg: str, *, held: int = 0) -> int:
+    """``value`` new rows for a record that holds ``held``: an int in ``[0, MAX_ROWS - held]``.
+
+    Every constructor that takes a batch size and ``fork`` (``held``: the rows
+    forked from) check their count here, before anything is built, so a count
+    too large to hold is refused by name, with the host bytes it would need,
+    instead of exhausting memory or running for hours.
+    """
+    n = as_int(value, arg)
+    if n < 0:
+        raise bad(arg, ">= 0", n)
+    if held + n > MAX_ROWS:
+        room = f"at most {MAX_ROWS - held} (MAX_ROWS = {MAX_ROWS} rows a record may have"
+        room += f", the record holds {held})" if held else ")"
+        need = f"{held + n} rows: at least {(held + n) * ROW_BYTES:,} bytes of host memory"
+        raise bad(arg, room, f"{n} ({need} for their bookkeeping alone)")
+    return n
 
 
 def _int_vector(

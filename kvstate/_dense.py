@@ -14,7 +14,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from . import _rows, ops
-from ._args import PerRowInts, as_int, per_row
+from ._args import PerRowInts, as_int, per_row, row_count
 from .errors import bad, check
 from .invariants import check_float, check_plane, validate
 from .records import CacheState, derived
@@ -63,11 +63,10 @@ def empty(batch_size: int = 1, *, step: int = 256) -> CacheState:
     """An empty ``CacheState``: ``batch_size`` rows, no geometry until the first append.
 
     Args:
-        batch_size: rows (``B``).
+        batch_size: rows (``B``), at most ``kvstate.invariants.MAX_ROWS``.
         step: capacity grows in multiples of this.
     """
-    batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
+    batch_size = row_count(batch_size, "batch_size")
     step = as_int(step, "step")
     check(step >= 1, "step", ">= 1", step)
     return CacheState((0,) * batch_size, (0,) * batch_size, step)

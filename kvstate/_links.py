@@ -19,7 +19,7 @@ from typing import ClassVar
 import mlx.core as mx
 import numpy as np
 
-from .errors import bad, check
+from .errors import LinkError, bad, check
 
 MAGIC = 0x6B767374  # "kvst"
 VERSION = 1
@@ -130,6 +130,20 @@ class _Collective:
         return got if array is None else array
 
 
+def _over(link, fn, *args):
+    """``fn(*args)`` on ``link``; MLX's ``RuntimeError`` from it (a peer whose process
+    died, a broken connection) becomes a ``LinkError`` naming the peer and this rank."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        raise bad(
+            f"rank {link.peer}",
+            f"a live link to this process (rank {link.group.rank()})",
+            f"MLX's RuntimeError: {e}",
+            cls=LinkError,
+        ) from e
+
+
 def _move(link, arrays, specs) -> list:
     """Carry the offer's arrays (``arrays``: the sender's, ``None`` on the
     receiver) in the specs' order; empty arrays are made, not sent."""
@@ -139,7 +153,7 @@ def _move(link, arrays, specs) -> list:
         if 0 in shape:
             out.append(mx.zeros(shape, dtype) if mine is None else mine)
         else:
-            out.append(link.move_one(mine, dtype, shape))
+            out.append(_over(link, link.move_one, mine, dtype, shape))
     return out
 
 
@@ -217,14 +231,15 @@ def _handshake(link, kind: int, obj, timeout: float | None, peer: int):
 
     The wait runs on a waiter thread (``_Waiter``), on that thread's own
     streams: a peer that never answers leaves those streams blocked, not the
-    caller's, and the caller gets a KVStateError instead of a hang.
+    caller's, and the caller gets a KVStateError instead of a hang. A peer
+    whose process died raises ``LinkError`` (``_over``).
     """
     n, body = _body(obj)
     header = _header(kind, n)
     if timeout is None:  # wait in the caller's thread, on its default streams
-        their, data = link.exchange(header, n, body)
+        their, data = _over(link, link.exchange, header, n, body)
         return their, _message(data, peer)
-    out = _Waiter.run(lambda: link.exchange(header, n, body), timeout)
+    out = _Waiter.run(lambda: _over(link, link.exchange, header, n, body), timeout)
     if out is None:
         raise bad(
             f"rank {peer}",

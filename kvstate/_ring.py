@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _rows, compiled, ops
-from ._args import PerRowInts, as_int, per_row, row_index, row_list
+from ._args import PerRowInts, as_int, per_row, row_count, row_index, row_list
 from .errors import bad, check
 from .invariants import (
     check_counts,
@@ -73,8 +73,7 @@ def rotating(
         keep: first positions never evicted, ``0 <= keep < max_size``.
         step: capacity grows in multiples of this until it reaches ``max_size``.
     """
-    batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
+    batch_size = row_count(batch_size, "batch_size")
     max_size, keep, step = _check_ring(max_size, keep, step)
     return RotatingState(
         (0,) * batch_size, (0,) * batch_size, max_size=max_size, keep=keep, step=step

@@ -119,6 +119,8 @@ def send_rows(
         KVStateError: bad ``dst``, ``rows`` or ``states`` (before anything is
             sent; the receiver, when ``dst`` names one, is told and raises
             too), or rows that do not fit the receiver's batch.
+        LinkError: a ``KVStateError``: the receiver's process died or the
+            link to it broke (MLX's ``RuntimeError``, chained).
     """
     g = _group(group)
     peer = _peer(dst, "dst", g)  # no peer to tell: the receiver's timeout answers
@@ -183,6 +185,8 @@ def recv_rows(
         KVStateError: the sender aborted (its error is in the message), the
             rows do not fit this batch, the sender never answered within
             ``timeout``, or what arrived is not a valid offer.
+        LinkError: a ``KVStateError``: the sender's process died or the link
+            to it broke (MLX's ``RuntimeError``, chained).
     """
     g = _group(group)
     peer = _peer(src, "src", g)

@@ -20,6 +20,11 @@ class LeaseError(KVStateError):
     """A mask lease was used after it was released."""
 
 
+class LinkError(KVStateError):
+    """A row migration's link to its peer failed: the peer's process died or the
+    connection broke (MLX's ``RuntimeError``, chained as the cause)."""
+
+
 def bad(arg: str, expected, actual, cls=KVStateError) -> KVStateError:
     """Build the standard error: ``arg: expected X, got Y``."""
     return cls(f"{arg}: expected {expected}, got {actual}")

@@ -38,6 +38,14 @@ from .errors import bad
 # writes); anything larger than this cannot be a real position.
 MAX_POSITION = 2**31 - 1
 
+# The most rows a constructor or ``fork`` makes from a count: far above any batch
+# one device decodes, low enough that the host bookkeeping stays a few MB.
+MAX_ROWS = 2**16
+
+# Host bytes a row costs before any array (measured on ``kv.empty``): a slot in
+# ``lengths`` and one in ``left_pad`` (8 bytes each), a row id (a slot and a 28-byte int).
+ROW_BYTES = 52
+
 _NEXT_ROW = itertools.count(1)
 
 

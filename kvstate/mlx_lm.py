@@ -30,7 +30,7 @@ from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
 from . import _decoder, _hybrid, _rows, _shells, ops
-from ._args import PerRowInts, as_int
+from ._args import PerRowInts, as_int, row_count
 from ._shells import Model
 from ._decoder import (
     Decoder as Decoder,
@@ -336,8 +336,7 @@ def make_states(
     ``kv_bits`` turns the full-attention (non-ring) layers into
     ``kv.quantized(group_size=kv_group_size, bits=kv_bits)``.
     """
-    batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
+    batch_size = row_count(batch_size, "batch_size")
     if max_kv_size is not None:
         max_kv_size = as_int(max_kv_size, "max_kv_size")
         check(max_kv_size >= 1, "max_kv_size", ">= 1", max_kv_size)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import socket
 import struct
 import uuid
 from pathlib import Path
@@ -322,8 +324,9 @@ HEADER_LIMIT = 100_000_000
 
 def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
     """Write beside ``path``, flush to disk, then rename over it: a crash or a
-    full disk leaves the previous file (or none) and a stray temporary file,
-    never a torn ``path``. Any failure raises ``KVStateError``."""
+    full disk leaves the previous file (or none) and a stray partial file,
+    never a torn ``path``; the next save of ``path`` removes that partial file.
+    Any failure raises ``KVStateError``."""
     directory = os.path.dirname(os.path.abspath(path))
     check(
         os.path.isdir(directory),
@@ -331,9 +334,8 @@ def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
         "a file in an existing directory",
         f"{path} (no directory {directory})",
     )
-    tmp = os.path.join(
-        directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.partial.safetensors"
-    )
+    _remove_stale_partials(directory, os.path.basename(path))
+    tmp = _partial_path(directory, os.path.basename(path))
     moved = False  # the partial file became ``path``
     try:
         mx.save_safetensors(tmp, tensors, meta)
@@ -356,6 +358,57 @@ def _write_atomic(path: str, tensors: dict, meta: dict) -> None:
     finally:
         if not moved and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+# A save writes ``.{name}.{host}.{pid}.{random}.partial.safetensors`` beside its target
+# and renames it over the target. A save killed midway leaves that file behind; the
+# next save of the same target removes it once its process is gone (``_remove_stale_partials``).
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _partial_path(directory: str, name: str) -> str:
+    """A new partial file for target ``name``, naming this host and process."""
+    tag = f"{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:12]}"
+    return os.path.join(directory, f".{name}.{tag}.partial.safetensors")
+
+
+def _remove_stale_partials(directory: str, name: str) -> None:
+    """Remove the partial files that killed saves of target ``name`` left in ``directory``.
+
+    Stale: a partial file of this host whose process is gone, or one in the
+    older form that named no process (kvstate before saves named theirs). A
+    live process's partial file is a save in progress (another thread or
+    process) and stays, as do other hosts' (a shared directory) and other
+    targets'. Best effort: a file that cannot be removed is left.
+    """
+    stale = re.compile(
+        re.escape(f".{name}.") + r"(?:([0-9a-f]{8})\.(\d+)\.)?[0-9a-f]{12}\.partial\.safetensors"
+    )
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for found in names:
+        m = stale.fullmatch(found)
+        if m is None or (m[1] is not None and (m[1] != _HOST or _alive(int(m[2])))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, found))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie counts; off POSIX, always assumed)."""
+    if os.name != "posix":  # (os.kill would terminate it on Windows)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. PermissionError: another user's process
+        return True
+    return True
 
 
 def _fsync_directory(directory: str) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import compiled, ops
-from ._args import PerRowInts, as_int, per_row, row_index, row_list
+from ._args import PerRowInts, as_int, per_row, row_count, row_index, row_list
 from .errors import bad, check
 from .invariants import MAX_POSITION, check_int, validate
 from .records import RecurrentCheckpoint, RecurrentState, derived, rows_of
@@ -57,8 +57,7 @@ def recurrent_state(
         left_padding: optional padding tokens per row at the front of the
             coming appends (mlx-lm ``ArraysCache(size, left_padding)``).
     """
-    batch_size = as_int(batch_size, "batch_size")
-    check(batch_size >= 0, "batch_size", ">= 0", batch_size)
+    batch_size = row_count(batch_size, "batch_size")
     slots = as_int(slots, "slots")
     check(slots >= 1, "slots", ">= 1", slots)
     pad = per_row(0 if left_padding is None else left_padding, batch_size, "left_padding")

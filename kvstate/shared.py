@@ -42,7 +42,7 @@ import attrs
 import mlx.core as mx
 
 from . import _buckets, _rows, compiled, kernels, ops
-from ._args import as_int, per_row, row_index, row_list
+from ._args import as_int, per_row, row_count, row_index, row_list
 from .errors import bad, check
 from .invariants import share_row_ids, validate, with_row_ids
 from .masks import rows_mask
@@ -205,7 +205,8 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
         state: a ``CacheState``, ``QuantizedState`` or ``SharedState``, or a
             list of them.
         row: the row to copy, in ``[0, B)``.
-        n: how many copies, ``>= 0``.
+        n: how many copies, ``>= 0``; ``B + n`` at most
+            ``kvstate.invariants.MAX_ROWS``.
         step: growth step of the new suffix rows (forking a dense record;
             default ``min(state.step, SUFFIX_STEP)``): each row's own tokens
             cost at most one partly filled block of this many columns.
@@ -221,9 +222,7 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
 
 def _fork_args(state, row, n):
     row = row_index(row, state.batch_size)
-    n = as_int(n, "n")
-    check(n >= 0, "n", ">= 0", n)
-    return row, n
+    return row, row_count(n, "n", held=state.batch_size)
 
 
 def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows:

@@ -269,7 +269,36 @@ def case_errors(group) -> dict:
     return out
 
 
-CASES = {"tp": case_tp, "migrate": case_migrate, "batch": case_batch, "errors": case_errors}
+# --- a peer that died ---------------------------------------------------------------
+
+
+def case_lost(group, role: str, transport: str) -> dict:
+    """Rank 0 leaves at once (``main`` prints its result and exits); rank 1 then
+    calls ``recv_rows`` (``role`` "recv") or ``send_rows`` ("send") with it."""
+    if group.rank() == 0:
+        return {"left": True}
+    k = mx.ones((1, 2, 3, 4))
+    states = [kv.append(kv.empty(1), k, k)]
+    kw = {"group": group, "transport": transport, "timeout": 20.0}
+    t0 = time.perf_counter()
+    try:
+        if role == "recv":
+            recv_rows(states, 0, **kw)
+        else:
+            send_rows(states, [0], 0, **kw)
+    except kv.KVStateError as e:
+        out = {"error": str(e), "type": type(e).__name__, "cause": type(e.__cause__).__name__}
+        return {**out, "seconds": time.perf_counter() - t0}
+    return {"error": None, "seconds": time.perf_counter() - t0}
+
+
+CASES = {
+    "tp": case_tp,
+    "migrate": case_migrate,
+    "batch": case_batch,
+    "errors": case_errors,
+    "lost": case_lost,
+}
 
 
 def main(argv) -> None:
