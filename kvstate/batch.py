@@ -38,6 +38,7 @@ from . import ops
 from ._args import row_index, row_list
 from .errors import bad
 from .layers import _layers
+from ._handles import owns_arrays
 from .records import _RowsOfFirst, rows_of
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
 from .shared import fork
@@ -78,6 +79,7 @@ def _per_row(value, self):
 _PER_ROW = attrs.Converter(_per_row, takes_self=True)
 
 
+@owns_arrays("tokens", "keys")
 @attrs.frozen
 class Batch(_RowsOfFirst):
     """A model's records and per-row data, one value (see the module docstring).

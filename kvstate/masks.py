@@ -18,6 +18,7 @@ import attrs
 import mlx.core as mx
 
 from ._args import as_int
+from ._handles import fresh
 from .errors import LeaseError, bad
 
 
@@ -107,10 +108,11 @@ class MaskLease(Releasable):
 
     @property
     def mask(self):
-        """``None``, ``"causal"`` or a bool ``mx.array``."""
+        """``None``, ``"causal"`` or a bool ``mx.array`` (a handle of the caller's
+        own: writing into it leaves the memoized mask as it is)."""
         if self._released:
             raise bad("lease", "an unreleased lease", "a released lease", LeaseError)
-        return self._entry.mask
+        return fresh(self._entry.mask)
 
     @property
     def released(self) -> bool:

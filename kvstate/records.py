@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Optional
 import attrs
 import mlx.core as mx
 
+from ._handles import Owned, owns_arrays
 from .errors import bad
 from .invariants import check_int, clear_hidden, fresh_row_ids, validate
 
@@ -131,9 +132,12 @@ def derived(state, **changes):
     A change of the row count without ``row_ids`` makes new rows (fresh ids).
     """
     cls = type(state)
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))
+    known = _FIELDS.get(cls)
+    if known is None:
+        names = frozenset(f.name for f in attrs.fields(cls))
+        slots = tuple((f.name, *_slot_access(cls, f.name)) for f in attrs.fields(cls))
+        known = _FIELDS[cls] = (names, slots)
+    names, slots = known
     lengths = changes.get("lengths")
     if (
         lengths is not None
@@ -143,15 +147,26 @@ def derived(state, **changes):
     ):
         changes["row_ids"] = fresh_row_ids(len(lengths))
     new, hit = _new(cls), 0
-    for name in names:
+    for name, get, put, take in slots:
         if name in changes:
             hit += 1
-            _set(new, name, changes[name])
-        else:
-            _set(new, name, getattr(state, name))
+            take(new, changes[name])
+        else:  # the stored handle itself: no one but records ever holds it
+            put(new, get(state))
     if hit != len(changes):
-        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - set(names))}")
+        raise TypeError(f"{cls.__name__} has no field {sorted(changes.keys() - names)}")
     return new
+
+
+def _slot_access(cls, name: str) -> tuple:
+    """``(get, put, take)`` for field ``name`` of ``cls``: the stored value as
+    it is (``get``, ``put``: record to record) and the field's own setter
+    (``take``: a value from anywhere, given a fresh handle if it is an array)."""
+    take = _setter(cls, name)
+    owned = cls.__dict__.get(name)
+    if isinstance(owned, Owned):
+        return owned.get, owned.put, take
+    return operator.attrgetter(name), take, take
 
 
 def built(cls, fields: dict, *, convert: bool = False):
@@ -275,6 +290,7 @@ class _Rows:
         return sum(p.nbytes for p in self.planes)
 
 
+@owns_arrays("keys", "values")
 @attrs.frozen
 class CacheState(_Rows):
     """Dense full-attention KV rows.
@@ -292,9 +308,11 @@ class CacheState(_Rows):
 
     @property
     def planes(self) -> tuple:
-        return () if self.keys is None else (self.keys, self.values)
+        keys = self.keys  # (one read: each read of a field makes a new handle)
+        return () if keys is None else (keys, self.values)
 
 
+@owns_arrays("keys", "values")
 @attrs.frozen
 class QuantizedState(_Rows):
     """Affine-quantized KV rows, laid out exactly like ``CacheState``.
@@ -380,6 +398,7 @@ class _Unpadded:
         return (0,) * len(self.lengths)
 
 
+@owns_arrays("keys", "values")
 @attrs.frozen
 class RotatingState(_Unpadded):
     """Sliding-window KV rows: mlx-lm's ``RotatingKVCache(max_size, keep)``, batched.
@@ -448,11 +467,13 @@ class RotatingState(_Unpadded):
 
     @property
     def planes(self) -> tuple:
-        return () if self.keys is None else (self.keys, self.values)
+        keys = self.keys  # (one read: each read of a field makes a new handle)
+        return () if keys is None else (keys, self.values)
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        keys = self.keys
+        return 0 if keys is None else keys.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -466,6 +487,7 @@ def _optional_ints(value):
     return None if value is None else _tuple_of_ints(value)
 
 
+@owns_arrays("arrays")
 @attrs.frozen
 class RecurrentState(_Unpadded):
     """Fixed-size recurrent arrays per row: mlx-lm's ``ArraysCache``, batched.
@@ -521,6 +543,7 @@ class RecurrentState(_Unpadded):
         return sum(a.nbytes for a in self.planes)
 
 
+@owns_arrays("keys", "values")
 @attrs.frozen
 class ChunkedState(_Rows):
     """Chunked local attention rows: mlx-lm's ``ChunkedKVCache(chunk_size)``, batched.
@@ -547,7 +570,8 @@ class ChunkedState(_Rows):
 
     @property
     def planes(self) -> tuple:
-        return () if self.keys is None else (self.keys, self.values)
+        keys = self.keys  # (one read: each read of a field makes a new handle)
+        return () if keys is None else (keys, self.values)
 
     @property
     def offsets(self) -> tuple:
@@ -616,6 +640,7 @@ class CompositeState(_OfParts):
         return sum(part.nbytes for part in self.parts)
 
 
+@owns_arrays("arrays")
 @attrs.frozen
 class RecurrentCheckpoint:
     """A ``RecurrentState``'s rows at one moment, arrays included.

@@ -487,6 +487,8 @@ def materialize(state: SharedState) -> CacheState | QuantizedState:
     P + suffix.ends[b])``. This is the reference every ``SharedState`` read
     is tested against, and the columns the mlx-lm bridge hands a model.
     """
+    if not isinstance(state, SharedState):
+        raise bad("state", "a SharedState (kv.fork's result)", type(state).__name__)
     P, left_pad, _ = _layout(state)
     suffix = state.suffix
     lengths = state.lengths

@@ -36,6 +36,19 @@ def filled(make, lengths, seed=0, H=2, D=32):
     return kv.merge_rows(rows)
 
 
+def same_buffer(a, b) -> bool:
+    """``a`` and ``b`` read one buffer (evaluated): the same array, though each
+    handle a record hands out is a new object (``kvstate._handles``)."""
+    if not (isinstance(a, mx.array) and isinstance(b, mx.array)):
+        return a is b
+    return buffer_of(a) == buffer_of(b)
+
+
+def buffer_of(a: mx.array) -> int:
+    """The address of ``a``'s data (evaluates ``a``)."""
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
 def np_of(x) -> np.ndarray:
     return np.array(x, copy=True)
 
