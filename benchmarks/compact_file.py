@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
-from kvstate.models import load_model
+from kvstate.models.load import load_model
 
 
 def header_bytes(path):

@@ -49,10 +49,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import suite  # noqa: E402
 
-from kvstate import _rows, kernels  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
-from kvstate._rows import round_up  # noqa: E402
-from kvstate.masks import rows_mask  # noqa: E402
+from kvstate.core.masks import rows_mask  # noqa: E402
+from kvstate.kernels import cuda as kernels  # noqa: E402
+from kvstate.kinds import rows as _rows
+from kvstate.kinds.rows import round_up  # noqa: E402
 
 
 def graph_counts(*arrays) -> dict:

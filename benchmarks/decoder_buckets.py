@@ -7,7 +7,7 @@ without (``batch_buckets=None``); prints the traces, their reasons and the
 wall time of the whole first run (``--skip-cost`` stops there).
 Part 2 (padding cost): decode steps at batch size ``B`` with buckets (padded to
 the bucket) and without, in paired, interleaved rounds (median and spread of
-the per-round ratio; a shared machine: see notes/benchmarks.md).
+the per-round ratio; a shared machine: see notes/figures.md).
 
     python benchmarks/decoder_buckets.py [--model PATH] [--rounds 7] [--steps 20] [--B 5]
 """
@@ -29,10 +29,10 @@ from compiled_decode import serve  # noqa: E402
 
 def model_of(path):
     if path:
-        from kvstate.models import load_model
+        from kvstate.models.load import load_model
 
         return load_model(path, dequantize=True).model
-    from kvstate.models import tiny_llama
+    from kvstate.models.load import tiny_llama
 
     return tiny_llama()
 

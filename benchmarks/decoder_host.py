@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import suite  # noqa: E402  (the suite's model, rows and mlx-lm caches)
 
-from kvstate import _decoder  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
+from kvstate.bridge import decoder as _decoder  # noqa: E402
 
 PHASES = ("flatten", "keys", "replay", "rebuild", "settle")
 

@@ -45,7 +45,7 @@ import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvstate import kernels  # noqa: E402
+from kvstate.kernels import cuda as kernels  # noqa: E402
 
 _ADD = r"""
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;

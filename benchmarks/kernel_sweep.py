@@ -34,8 +34,9 @@ import mlx.core as mx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import kvstate as kv  # noqa: E402
-from kvstate import kernels, shared  # noqa: E402
-from kvstate.masks import rows_mask  # noqa: E402
+from kvstate.core.masks import rows_mask  # noqa: E402
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import shared  # noqa: E402
 
 
 def copy_bandwidth(mb=2048):

@@ -56,8 +56,8 @@ def main(argv=None):
     import mlx.core as mx
 
     import kvstate as kv
-    from kvstate import _links
-    from kvstate import distributed as dist
+    from kvstate.distributed import links as _links
+    from kvstate.distributed import rows as dist
 
     group = mx.distributed.init(backend=args.backend, strict=True)
     rank = group.rank()

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-from kvstate._rows import read_mask
+from kvstate.kinds.rows import read_mask
 
 LLAMA_1B = dict(  # meta-llama/Llama-3.2-1B config.json (geometry fields)
     model_type="llama",

@@ -7,7 +7,7 @@ queries ``[B,H,M,D]`` against quantized keys ``[B,H,N,D]`` (the scores), and
 (the output). This tries both for a grid of shapes and prints ``ok`` with
 the max error against dequantize-then-matmul, or ``FAIL`` with the error.
 
-    python benchmarks/quantized_gpu_probe.py          # on the H200: see notes/quantized.md
+    python benchmarks/quantized_gpu_probe.py          # on the H200: see notes/kinds.md
 
 Slow where kernels fail to compile (each failure is a JIT attempt).
 """

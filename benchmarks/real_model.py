@@ -36,8 +36,8 @@ import time
 import mlx.core as mx
 
 from kvstate import mlx_lm as br
-from kvstate import models
 from kvstate.cli import PROMPTS
+from kvstate.models import load as models
 
 
 def chat_prompts(tok, n):

@@ -1,7 +1,7 @@
 """`kvstate serve` against `mlx_lm.server` under the same load, and a soak.
 
 Both servers run the same model: the default GGUF (SmolLM2-135M-Instruct)
-written as an mlx-lm directory with float32 layers (``kvstate.gguf.export_mlx_lm``;
+written as an mlx-lm directory with float32 layers (``kvstate.models.gguf.export_mlx_lm``;
 mlx-lm cannot read GGUF), each started as its own process on localhost. N
 concurrent streaming clients replay a fixed set of chat requests that share
 one system prompt; each client sends its next request when the last one ends.
@@ -311,7 +311,8 @@ def main():
     )
     args = ap.parse_args()
 
-    from kvstate import gguf, models
+    from kvstate.models import gguf
+    from kvstate.models import load as models
 
     model_dir = args.model_dir
     if model_dir is None:

@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args()
     from kvstate import mlx_lm as bridge
-    from kvstate import models, prefix_cache
+    from kvstate.models import load as models
+    from kvstate.serving import prefix_cache
 
     loaded = models.load_model(None, dequantize=True)
     model, tok = loaded.model, loaded.tokenizer

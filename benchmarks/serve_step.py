@@ -38,9 +38,9 @@ def main():
     args = ap.parse_args()
     from mlx_lm.generate import BatchGenerator
 
-    from kvstate import models
-    from kvstate.prefix_cache import PrefixCache
-    from kvstate.serve import Job, Scheduler
+    from kvstate.models import load as models
+    from kvstate.serving.http import Job, Scheduler
+    from kvstate.serving.prefix_cache import PrefixCache
 
     loaded = models.load_model(None, dequantize=True)
     model, tok = loaded.model, loaded.tokenizer

@@ -119,8 +119,9 @@ def attention_read(args, B):
     ``shared read``: ``kv.attend`` on the ``SharedState``, which takes the
     split-K kernel with a prefix source where it runs (CUDA), else the
     cascade; ``cascade``: the portable cascade alone)."""
-    from kvstate import kernels, shared
-    from kvstate.masks import rows_mask
+    from kvstate.core.masks import rows_mask
+    from kvstate.kernels import cuda as kernels
+    from kvstate.kinds import shared
 
     P, S, H, HQ, D = args.prefix, args.suffix, args.kv_heads, args.heads, 64
     dtype = getattr(mx, args.dtype)
@@ -270,7 +271,7 @@ def load(args):
         from kvstate.cli import tiny_llama
 
         return tiny_llama(0), "tiny llama (random weights)"
-    from kvstate.models import load_model
+    from kvstate.models.load import load_model
 
     dtype = getattr(mx, args.dtype)
     loaded = load_model(args.model, dequantize=not args.quantized, dtype=dtype)
@@ -290,7 +291,7 @@ def decode(model, logits, states, steps, key, step=None):
     eager bridge's); returns the median step time, the states and the peak KV
     bytes held."""
     from kvstate import mlx_lm as bridge
-    from kvstate.shared import held_bytes
+    from kvstate.kinds.shared import held_bytes
 
     step = step or bridge.step
     times, peak = [], held_bytes(states)
@@ -376,8 +377,8 @@ def system_round(model, system, users, steps, seed, compiled=None):
     from mlx_lm.server import LRUPromptCache
 
     from kvstate import mlx_lm as bridge
-    from kvstate.prefix_cache import PrefixCache, prefill
-    from kvstate.shared import held_bytes
+    from kvstate.kinds.shared import held_bytes
+    from kvstate.serving.prefix_cache import PrefixCache, prefill
 
     prompts = [system + u for u in users]
     out = {}
@@ -440,7 +441,7 @@ def system_round(model, system, users, steps, seed, compiled=None):
 def traces_part(args):
     """Traces of the shared read while rows join and leave (see the module)."""
     from kvstate import mlx_lm as bridge
-    from kvstate import shared
+    from kvstate.kinds import shared
 
     model, name = load(args)
     real, count = shared.cascade_attention, [0]
@@ -457,7 +458,7 @@ def traces_part(args):
     print(f"# traces: {name}, B={B}, prompt {args.system}, {steps} steps, one row in and out each")
     sides = [("eager", bridge.step)]
     try:
-        from kvstate._decoder import make_step
+        from kvstate.bridge.decoder import make_step
 
         sides.append(("compiled", make_step(model)))
     except ImportError:
@@ -485,12 +486,12 @@ def traces_part(args):
 
 def cache_part(args):
     """Host time of each cached request's prefill as the cache fills (see the module)."""
-    from kvstate.prefix_cache import PrefixCache, prefill
+    from kvstate.serving.prefix_cache import PrefixCache, prefill
 
     if args.cuda_route:
         cuda_route()
     if args.tiny:
-        from kvstate.models import tiny_llama
+        from kvstate.models.load import tiny_llama
 
         model, name = tiny_llama(0, layers=30), "tiny llama, 30 layers (random weights)"
     else:
@@ -516,7 +517,8 @@ def cache_part(args):
 
 def cuda_route():
     """Route reads as on MLX's CUDA backend, kernel launches stubbed (``--cuda-route``)."""
-    from kvstate import _decoder, kernels
+    from kvstate.bridge import routing
+    from kvstate.kernels import cuda as kernels
 
     def route(N, q=None, k=None, *, written=False, prefix=False, **kw):
         most = getattr(kernels, "PREFIX_QUERIES", 128) if prefix else kernels.MAX_QUERIES
@@ -529,7 +531,7 @@ def cuda_route():
 
         return call
 
-    _decoder.routes_reads = lambda: True
+    routing.routes_reads = lambda: True
     kernels.decode_read, kernels._split_kernel = route, kernel
     kernels._kernel_reads = lambda *a: True
 
@@ -539,7 +541,7 @@ def host_part(args):
     if args.cuda_route:
         cuda_route()
     if args.tiny:  # the real model's layer count and attention geometry, random weights
-        from kvstate.models import tiny_llama
+        from kvstate.models.load import tiny_llama
 
         model = tiny_llama(0, layers=30, hidden=64, heads=9, kv_heads=3, head_dim=64, vocab=512)
         name = "tiny llama, 30 layers, 9/3 heads, D=64, hidden 64 (random weights)"
@@ -566,8 +568,8 @@ def host_part(args):
 def host_rounds(model, args, B) -> dict:
     """{(step, side): seconds per round} of ``host_part`` for ``B`` rows."""
     from kvstate import mlx_lm as bridge
-    from kvstate._decoder import Decoder
-    from kvstate.invariants import share_row_ids
+    from kvstate.bridge.decoder import Decoder
+    from kvstate.core.records import share_row_ids
 
     _, probe = bridge.forward(model, mx.array([[1]]), bridge.make_states(model, 1))
     H, D, dtype = probe[0].keys.shape[1], probe[0].keys.shape[3], probe[0].keys.dtype
@@ -639,7 +641,8 @@ def profile_eager(model, args, rows, tok):
     import pstats
 
     from kvstate import mlx_lm as bridge
-    from kvstate import kernels, shared
+    from kvstate.kernels import cuda as kernels
+    from kvstate.kinds import shared
 
     for side, states in rows.items():
         traced = shared.traces()
@@ -695,7 +698,7 @@ def profile_eager(model, args, rows, tok):
 
 def wide_part(args):
     """A cached request's rest read by the prefix kernel vs the cascade (see the module)."""
-    from kvstate import kernels
+    from kvstate.kernels import cuda as kernels
 
     dtype = getattr(mx, args.dtype)
     H, Hq, D, P = args.kv_heads, args.heads, 64, args.prefix
@@ -740,7 +743,8 @@ def wide_part(args):
 
 def _wide_read(most, N, q, suffix_kv, left_pad, ends, prefix_kv, views, scale):
     """``shared.prefix_read`` with ``kernels.PREFIX_QUERIES`` = ``most``: ``(out, route)``."""
-    from kvstate import kernels, shared
+    from kvstate.kernels import cuda as kernels
+    from kvstate.kinds import shared
 
     bound, kernels.PREFIX_QUERIES = kernels.PREFIX_QUERIES, most
     try:
@@ -767,7 +771,7 @@ def bytes_part(args):
     """Peak KV bytes at the issue's sizes, from the real model's cache geometry.
 
     Bytes depend on shapes alone, not on values, so the rows hold zeros of
-    each layer's geometry (``kvstate.persist.model_geometry``) and no forward
+    each layer's geometry (``kvstate.persist.files.model_geometry``) and no forward
     runs: the same appends, forks, copies, cache inserts and ``steps`` decode
     appends as the model part, at n = 1, 4, 16 samples of a ``--prompt``-token
     prompt and ``--requests`` requests sharing a ``--system``-token prompt.
@@ -777,9 +781,9 @@ def bytes_part(args):
     from mlx_lm.models.cache import KVCache
     from mlx_lm.server import LRUPromptCache
 
-    from kvstate.persist import model_geometry
-    from kvstate.prefix_cache import PrefixCache
-    from kvstate.shared import held_bytes
+    from kvstate.kinds.shared import held_bytes
+    from kvstate.persist.files import model_geometry
+    from kvstate.serving.prefix_cache import PrefixCache
 
     model, name = load(args)
     geo = model_geometry(model)
@@ -872,7 +876,7 @@ def model_part(args):
     )
     compiled = None
     if args.compiled:
-        from kvstate._decoder import make_step
+        from kvstate.bridge.decoder import make_step
 
         compiled = {side: make_step(model) for side in ("shared", "unshared")}
     res: dict = {}

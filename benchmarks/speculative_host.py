@@ -46,13 +46,12 @@ import time
 import types
 
 import mlx.core as mx
-
-from kvstate import _window
-from kvstate import mlx_lm as br
-from kvstate import speculative as sp
-from kvstate.drafts import Lookup
-
 import speculative as bench  # benchmarks/speculative.py: the model and prompts
+
+from kvstate import mlx_lm as br
+from kvstate.speculative import rounds as sp
+from kvstate.speculative import window as _window
+from kvstate.speculative.drafts import Lookup
 
 WAIT = [0.0]
 _eval = mx.eval
@@ -296,7 +295,7 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=300, help="--tiny: prompt length")
     args = ap.parse_args(argv)
     if args.tiny or args.model == "tiny":
-        from kvstate.models import tiny_llama
+        from kvstate.models.load import tiny_llama
 
         model = tiny_llama(
             0, layers=args.tiny_layers, hidden=64, heads=9, kv_heads=3, head_dim=64, vocab=512
@@ -314,7 +313,7 @@ def main(argv=None):
             for i in range(args.batch)
         ]
     if args.draft_layers:
-        from kvstate.drafts import DraftModel, truncated
+        from kvstate.speculative.drafts import DraftModel, truncated
 
         draft = truncated(model, args.draft_layers)
         if args.contrary:  # every draft rejected: each round rolls back

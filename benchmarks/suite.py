@@ -47,11 +47,12 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import kvstate as kv  # noqa: E402
-from kvstate import _rows, kernels  # noqa: E402
 from kvstate import mlx_lm as br  # noqa: E402
-from kvstate._rows import round_up  # noqa: E402
-from kvstate.invariants import share_row_ids  # noqa: E402
-from kvstate.masks import rows_mask  # noqa: E402
+from kvstate.core.masks import rows_mask  # noqa: E402
+from kvstate.core.records import share_row_ids  # noqa: E402
+from kvstate.kernels import cuda as kernels  # noqa: E402
+from kvstate.kinds import rows as _rows
+from kvstate.kinds.rows import round_up  # noqa: E402
 
 MODELS = {
     # Llama-3.2-1B's shape (random weights; no download)

@@ -1,7 +1,7 @@
 """The verify read: stock GQA attention against the folded read, same process.
 
 A verify window has few queries (``N = 1 + k <= 8``). The folded read
-(``kvstate.kernels.folded_attention``) moves the ``G = Hq / H`` query heads
+(``kvstate.kernels.cuda.folded_attention``) moves the ``G = Hq / H`` query heads
 of each KV head into query rows (``[B, H, G*N, D]``), so the fused kernel
 sees one query head per KV head; the per-row mask is repeated over the
 ``G`` groups. Paired, interleaved rounds; ratio = stock time / folded time
@@ -18,7 +18,7 @@ import time
 
 import mlx.core as mx
 
-from kvstate.kernels import folded_attention
+from kvstate.kernels.cuda import folded_attention
 
 
 def stock(q, k, v, scale, mask):

@@ -6,75 +6,152 @@ file is the public surface: everything a user needs is re-exported here and
 listed in ``__all__``. Implementation modules are private (``_rows``,
 ``_dense``, ``_quantized``, ``_ring``, ...), so that no exported name (the
 constructors ``kv.rotating``, ``kv.quantized``) shadows a module
-(``notes/design.md``). Public modules: ``kvstate.mlx_lm`` (the mlx-lm
-bridge), ``kvstate.compiled`` (the compile boundary), ``kvstate.masks``,
-``kvstate.ops``, ``kvstate.records``, ``kvstate.errors``, ``kvstate.persist``,
+(``notes/core.md``). Public modules: ``kvstate.mlx_lm`` (the mlx-lm
+bridge), ``kvstate.compiled`` (the compile boundary), ``kvstate.core.masks``,
+``kvstate.core.ops``, ``kvstate.core.records``, ``kvstate.errors``, ``kvstate.persist``,
 ``kvstate.kernels``, ``kvstate.cli``.
 """
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 from typing import TYPE_CHECKING, Any
 
-from . import ops as _ops
-from ._dense import empty as empty, from_arrays as from_arrays
-from ._quantized import quantized as quantized, to_quantized as to_quantized
-from ._ring import from_temporal as from_temporal, rotating as rotating
 from .batch import Batch as Batch
-from .chunked import chunked_state as chunked_state
-from .compiled import Flat as Flat, Spec as Spec, flatten as flatten, unflatten as unflatten
-from .composite import composite_state as composite_state
-from .errors import KVStateError as KVStateError, LeaseError as LeaseError
-from .layers import ModelCheckpoint as ModelCheckpoint
-from .masks import (
+from .compiled.boundary import (
+    Flat as Flat,
+)
+from .compiled.boundary import (
+    Spec as Spec,
+)
+from .compiled.boundary import (
+    flatten as flatten,
+)
+from .compiled.boundary import (
+    unflatten as unflatten,
+)
+from .core import ops as _ops
+from .core.layers import ModelCheckpoint as ModelCheckpoint
+from .core.masks import (
     MaskKey as MaskKey,
+)
+from .core.masks import (
     MaskLease as MaskLease,
+)
+from .core.masks import (
     MaskMemo as MaskMemo,
+)
+from .core.masks import (
     encoder_window_mask as encoder_window_mask,
+)
+from .core.masks import (
     rotating_block_mask as rotating_block_mask,
 )
-from .ops import (
+from .core.ops import (
     anchor as anchor,
+)
+from .core.ops import (
     append as append,
+)
+from .core.ops import (
     attend as attend,
+)
+from .core.ops import (
     checkpoint as checkpoint,
+)
+from .core.ops import (
     commit as commit,
+)
+from .core.ops import (
     extend as extend,
+)
+from .core.ops import (
     extract_row as extract_row,
+)
+from .core.ops import (
     fetch as fetch,
+)
+from .core.ops import (
     filter_rows as filter_rows,
+)
+from .core.ops import (
     merge_rows as merge_rows,
+)
+from .core.ops import (
     next_mask as next_mask,
+)
+from .core.ops import (
     positions as positions,
+)
+from .core.ops import (
     rollback as rollback,
+)
+from .core.ops import (
     trim as trim,
 )
-from .persist import load as load, save as save
-from .records import (
+from .core.records import (
     CacheState as CacheState,
+)
+from .core.records import (
     Checkpoint as Checkpoint,
+)
+from .core.records import (
     ChunkedState as ChunkedState,
+)
+from .core.records import (
     CompositeCheckpoint as CompositeCheckpoint,
+)
+from .core.records import (
     CompositeState as CompositeState,
+)
+from .core.records import (
     QuantizedState as QuantizedState,
+)
+from .core.records import (
     RecurrentCheckpoint as RecurrentCheckpoint,
+)
+from .core.records import (
     RecurrentState as RecurrentState,
+)
+from .core.records import (
     RotatingState as RotatingState,
 )
-from .recurrent import recurrent_state as recurrent_state
+from .errors import KVStateError as KVStateError
+from .errors import LeaseError as LeaseError
+from .kinds.chunked import chunked_state as chunked_state
+from .kinds.composite import composite_state as composite_state
+from .kinds.dense import empty as empty
+from .kinds.dense import from_arrays as from_arrays
+from .kinds.quantized import quantized as quantized
+from .kinds.quantized import to_quantized as to_quantized
+from .kinds.recurrent import recurrent_state as recurrent_state
+from .kinds.rotating import from_temporal as from_temporal
+from .kinds.rotating import rotating as rotating
+from .kinds.shared import SharedState as SharedState
+from .kinds.shared import fork as fork
+from .kinds.shared import materialize as materialize
+from .persist.files import load as load
+from .persist.files import save as save
 from .sampling import (
     Sampling as Sampling,
+)
+from .sampling import (
     row_keys as row_keys,
+)
+from .sampling import (
     sample as sample,
+)
+from .sampling import (
     sample_arrays as sample_arrays,
+)
+from .sampling import (
     split_keys as split_keys,
 )
-from .shared import SharedState as SharedState, fork as fork, materialize as materialize
 
 if TYPE_CHECKING:
-    from ._decoder import Decoder
-    from ._shells import Model
+    from .bridge.decoder import Decoder
+    from .bridge.shells import Model
 
 try:
     __version__ = _version("kvstate")
@@ -121,7 +198,7 @@ __all__ = [
     "chunked_state",
     "composite_state",
 ]
-# the pure functions: kvstate.ops's operations (re-exported above), then the shared-prefix ones
+# the pure functions: kvstate.core.ops's operations (re-exported above), then the shared-prefix ones
 __all__ += _ops.__all__
 __all__ += [
     "fork",

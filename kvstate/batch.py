@@ -34,14 +34,14 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from . import ops
-from ._args import row_index, row_list
+from .core import ops
+from .core.args import row_index, row_list
+from .core.handles import owns_arrays
+from .core.layers import _layers
+from .core.records import _RowsOfFirst, rows_of
 from .errors import bad
-from .layers import _layers
-from ._handles import owns_arrays
-from .records import _RowsOfFirst, rows_of
+from .kinds.shared import fork
 from .sampling import Sampling, check_keys, row_keys, sample_arrays
-from .shared import fork
 
 __all__ = ["Batch", "join_rows", "row_fields", "take_rows"]
 

@@ -29,7 +29,8 @@ import mlx.core as mx
 
 import kvstate as kv
 
-from .engine import (
+from .models.load import tiny_llama
+from .serving.engine import (
     Completion,
     KVStateEngine,
     MlxLmEngine,
@@ -37,8 +38,7 @@ from .engine import (
     SpeculativeEngine,
     serve,
 )
-from .prefix_cache import PrefixCache
-from .models import tiny_llama
+from .serving.prefix_cache import PrefixCache
 
 PROMPTS = (
     "What is the capital of France?",
@@ -329,7 +329,7 @@ def _progress(label, total, stream):
 
 def load(args, err):
     """``kvstate.models.Loaded`` for ``--model`` (``None`` tokenizer: random token ids)."""
-    from . import models
+    from .models import load as models
 
     if args.model == "tiny":
         return models.Loaded(tiny_llama(args.seed), None, "tiny llama (random weights, float32)")
@@ -367,14 +367,14 @@ def _draft_flags(g) -> None:
 
 def _window(args):
     """``--draft-window``: a fresh ``kvstate.speculative.Window`` for ``cost``, else ``None``."""
-    from .speculative import Window
+    from .speculative.rounds import Window
 
     return Window() if args.draft_window == "cost" else None
 
 
 def _drafter(args, err):
     """``--draft ngram`` / ``--draft-model PATH`` as a ``kvstate.drafts`` drafter (or ``None``)."""
-    from .drafts import DraftModel, Lookup
+    from .speculative.drafts import DraftModel, Lookup
 
     command = f"kvstate {getattr(args, 'command', 'generate')}"
     if args.num_draft < 1:
@@ -385,7 +385,7 @@ def _drafter(args, err):
         return Lookup()
     if args.draft_model is None:
         return None
-    from . import models
+    from .models import load as models
 
     draft = models.load_model(Path(args.draft_model).expanduser(), dequantize=args.float32, log=err)
     return DraftModel(draft.model)
@@ -604,8 +604,8 @@ def generate(args, out=None, err=None) -> int:
 
 def serve_command(args, err=None) -> int:
     """``kvstate serve``: load the model, then serve until interrupted."""
-    from . import serve as server
-    from .prefix_cache import PrefixCache
+    from .serving import http as server
+    from .serving.prefix_cache import PrefixCache
 
     err = err or sys.stderr
     loaded = load(args, err)

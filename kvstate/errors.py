@@ -1,7 +1,7 @@
 """The one error type kvstate raises for bad input, and its message format.
 
 Argument normalisation (ints, per-row values, row indices) is in
-``kvstate._args``; every refusal it makes is built here, by ``bad``.
+``kvstate.core.args``; every refusal it makes is built here, by ``bad``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import attrs
 import mlx.core as mx
 
-from ._args import as_int
+from .core.args import as_int
 from .errors import bad
 
 __all__ = ["Sampling", "filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]

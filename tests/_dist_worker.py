@@ -21,7 +21,7 @@ from tiny_models import llama_model, prompt
 
 import kvstate as kv
 import kvstate.mlx_lm as kl
-from kvstate.distributed import recv_rows, send_rows
+from kvstate.distributed.rows import recv_rows, send_rows
 
 WINDOW = 6  # sliding layers wrap within the few tokens the tests generate
 CONFIGS = {  # name -> (model kwargs, make_states kwargs): every record kind

@@ -31,8 +31,8 @@ from _rows import filled as ragged  # (this script's directory is on sys.path)
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
-from kvstate._rows import geometry
-from kvstate.invariants import validate
+from kvstate.core.invariants import validate
+from kvstate.kinds.rows import geometry
 
 H, D = 2, 32
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstate import kernels
+from kvstate.kernels import cuda as kernels
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 

@@ -8,14 +8,14 @@ A quantized row is what a model sees through ``kv.fetch``: two
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
+from _rows import np_rows_mask
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as _mlx_qsdpa
 
 import kvstate as kv
-from kvstate import _quantized
-from _rows import np_rows_mask
+from kvstate.kinds import quantized as _quantized
 
 # A test whose reference is mlx-lm's own quantized attention (QuantizedKVCache
 # through a model, quantized_scaled_dot_product_attention, or kvstate's stock

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import gc
 
-import numpy as np
 import mlx.core as mx
+import numpy as np
 
 import kvstate as kv
 
@@ -38,7 +38,7 @@ def filled(make, lengths, seed=0, H=2, D=32):
 
 def same_buffer(a, b) -> bool:
     """``a`` and ``b`` read one buffer (evaluated): the same array, though each
-    handle a record hands out is a new object (``kvstate._handles``)."""
+    handle a record hands out is a new object (``kvstate.core.handles``)."""
     if not (isinstance(a, mx.array) and isinstance(b, mx.array)):
         return a is b
     return buffer_of(a) == buffer_of(b)
@@ -152,7 +152,7 @@ def append_peak(state, k, steps: int, keep_old: bool):
     only when nothing else holds its buffer, and on its CUDA backend a
     finished command's buffers are let go by a worker thread after
     ``mx.eval`` may have returned, so the next append can find the plane
-    still held and copy it (``notes/gpu.md``, session 5; the H200 measured
+    still held and copy it (``notes/kernels.md``, session 5; the H200 measured
     one or two plane copies in 16 appends without the wait). With the wait
     the contract is the same on every backend: a dropped record's planes
     are written in place.
@@ -185,7 +185,7 @@ def peak_growth(run) -> int:
 
 def np_rows_mask(n, left_pad, ends, width, window=None) -> np.ndarray:
     """The contract's per-row mask ``[B, 1, n, width]``, written out in numpy
-    (independent of ``kvstate.masks``)."""
+    (independent of ``kvstate.core.masks``)."""
     B = len(ends)
     out = np.zeros((B, 1, n, width), dtype=bool)
     for b in range(B):

@@ -13,13 +13,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from _tol import rel_l2
 from mlx_lm.models import llama
+from test_bridge_routes import record_routes
 
 import kvstate as kv
-from kvstate import _decoder, _quantized, kernels
 from kvstate import mlx_lm as bridge
-from _tol import rel_l2
-from test_bridge_routes import record_routes
+from kvstate.bridge import decoder as _decoder
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import quantized as _quantized
 
 pytestmark = pytest.mark.skipif(
     not kernels.kernel_available(), reason="needs MLX's CUDA backend (the routed reads run there)"

@@ -1,5 +1,5 @@
-"""The eager bridge's routed attention reads (``_decoder.routed_read``), run on
-the CPU by forcing the route (``_decoder.routes_reads``: on by itself only on
+"""The eager bridge's routed attention reads (``routing.routed_read``), run on
+the CPU by forcing the route (``routing.routes_reads``: on by itself only on
 MLX's CUDA backend). Off CUDA the kernels answer by their stock paths, so a
 forced run must give the plain run's logits and greedy tokens: what this
 checks is the wiring (which rows are routed, with which ``left_pad``/``ends``
@@ -17,8 +17,10 @@ from _tol import atol
 from test_shared_compiled import run
 
 import kvstate as kv
-from kvstate import _decoder, _quantized, kernels
 from kvstate import mlx_lm as bridge
+from kvstate.bridge import routing
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import quantized as _quantized
 
 ATOL = atol(mx.float32)
 CUDA = kernels.kernel_available()
@@ -43,7 +45,7 @@ def close(got, want, atol=ATOL):
 def unrouted(monkeypatch, run):
     """``run()`` with the eager reads not routed (the model's own reads)."""
     with monkeypatch.context() as m:
-        m.setattr(_decoder, "routes_reads", lambda: False)
+        m.setattr(routing, "routes_reads", lambda: False)
         return run()
 
 
@@ -65,7 +67,7 @@ def forced(monkeypatch):
         calls.widths.append(k.shape[2])
         return real(q, k, v, left_pad, ends, **kw)
 
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(routing, "routes_reads", lambda: True)
     monkeypatch.setattr(kernels, "ragged_attention", counted)
     return calls
 
@@ -118,16 +120,16 @@ def test_a_windowed_mask_is_never_routed(monkeypatch, forced):
         logits, states = bridge.step(model, mx.array([p[-1] for p in ps]), states)
         return decode(model, logits, states, 2)
 
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
+    monkeypatch.setattr(routing, "routes_reads", lambda: False)
     want = run()
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(routing, "routes_reads", lambda: True)
     got = run()
     close(got[0], want[0])
     assert got[1] == want[1] and forced == []
     ps = prompts([9, 1])  # a ring row holding fewer than max_size: a ragged ring read
     rings = decode(model, *bridge.prefill(model, ps))  # (a ring for the sliding layer)
     assert forced and all(lp == [0, 0] for _, lp, _ in forced)  # the ring's reads only
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
+    monkeypatch.setattr(routing, "routes_reads", lambda: False)
     plain = decode(model, *bridge.prefill(model, ps))
     close(rings[0], plain[0])
     assert rings[1] == plain[1]
@@ -161,7 +163,7 @@ def quantized_routes(monkeypatch):
     def route(q, keys, gs, bits):
         return "kernel" if q.shape[2] <= kernels.MAX_QUERIES else "dequantized"
 
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(routing, "routes_reads", lambda: True)
     monkeypatch.setattr(_quantized, "read_route", route)
     return record_routes(monkeypatch)
 
@@ -216,7 +218,7 @@ def test_the_routes_follow_the_backend():
     q = mx.zeros((1, 4, 1, 32))
     wide = mx.zeros((1, 4, kernels.MAX_QUERIES + 1, 32))
     keys = tuple(mx.quantize(mx.zeros((1, 2, 16, 32)), group_size=32, bits=4))
-    assert _decoder.routes_reads() == CUDA
+    assert routing.routes_reads() == CUDA
     assert _quantized.read_route(q, keys, 32, 4) == ("kernel" if CUDA else "stock")
     assert _quantized.read_route(wide, keys, 32, 4) == ("dequantized" if CUDA else "stock")
 
@@ -232,7 +234,7 @@ def test_quantized_shared_rows_read_dequantized_where_the_stock_read_cannot_run(
     rows = kv.fork(states, 0, 2)
     assert all(isinstance(s, kv.SharedState) for s in rows)
     unshared = [kv.materialize(s) for s in rows]
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: True)
+    monkeypatch.setattr(routing, "routes_reads", lambda: True)
     monkeypatch.setattr(_quantized, "stock_read_runs", lambda: False)
 
     def missing(*a, **kw):

@@ -1,4 +1,4 @@
-"""The compiled decoder's batch-size buckets (``kvstate._buckets``): padded rows give the
+"""The compiled decoder's batch-size buckets (``kvstate.compiled.buckets``): padded rows give the
 unpadded results, a steady batch is padded once, and ``trace_reasons`` says why."""
 
 import mlx.core as mx
@@ -7,8 +7,8 @@ import pytest
 import tiny_models as tm
 
 import kvstate as kv
-from kvstate import _buckets
 from kvstate import mlx_lm as br
+from kvstate.compiled import buckets as _buckets
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import tiny_models as tm
 
 from kvstate import cli
-
-import tiny_models as tm
 
 SMALL = [
     "--model",
@@ -235,7 +234,7 @@ def test_prompts_file_and_sampling(tmp_path, capsys):
 
 
 def test_built_in_prompts_go_through_the_chat_template():
-    from kvstate import models
+    from kvstate.models import load as models
 
     tok = models.load_model(None).tokenizer
     args = cli._parser().parse_args(["generate"])

@@ -1,4 +1,4 @@
-"""Compact files (``kvstate.compact``): ``kv.save`` writes the tokens held and nothing
+"""Compact files (``kvstate.persist.compact``): ``kv.save`` writes the tokens held and nothing
 else, ``kv.load`` restores capacity in whole steps, and a saved ``kv.Batch`` resumes."""
 
 import json

@@ -1,4 +1,4 @@
-"""The compile boundary (``kvstate.compiled``) and the compiled decode step
+"""The compile boundary (``kvstate.compiled.boundary``) and the compiled decode step
 (``kvstate.mlx_lm.Decoder``).
 
 Compiled loops run under real ``mx.compile`` on real mlx-lm model classes
@@ -13,14 +13,18 @@ import math
 import attrs
 import mlx.core as mx
 import pytest
+import tiny_models as tm
+from _tol import atol
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as kv
-import kvstate.compiled as kc
-from kvstate import _decoder, _quantized, _rows, kernels, mlx_lm as br
-
-import tiny_models as tm
-from _tol import atol
+import kvstate.compiled.boundary as kc
+from kvstate import mlx_lm as br
+from kvstate.bridge import decoder as _decoder
+from kvstate.bridge import routing
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import quantized as _quantized
+from kvstate.kinds import rows as _rows
 
 ATOL = atol(mx.float32)
 
@@ -144,7 +148,7 @@ def test_trace_count_600_tokens_ragged():
 
 
 def test_llama_compiled_equals_eager_across_buckets(monkeypatch):
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)  # eager reads as "mask" does
+    monkeypatch.setattr(routing, "routes_reads", lambda: False)  # eager reads as "mask" does
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], step=16)
     states = [kv.trim(s, (0, 2, 1)) for s in states]  # ends differ: per-row scatter writes
@@ -453,7 +457,7 @@ def test_make_step_matches_the_bridge_step_signature():
 def test_write_and_wait_options_equal_eager(monkeypatch, write, wait):
     # The eager reference reads as the compiled "mask" mode does: the model's own
     # masked SDPA (on CUDA eager reads are routed to the kernels, notes/bridge.md)
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)
+    monkeypatch.setattr(routing, "routes_reads", lambda: False)
     model = tm.llama_model(layers=2)
     _, logits, states = prefill(model, [5, 9, 3], step=16)  # merged: rows share one end
     decode = br.Decoder(model, attention="mask", write=write, wait=wait)

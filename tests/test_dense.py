@@ -1,10 +1,9 @@
-"""Unit tests of ``CacheState`` and each of its pure functions (kvstate._dense, kvstate._rows)."""
+"""Unit tests of ``CacheState`` and its pure functions (kvstate.kinds.dense, kvstate.kinds.rows)."""
 
 from __future__ import annotations
 
-import gc
-
 import collections
+import gc
 import io
 import re
 
@@ -12,10 +11,6 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import kvstate as kv
 from _rows import (
     append_peak,
     assert_rows_equal,
@@ -26,6 +21,10 @@ from _rows import (
     snapshot,
     visible,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvstate as kv
 
 H, D = 2, 8
 
@@ -226,7 +225,7 @@ def test_a_models_layers_checkpoint_and_roll_back_with_one_layout_worked_out(rng
     rollback's checks and dropped columns are worked out once, not once per layer
     (host work per layer, every round), and each layer's result is what rolling it
     back alone gives. On the old code every layer built and checked its own."""
-    from kvstate import _rows
+    from kvstate.kinds import rows as _rows
 
     layers = []
     for _ in range(6):
@@ -256,7 +255,7 @@ def test_trim(rng):
     s, rows = ragged(rng, [5, 3])
     t = kv.trim(s, 2)
     assert t.lengths == (3, 1) and t.left_pad == s.left_pad
-    # moves no data; the dropped columns are cleared (notes/invariants.md)
+    # moves no data; the dropped columns are cleared (notes/core.md)
     for old, new in ((s.keys, t.keys), (s.values, t.values)):
         old, new = np.array(old), np.array(new)
         dropped = np.zeros(old.shape[2], bool)

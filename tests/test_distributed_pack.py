@@ -18,9 +18,9 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import kvstate as kv
-from kvstate import _wire
-from kvstate import distributed as dist
-from kvstate import recurrent as rec
+from kvstate.distributed import rows as dist
+from kvstate.distributed import wire as _wire
+from kvstate.kinds import recurrent as rec
 
 
 def kv_row(make):

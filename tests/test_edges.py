@@ -23,9 +23,9 @@ from _rows import assert_unchanged, snapshot
 from tiny_models import llama_model
 
 import kvstate as kv
-from kvstate import persist
+from kvstate.core.invariants import MAX_ROWS, fresh_row_ids
 from kvstate.errors import LinkError
-from kvstate.invariants import MAX_ROWS, fresh_row_ids
+from kvstate.persist import files as persist
 
 HUGE = 10**12
 

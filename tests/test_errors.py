@@ -12,9 +12,9 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
+from _rows import assert_unchanged, rand, snapshot
 
 import kvstate as kv
-from _rows import assert_unchanged, rand, snapshot
 
 H, D = 2, 4
 

@@ -1,9 +1,10 @@
-"""`kvstate.gguf.export_mlx_lm`: the GGUF model as an mlx-lm directory mlx-lm itself loads."""
+"""`kvstate.models.gguf.export_mlx_lm`: the GGUF model as a directory mlx-lm itself loads."""
 
 import mlx.core as mx
 import pytest
 
-from kvstate import gguf, models
+from kvstate.models import gguf
+from kvstate.models import load as models
 
 
 @pytest.mark.slow

@@ -12,13 +12,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models as tm
 
 import kvstate as kv
-from kvstate import kernels
 from kvstate import mlx_lm as br
-from kvstate.masks import rows_mask
-
-import tiny_models as tm
+from kvstate.core.masks import rows_mask
+from kvstate.kernels import cuda as kernels
 
 cuda_only = pytest.mark.skipif(
     not kernels.kernel_available(),

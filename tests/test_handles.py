@@ -4,7 +4,7 @@ MLX's in-place write (``a[...] = x``) rebinds the array *object*; every
 holder of that object sees it. The law: whatever a public function is given
 or returns, a caller who writes in place into every array they gave or got
 (arrays alone, in tuples, in records' fields, in leases) leaves every record
-that was reachable before bit-identical (``notes/invariants.md``, "Handles").
+that was reachable before bit-identical (``notes/core.md``, "Handles").
 
 Hypothesis draws the record kind, its rows and the operation; the model of
 "unchanged" is a numpy copy of every array reachable from the records.
@@ -16,15 +16,14 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
+from _rows import filled
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import llama_model, prompt
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
-from kvstate.recurrent import set_slot
-
-from _rows import filled
-from tiny_models import llama_model, prompt
+from kvstate.kinds.recurrent import set_slot
 
 H, D = 2, 32
 

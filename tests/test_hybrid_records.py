@@ -17,9 +17,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
-from kvstate import chunked as ch
-from kvstate import recurrent as rc
-from kvstate.prompt_cache import to_prompt_cache
+from kvstate.bridge.prompt_cache import to_prompt_cache
+from kvstate.kinds import chunked as ch
+from kvstate.kinds import recurrent as rc
 
 H, D, CS = 2, 4, 4
 SCALE = D**-0.5

@@ -1,4 +1,4 @@
-"""Record invariants (``kvstate.invariants``): no record that breaks them can exist.
+"""Record invariants (``kvstate.core.invariants``): no record that breaks them can exist.
 
 * every lie a constructor, ``attrs.evolve``, ``unflatten`` or
   ``from_prompt_cache`` is told is refused with ``KVStateError``;
@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvstate as kv
-from kvstate import compiled, invariants
-from kvstate.invariants import validate
-from kvstate.records import derived
+from kvstate.compiled import boundary as compiled
+from kvstate.core import invariants
+from kvstate.core.invariants import validate
+from kvstate.core.records import derived
 
 H, D = 2, 32
 
@@ -50,7 +51,7 @@ def visible(state) -> np.ndarray:
     """Bool ``[B, C]``: the columns each row can read (from the bookkeeping alone)."""
     C = state.capacity
     if isinstance(state, kv.RotatingState):
-        holds, _ = importlib.import_module("kvstate._ring")._ranks(
+        holds, _ = importlib.import_module("kvstate.kinds.rotating")._ranks(
             np.array(state.lengths), np.array(state.held), state.keep, C, C
         )
         return holds
@@ -210,7 +211,7 @@ def test_small_items():
     with pytest.raises(kv.KVStateError, match="memo: expected a MaskMemo, got dict"):
         kv.attend(s, rand(1, 2, H, 1, D), scale=0.1, memo={})
     with pytest.raises(kv.KVStateError, match="memo: expected a MaskMemo, got dict"):
-        kv.ops.next_mask(s, 1, memo={})
+        kv.next_mask(s, 1, memo={})
 
 
 def test_the_compiled_decoder_refuses_records_of_another_geometry():
@@ -482,7 +483,7 @@ class Adversary(RuleBasedStateMachine):
         """``call(state)`` on every kind: a valid record or KVStateError, input unchanged.
 
         ``planes_trusted``: ``unflatten`` takes the planes a compiled step
-        returned as they are (hidden columns included; notes/invariants.md)."""
+        returned as they are (hidden columns included; notes/core.md)."""
         for kind, s in list(self.states.items()):
             snap = snapshot(s)
             try:

@@ -1,4 +1,4 @@
-"""The CUDA launches of ``kvstate.kernels``, recorded on any backend.
+"""The CUDA launches of ``kvstate.kernels.cuda``, recorded on any backend.
 
 CUDA caps a launch's grid at 65535 blocks along y and z and 2^31 - 1 along x
 (MLX's ``cuda_kernel`` takes the grid in threads, as int32s); a launch past a cap
@@ -14,8 +14,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from kvstate import kernels
 from kvstate.errors import KVStateError
+from kvstate.kernels import cuda as kernels
 
 LIMITS = (2**31 - 1, 65535, 65535)  # blocks along x, y, z
 
@@ -114,7 +114,7 @@ def test_a_grid_past_int32_threads_is_refused_on_the_host(launches):
 
 def test_splits_fill_the_gpu_at_any_batch(monkeypatch):
     """``splits_for``'s rule (host arithmetic: runs everywhere; the counts were
-    chosen from H200 measurements, ``notes/gpu.md``)."""
+    chosen from H200 measurements, ``notes/kernels.md``)."""
     assert kernels.splits_for(1, 8, 8448) == 32  # one long row spread over many blocks
     assert kernels.splits_for(1, 8, 33024) == kernels.MAX_SPLITS == 32  # (whole steps)
     assert kernels.splits_for(1, 8, 2304) == 1  # a short one: one launch (measured)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, note, strategies as st
+from _rows import assert_rows_equal, np_of, rand, ref_attend, visible
+from hypothesis import given, note
+from hypothesis import strategies as st
 
 import kvstate as kv
-from _rows import assert_rows_equal, np_of, rand, ref_attend, visible
 
 dims = st.tuples(st.sampled_from([1, 2]), st.sampled_from([4, 8]), st.sampled_from([4, 8]))
 

@@ -1,4 +1,4 @@
-"""Model-level ops (``kvstate.layers``): every ``kv`` function over a list or tuple of
+"""Model-level ops (``kvstate.core.layers``): every ``kv`` function over a list or tuple of
 layer records, one checkpoint for every layer, and empty (B = 0) batches end to end."""
 
 import mlx.core as mx

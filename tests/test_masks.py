@@ -1,16 +1,17 @@
-"""MaskKey, MaskMemo, MaskLease and the mask builders (kvstate.masks)."""
+"""MaskKey, MaskMemo, MaskLease and the mask builders (kvstate.core.masks)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from _rows import np_of, np_rows_mask, rand
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvstate as kv
-from kvstate import ops
-from kvstate.masks import rows_mask
-from _rows import np_of, np_rows_mask, rand
+from kvstate.core import ops
+from kvstate.core.masks import rows_mask
 
 
 def counting_build(value="m"):

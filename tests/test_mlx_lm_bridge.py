@@ -4,10 +4,13 @@ memo, and conversion to and from mlx-lm cache objects (same process)."""
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models as tm
+from _quant import needs_stock_quantized_read
+from _rows import peak_growth, same_buffer
 from mlx_lm.models.cache import (
     BatchKVCache,
-    ConcatenateKVCache,
     BatchRotatingKVCache,
+    ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -15,11 +18,9 @@ from mlx_lm.models.cache import (
 )
 
 import kvstate as kv
-from kvstate import _decoder, _shells, mlx_lm as br
-
-import tiny_models as tm
-from _quant import needs_stock_quantized_read
-from _rows import peak_growth, same_buffer
+from kvstate import mlx_lm as br
+from kvstate.bridge import routing
+from kvstate.bridge import shells as _shells
 
 ATOL = 1e-4
 
@@ -138,7 +139,7 @@ def test_one_mask_build_per_forward(llama):
 
 
 def test_layers_of_one_layout_share_one_append_plan(llama, monkeypatch):
-    from kvstate import _rows
+    from kvstate.kinds import rows as _rows
 
     made = []
     init = _rows.AppendPlan.__init__
@@ -236,7 +237,7 @@ def test_forward_traced_by_mx_compile_equals_eager(llama):
 def test_a_failing_model_releases_its_leases(llama, monkeypatch, routed):
     # routed: the reads go through the router, as on CUDA (a duck-typed model
     # without named_modules routes nothing and fails with its own error)
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: routed)
+    monkeypatch.setattr(routing, "routes_reads", lambda: routed)
     _, _, states = ragged(llama)
 
     class Boom:

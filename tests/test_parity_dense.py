@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given, note, strategies as st
+from _rows import np_of, rand
+from hypothesis import given, note
+from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 import kvstate as kv
-from _rows import np_of, rand
 
 H, D, DV = 2, 8, 4
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_hybrid as th
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-
-import tiny_hybrid as th
 
 FAMILIES = sorted(th.MODELS)
 KINDS = {
@@ -255,8 +254,8 @@ def test_speculative_decoding_on_hybrid_targets_equals_plain_greedy(family):
     tokens of plain greedy decoding; its rollback is ``kvstate.mlx_lm.rollback``
     (rows keeping part of a window replay it; the replay's own exactness is
     ``test_rollback_after_rejected_draft_equals_never_drafting``)."""
-    from kvstate import speculative as sp
-    from kvstate.drafts import Lookup
+    from kvstate.speculative import rounds as sp
+    from kvstate.speculative.drafts import Lookup
 
     name, model = family
     prompts = [(th.prompt(40, 4) * 6)[:22], (th.prompt(41, 3) * 8)[:19]]

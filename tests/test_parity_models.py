@@ -11,13 +11,12 @@ and its greedy tokens must equal its solo run.
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models as tm
+from _quant import needs_stock_quantized_read
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-
-import tiny_models as tm
-from _quant import needs_stock_quantized_read
 
 ATOL = 1e-4
 

@@ -12,12 +12,6 @@ that row alone in its own QuantizedKVCache.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, strategies as st
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-import kvstate as kv
-from kvstate import to_quantized
-
 from _quant import (
     GEOMETRIES,
     assert_same_bytes,
@@ -27,6 +21,12 @@ from _quant import (
     rand,
     row_planes,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+import kvstate as kv
+from kvstate import to_quantized
 
 H = 2
 SCALE = 0.17

@@ -12,13 +12,12 @@ layer's stored planes (byte-exact) must equal the solo runs.
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models as tm
+from _quant import assert_same_bytes, needs_stock_quantized_read, np_of, row_planes
 from mlx_lm.models.cache import QuantizedKVCache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-
-import tiny_models as tm
-from _quant import assert_same_bytes, needs_stock_quantized_read, np_of, row_planes
 
 pytestmark = needs_stock_quantized_read  # (mlx-lm's QuantizedKVCache runs the reference)
 

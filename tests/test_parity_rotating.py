@@ -16,15 +16,15 @@ block mask uses (``RefRing``); everywhere else against both.
 
 from __future__ import annotations
 
-import numpy as np
 import mlx.core as mx
-from hypothesis import given, strategies as st
+import numpy as np
+from _ring import RefRing, rand, rows_of
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.models.cache import RotatingKVCache
 
 import kvstate as kv
-from kvstate._ring import from_temporal, read_width, ring_mask, update_and_read
-
-from _ring import RefRing, rand, rows_of
+from kvstate.kinds.rotating import from_temporal, read_width, ring_mask, update_and_read
 
 H, HQ, D = 2, 4, 8
 SCALE = D**-0.5
@@ -120,7 +120,7 @@ def test_shell_protocol_next_mask_then_update_and_read(ring, sizes, window, seed
     memo = kv.MaskMemo()
     for n in sizes:
         k, v, q = (mx.array(rand(rng, 1, h, n, D)) for h in (H, H, HQ))
-        mask, held = kv.ops.next_mask(s, n, memo=memo, window=window)
+        mask, held = kv.next_mask(s, n, memo=memo, window=window)
         s, keys, values = update_and_read(s, k, v)
         got = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE, mask=mask)
         if held is not None:

@@ -10,16 +10,15 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+import tiny_models as tm
+from _quant import needs_stock_quantized_read
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx_lm.models import cache as lm_cache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-from kvstate import persist
-
-import tiny_models as tm
-from _quant import needs_stock_quantized_read
-
+from kvstate.persist import files as persist
 
 # --- helpers -------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 import kvstate as kv
-from kvstate import persist
+from kvstate.persist import files as persist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -8,7 +8,7 @@ import pytest
 from _rows import rand, visible
 
 import kvstate as kv
-from kvstate.prefix_cache import PrefixCache, common_prefix, model_identity
+from kvstate.serving.prefix_cache import PrefixCache, common_prefix, model_identity
 
 H, D = 2, 4
 LAYERS = 2
@@ -136,7 +136,7 @@ def test_byte_count_follows_inserts_and_evictions(rng):
     """``nbytes`` (kept as entries come and go) always equals ``held_bytes``
     over every record the entries hold, shared records counted once, through
     inserts of dense and shared entries, leases and budget evictions."""
-    from kvstate.shared import held_bytes
+    from kvstate.kinds.shared import held_bytes
 
     sizes = [3, 8, 5, 12, 8, 2, 9, 6, 4, 10, 7, 11]
     one = sum(s.nbytes for s in entry(rng, 8)[0])

@@ -7,8 +7,8 @@ import mlx.core as mx
 from tiny_models import VOCAB, llama_model
 
 from kvstate import cli
-from kvstate.engine import KVStateEngine, Request, serve
-from kvstate.prefix_cache import PrefixCache
+from kvstate.serving.engine import KVStateEngine, Request, serve
+from kvstate.serving.prefix_cache import PrefixCache
 
 
 def requests(rng_seed=0):

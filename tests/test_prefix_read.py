@@ -17,7 +17,8 @@ import mlx.core as mx
 import pytest
 
 import kvstate as kv
-from kvstate import kernels, shared
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import shared
 
 BF16_RTOL = 2e-2  # relative L2 error of a bf16 read against the float32 reference
 
@@ -50,7 +51,7 @@ def _shared_rows(dtype, H, D, N, seed, trim=True):
 
 def _prefix_args(state):
     """``ragged_attention``'s arguments for a ``SharedState`` with one prefix record
-    (the row map as ``kvstate.shared`` builds it for its own read)."""
+    (the row map as ``kvstate.kinds.shared`` builds it for its own read)."""
     _, rows, starts, lens = shared.view_arrays(state)
     prefix = (*shared.prefix_planes(state), rows, starts, lens)
     sx = state.suffix
@@ -152,7 +153,7 @@ def test_prefix_kernel_reads_rests_past_128_queries(monkeypatch, N, dtype):
     """A cached request's rest of up to 512 queries per row read over its prefix
     in the kernel (``PREFIX_QUERIES`` raised to ``N`` where it is lower: where
     the limit may go; the H200 measured the kernel faster than the cascade at
-    every width to 512, notes/prefix.md), against the same rows stored unshared."""
+    every width to 512, notes/kinds.md), against the same rows stored unshared."""
     monkeypatch.setattr(kernels, "PREFIX_QUERIES", max(kernels.PREFIX_QUERIES, N))
     H, gqa, D = 2, 3, 64
     state = _shared_rows(dtype, H, D, N, seed=N)

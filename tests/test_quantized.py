@@ -7,17 +7,9 @@ on this CPU.
 
 from __future__ import annotations
 
-
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
-from hypothesis import given, note, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-import kvstate as kv
-from kvstate import KVStateError, _quantized, kernels, to_quantized
-
-from _rows import append_peak, np_rows_mask
 from _quant import (
     GEOMETRIES,
     QuantizeCounter,
@@ -31,6 +23,15 @@ from _quant import (
     rand,
     row_planes,
 )
+from _rows import append_peak, np_rows_mask
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvstate as kv
+from kvstate import KVStateError, to_quantized
+from kvstate.kernels import cuda as kernels
+from kvstate.kinds import quantized as _quantized
 
 H = 2
 SCALE = 0.125

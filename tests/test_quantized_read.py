@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+import tiny_models as tm
 
 import kvstate as kv
-from kvstate import kernels
 from kvstate import mlx_lm as br
-from kvstate.masks import rows_mask
-
-import tiny_models as tm
+from kvstate.core.masks import rows_mask
+from kvstate.kernels import cuda as kernels
 
 CUDA = kernels.kernel_available()
 DTYPE = mx.bfloat16 if CUDA else mx.float32

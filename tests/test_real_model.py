@@ -1,5 +1,5 @@
 """The real model: SmolLM2-135M-Instruct from its GGUF file (fetched and cached
-by ``kvstate.models.fetch``, as a user's first run does), dequantized to
+by ``kvstate.models.load.fetch``, as a user's first run does), dequantized to
 float32. Ragged batches through ``kvstate.mlx_lm`` against mlx-lm run alone
 on every prompt (same process, same weights), batched against one-at-a-time
 prefill, the tokenizer, and the download path itself.
@@ -10,15 +10,14 @@ Forwards cost about 0.1 s a token on this CPU, so prompts are short.
 import mlx.core as mx
 import numpy as np
 import pytest
+from _quant import needs_stock_quantized_read
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-from kvstate import models
-
-from _quant import needs_stock_quantized_read
+from kvstate.models import load as models
 
 ATOL = 2e-3  # float32 through 30 layers; observed differences are 0 or ~1e-5
 TEXTS = ["The capital of France is", "Hello", "1 2 3 4 5", "Water boils at a temperature of"]

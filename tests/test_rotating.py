@@ -10,14 +10,17 @@ from __future__ import annotations
 import gc
 
 import attrs
-import numpy as np
 import mlx.core as mx
+import numpy as np
 import pytest
-from hypothesis import given, note, settings, strategies as st
+from _ring import RefRing, positions_of, rand, rows_of
+from _rows import assert_unchanged, same_buffer, snapshot
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import kvstate as kv
-from kvstate._ring import (
+from kvstate.kinds.rotating import (
     advance,
     from_temporal,
     read,
@@ -26,9 +29,6 @@ from kvstate._ring import (
     ring_writer,
     update_and_read,
 )
-
-from _ring import RefRing, positions_of, rand, rows_of
-from _rows import assert_unchanged, same_buffer, snapshot
 
 H, HQ, D = 2, 4, 8
 SCALE = D**-0.5
@@ -415,15 +415,15 @@ def test_rotating_block_mask_memo_and_errors():
 def test_masks_need_no_array_in_the_common_cases():
     memo = kv.MaskMemo()
     s = kv.rotating(2, max_size=4)
-    assert kv.ops.next_mask(s, 3, memo=memo) == ("causal", None)  # prefill
+    assert kv.next_mask(s, 3, memo=memo) == ("causal", None)  # prefill
     s = kv.append(s, *tokens(0, 3, B=2))
-    assert kv.ops.next_mask(s, 1, memo=memo) == (None, None)  # decode, ring filling
+    assert kv.next_mask(s, 1, memo=memo) == (None, None)  # decode, ring filling
     for p in range(3, 9):
         s = kv.append(s, *tokens(p, 1, B=2))
-        assert kv.ops.next_mask(s, 1, memo=memo) == (None, None)  # decode, ring full
-    mask, lease = kv.ops.next_mask(s, 2, memo=memo)  # a block after the wrap
+        assert kv.next_mask(s, 1, memo=memo) == (None, None)  # decode, ring full
+    mask, lease = kv.next_mask(s, 2, memo=memo)  # a block after the wrap
     assert mask.shape == (2, 1, 2, 5) and memo.builds == 1
-    again, lease2 = kv.ops.next_mask(s, 2, memo=memo)  # another layer: same array
+    again, lease2 = kv.next_mask(s, 2, memo=memo)  # another layer: same array
     assert same_buffer(again, mask) and memo.builds == 1
     lease.release(), lease2.release()
     assert memo.live == 0
@@ -447,7 +447,7 @@ def test_next_mask_is_the_mask_attend_uses(ring, prefixes, n, window, seed):
         ]
     )
     B = s.batch_size
-    mask, held = kv.ops.next_mask(s, n, window=window)
+    mask, held = kv.next_mask(s, n, window=window)
     s, keys, values = update_and_read(
         s, mx.array(rand(rng, B, H, n, D)), mx.array(rand(rng, B, H, n, D))
     )

@@ -15,10 +15,11 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests call the server with openai")
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
-from kvstate import models  # noqa: E402
-from kvstate.engine import KVStateEngine, Request, serve as generate  # noqa: E402
-from kvstate.prefix_cache import PrefixCache  # noqa: E402
-from kvstate.serve import make_app  # noqa: E402
+from kvstate.models import load as models  # noqa: E402
+from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
+from kvstate.serving.engine import serve as generate  # noqa: E402
+from kvstate.serving.http import make_app  # noqa: E402
+from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTIONS = [
@@ -254,7 +255,7 @@ def test_a_full_queue_answers_429(smollm):
 
 def test_greedy_rows_with_prompt_lookup_drafts_give_the_plain_text(smollm):
     """--draft ngram: the batch speculates (per-row acceptance) and greedy text is unchanged."""
-    from kvstate.drafts import Lookup
+    from kvstate.speculative.drafts import Lookup
 
     want = greedy_reference(smollm, QUESTIONS, 16)
     s = Server(
@@ -290,8 +291,8 @@ def test_serve_rounds_go_through_the_cost_aware_window(smollm):
     """``window=Window()`` (``kvstate serve``'s default with a drafter): every round
     the scheduler runs is timed into the one rule, which outlives the rows
     (kept across batches), and greedy text is unchanged."""
-    from kvstate.drafts import Lookup
-    from kvstate.speculative import Window
+    from kvstate.speculative.drafts import Lookup
+    from kvstate.speculative.rounds import Window
 
     want = greedy_reference(smollm, QUESTIONS, 12)
     s = Server(smollm, max_batch=8, drafter=Lookup(), num_draft=3, window=Window(samples=1))
@@ -306,8 +307,8 @@ def test_serve_command_passes_the_draft_window(monkeypatch, flags, cost):
     """``kvstate serve --draft ngram`` hands the scheduler a ``Window`` (default
     ``--draft-window cost``), ``--draft-window fixed`` none."""
     from kvstate import cli
-    from kvstate import serve as server
-    from kvstate.speculative import Window
+    from kvstate.serving import http as server
+    from kvstate.speculative.rounds import Window
 
     got = {}
     monkeypatch.setattr(server, "run", lambda loaded, **options: got.update(options))

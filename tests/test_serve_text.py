@@ -1,9 +1,10 @@
 """The server's request parsing and text streaming (no model, no network)."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvstate.serve import BadRequest, TextStream, parse
+from kvstate.serving.http import BadRequest, TextStream, parse
 
 # A toy vocabulary: some tokens are half a UTF-8 character, as byte-level BPE can give.
 PIECES = [b"a", b"b", b" ", b"ab", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"STOP", b"\n"]

@@ -22,8 +22,8 @@ from hypothesis import note, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
-from kvstate import shared
-from kvstate.masks import rows_mask
+from kvstate.core.masks import rows_mask
+from kvstate.kinds import shared
 
 H, D = 2, 4
 HQ = 4

@@ -6,14 +6,16 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
-from tiny_models import VOCAB, llama_model, qwen3_model
 from _quant import needs_stock_quantized_read
 from _threads import in_another_thread
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+from tiny_models import VOCAB, llama_model, qwen3_model
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
-from kvstate.prefix_cache import PrefixCache, prefill
+from kvstate.bridge import forward as bridge_forward
+from kvstate.bridge import routing
+from kvstate.serving.prefix_cache import PrefixCache, prefill
 
 
 def mlx_lm_run(model, prompt, forced, steps, kv_bits=None):
@@ -124,7 +126,7 @@ def test_cached_prefix_prefills_only_the_rest():
 def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
     """The model's attention over shared dense rows goes to the cascade (one call
     per layer per forward), not to the materialized columns."""
-    from kvstate import shared
+    from kvstate.kinds import shared
 
     calls = []
     real = shared.read
@@ -133,7 +135,7 @@ def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bridge, "shared_read", counted)
+    monkeypatch.setattr(bridge_forward, "shared_read", counted)
     model = llama_model(layers=3)
     _, states = bridge.forward(model, mx.array([[1, 2, 3, 4]]), bridge.make_states(model, 1))
     forked = kv.fork(states, 0, 2)
@@ -142,7 +144,7 @@ def test_bridge_reads_shared_rows_by_cascade(monkeypatch):
     assert len(calls) == 3
 
     # The materialized read gives the same logits.
-    monkeypatch.setattr(bridge, "_cascade", _NoRoute)
+    monkeypatch.setattr(bridge_forward, "_cascade", _NoRoute)
     again, _ = bridge.step(model, mx.array([5, 6, 7]), forked)
     assert len(calls) == 3
     np.testing.assert_allclose(np.array(logits), np.array(again), atol=2e-5, rtol=1e-5)
@@ -165,10 +167,10 @@ def test_bridge_builds_the_row_map_once_per_map_not_per_step(monkeypatch):
     of every step reads the very same four arrays; session 5 built them once
     per forward) and the walk for the model's attention modules (once per
     model)."""
-    from kvstate import _decoder, shared
+    from kvstate.kinds import shared
 
     maps, walks = [], []
-    real_read, real_walk = shared._compiled_read, _decoder._find_attention_modules
+    real_read, real_walk = shared._compiled_read, routing._find_attention_modules
 
     def spy(scale):
         fn = real_read(scale)
@@ -181,7 +183,7 @@ def test_bridge_builds_the_row_map_once_per_map_not_per_step(monkeypatch):
 
     monkeypatch.setattr(shared, "_compiled_read", spy)
     monkeypatch.setattr(
-        _decoder, "_find_attention_modules", lambda m: walks.append(1) or real_walk(m)
+        routing, "_find_attention_modules", lambda m: walks.append(1) or real_walk(m)
     )
     model = llama_model(layers=3)
     _, states = bridge.forward(model, mx.array([[1, 2, 3, 4]]), bridge.make_states(model, 1))
@@ -200,12 +202,11 @@ def test_bridge_builds_the_row_map_once_per_map_not_per_step(monkeypatch):
 def test_a_read_that_bypasses_the_cascade_is_refused(monkeypatch):
     """A model whose attention does not read through mlx-lm's global (simulated:
     no module found to route) would see only suffix columns: refused, not wrong."""
-    from kvstate import _decoder
 
     model = llama_model(layers=2)
     _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
     forked = kv.fork(states, 0, 1)
-    monkeypatch.setattr(_decoder, "_attention_modules", lambda model: set())
+    monkeypatch.setattr(routing, "_attention_modules", lambda model: set())
     with pytest.raises(kv.KVStateError, match="bypassed"):
         bridge.step(model, mx.array([4, 5]), forked)
 
@@ -214,7 +215,7 @@ def test_bridge_shared_read_traces_once_per_bucket_not_per_token():
     """Every layer and every decode step of one suffix bucket reuse one trace of
     the compiled shared read (``shared.traces``: the cascade off CUDA, the kernel
     with its prefix source on CUDA, where the cascade is never called)."""
-    from kvstate import shared
+    from kvstate.kinds import shared
 
     shared._compiled_read.cache_clear()
     before = shared.traces()
@@ -243,7 +244,7 @@ def test_prefill_over_a_cached_prefix_traces_nothing_per_prompt_length():
     request's): no trace per prompt length (before: one per length). Only the
     first-token step (one query per row) is compiled, once for its shapes; the
     logits equal the request run alone from an empty cache."""
-    from kvstate import shared
+    from kvstate.kinds import shared
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(3)
@@ -352,7 +353,7 @@ def test_a_cached_rest_is_read_over_its_prefix_in_one_kernel_call(monkeypatch):
     ``PREFIX_QUERIES``) takes the kernel route with its prefix source, one call per
     layer (off CUDA the route is forced and the call answers by its stock path),
     and gives the logits of the request run alone."""
-    from kvstate import kernels
+    from kvstate.kernels import cuda as kernels
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(10)
@@ -392,7 +393,7 @@ def test_row_map_arrays_kept_by_one_thread_serve_another():
     """The kept row-map arrays (``shared.view_arrays``) hold their data: a map built
     by a step in one thread (not evaluated there) is read by a step in another
     (a kept lazy array would be bound to the first thread's stream: d7c42ec)."""
-    from kvstate import shared
+    from kvstate.kinds import shared
 
     model = llama_model(layers=2)
     _, states = bridge.forward(model, mx.array([[3, 1, 4, 1, 5]]), bridge.make_states(model, 1))

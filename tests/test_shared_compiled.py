@@ -6,15 +6,17 @@ reading the same prefix records."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import attrs
+import mlx.core as mx
 import numpy as np
 import pytest
 from tiny_models import VOCAB, llama_model, qwen3_model
 
 import kvstate as kv
-from kvstate import _decoder, shared
 from kvstate import mlx_lm as bridge
+from kvstate.bridge import decoder as _decoder
+from kvstate.bridge import routing
+from kvstate.kinds import shared
 
 ATOL = 5e-5
 
@@ -116,7 +118,7 @@ def test_no_retrace_per_token_and_none_when_rows_join_and_leave():
 def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
     model = llama_model(layers=2)
     _, states = bridge.forward(model, mx.array([[1, 2, 3]]), bridge.make_states(model, 1))
-    monkeypatch.setattr(_decoder, "_attention_modules", lambda model: set())
+    monkeypatch.setattr(routing, "_attention_modules", lambda model: set())
     with pytest.raises(kv.KVStateError, match="bypassed"):
         kv.compiled_decoder(model)(mx.array([4, 5]), kv.fork(states, 0, 1))
 
@@ -124,7 +126,7 @@ def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
 @pytest.mark.slow
 def test_real_model_compiled_shared_decode_equals_eager_and_dense():
     """SmolLM2-135M (float32, 30 layers): 4 forks of one prompt, 3 greedy steps (~15 s)."""
-    from kvstate import models
+    from kvstate.models import load as models
 
     loaded = models.load_model(None, dequantize=True)
     model = loaded.model
@@ -168,7 +170,7 @@ def _force_route(monkeypatch, fused: bool):
     widths (``"fused"`` for a read with a write at hand, with ``fused``) while the
     kernels' own launch gate stays shut (``kernels._kernel_reads``): they answer by
     their stock paths, so the wiring runs everywhere. On CUDA, the real route."""
-    from kvstate import kernels
+    from kvstate.kernels import cuda as kernels
 
     if kernels.kernel_available():
         return
@@ -187,7 +189,7 @@ def test_the_kernel_wiring_reads_the_same(monkeypatch):
     ``ragged_attention`` answers by its stock path), eager and compiled shared
     decode give the cascade's logits: the arrays handed to the kernel (the
     suffix's ``left_pad``/``ends``, the row map) are the right ones."""
-    from kvstate import kernels
+    from kvstate.kernels import cuda as kernels
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(6)
@@ -222,7 +224,7 @@ def test_the_fused_write_wiring_reads_and_writes_the_same(monkeypatch):
     logits and the suffix planes of the same step writing by scatter, and the eager
     bridge's logits. Off CUDA the route is forced (``_force_route``) and the fused
     call is its stock path; on CUDA it is the kernel."""
-    from kvstate import kernels
+    from kvstate.kernels import cuda as kernels
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(7)
@@ -270,7 +272,7 @@ def test_returned_shared_rows_are_not_flattened_again(monkeypatch):
     """Shared rows the decoder returned and gets back unchanged take its remembered
     Spec (``prepare`` hands back the record itself when its suffix has room), as
     dense rows do: no ``compiled.flatten`` per layer per step."""
-    from kvstate import compiled
+    from kvstate.compiled import boundary as compiled
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(11)
@@ -300,8 +302,8 @@ def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypat
     its position arrays looked up once (not once per layer); each layer's rows
     still read its own prefix records, and the logits equal the eager bridge's
     and the same rows stored unshared (``materialize``), compiled."""
-    from kvstate import compiled
-    from kvstate.prefix_cache import PrefixCache, prefill
+    from kvstate.compiled import boundary as compiled
+    from kvstate.serving.prefix_cache import PrefixCache, prefill
 
     model = llama_model(layers=4)
     rng = np.random.default_rng(7)
@@ -358,9 +360,8 @@ def test_a_shared_spec_holds_no_record_and_rebuilds_around_like():
     map and the prefix records' shapes, not the records, so the rows are rebuilt
     around ``like``'s prefix records (the very same objects); without ``like``
     it is refused by name. Specs of equal layouts over other records are equal."""
-    from kvstate import compiled
-
-    from kvstate.invariants import share_row_ids
+    from kvstate.compiled import boundary as compiled
+    from kvstate.core.records import share_row_ids
 
     model = llama_model(layers=2)
     rng = np.random.default_rng(3)

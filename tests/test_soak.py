@@ -24,7 +24,7 @@ from _ring import RefRing, rows_of
 from _rows import ref_attend, visible
 
 import kvstate as kv
-from kvstate.invariants import validate
+from kvstate.core.invariants import validate
 
 H, D = 2, 32
 OPS = int(os.environ.get("KVSTATE_SOAK_OPS", "8000"))  # per kind

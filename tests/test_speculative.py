@@ -10,7 +10,6 @@ import math
 import re
 
 import attrs
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,9 +22,9 @@ from mlx_lm.models import llama as lm_llama
 
 import kvstate as kv
 from kvstate import mlx_lm as br
-from kvstate import speculative as sp
-from kvstate._window import bucket
-from kvstate.drafts import DraftModel, Lookup, lookup, truncated
+from kvstate.speculative import rounds as sp
+from kvstate.speculative.drafts import DraftModel, Lookup, lookup, truncated
+from kvstate.speculative.window import bucket
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -548,7 +547,7 @@ def test_a_rollback_checks_a_models_layers_once(llama, monkeypatch):
     """Rolling back every layer of a model to one ``keep`` checks the checkpoint and
     works out the dropped columns once, not once per layer (the layers hold the same
     rows: a speculative round's host work); each rollback with its own ``keep``."""
-    from kvstate import _rows
+    from kvstate.kinds import rows as _rows
 
     prompts = [repetitive(31, 9, 3), repetitive(32, 6, 2)]  # rows of two lengths
     _, states = br.prefill(llama, prompts)

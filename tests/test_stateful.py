@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import note, settings, strategies as st
+from _rows import assert_rows_equal, np_of, rand, ref_attend, visible
+from hypothesis import note, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvstate as kv
-from _rows import assert_rows_equal, np_of, rand, ref_attend, visible
 
 H, D, DV = 2, 4, 4
 STEP = 4

@@ -1,0 +1,123 @@
+"""Text in, token ids out, and back: one small interface over two tokenizers.
+
+A GGUF file carries a byte-level BPE (built with the ``tokenizers``
+package, ``kvstate.models.gguf.tokenizer``); an mlx-lm model directory carries a
+Hugging Face tokenizer (``from_hf``). Both become a ``Tokenizer``:
+``encode``, ``decode``, ``chat`` (the model's chat template applied, then
+encoded) and the end-of-sequence ids generation stops at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from ..errors import bad
+
+
+@attrs.frozen
+class Tokenizer:
+    """Functions over one vocabulary; built by ``from_backend`` or ``from_hf``.
+
+    ``encode`` matches special tokens written in the text (``<|im_start|>``)
+    and adds no BOS unless the model asks for one; ``decode`` leaves special
+    tokens out.
+    """
+
+    _encode: Callable[[str], list]
+    _decode: Callable[[list], str]
+    _render: Callable[[list], str] | None  # messages -> prompt text
+    eos_ids: tuple
+    bos_id: int | None = None
+    special_tokens: dict = attrs.field(factory=dict, eq=False)
+
+    @classmethod
+    def from_backend(
+        cls,
+        backend,
+        *,
+        eos_ids: Sequence[int],
+        bos_id: int | None = None,
+        chat_template: str | None = None,
+        special_tokens: dict | None = None,
+    ) -> Tokenizer:
+        """Wrap a ``tokenizers.Tokenizer`` and a jinja2 chat template (as Hugging Face
+        renders it: a sandbox, ``trim_blocks``, ``lstrip_blocks``)."""
+        render = None
+        if chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            template = env.from_string(chat_template)
+            ids = special_tokens or {}
+            names = {v: k for k, v in ids.items()}
+            extra = {
+                "eos_token": names.get(eos_ids[0], ""),
+                "bos_token": names.get(bos_id, "") if bos_id is not None else "",
+            }
+
+            def render(messages):
+                return template.render(messages=messages, add_generation_prompt=True, **extra)
+
+        return cls(
+            lambda text: backend.encode(text, add_special_tokens=False).ids,
+            lambda ids: backend.decode(list(ids), skip_special_tokens=True),
+            render,
+            tuple(int(i) for i in eos_ids),
+            bos_id,
+            dict(special_tokens or {}),
+        )
+
+    @classmethod
+    def from_hf(cls, tok) -> Tokenizer:
+        """Wrap an mlx-lm ``TokenizerWrapper`` (or a Hugging Face tokenizer)."""
+        hf = getattr(tok, "_tokenizer", tok)
+        eos = getattr(tok, "eos_token_ids", None) or [hf.eos_token_id]
+        render = None
+        if getattr(hf, "chat_template", None):
+
+            def render(messages):
+                return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+        special = {t: hf.convert_tokens_to_ids(t) for t in getattr(hf, "all_special_tokens", [])}
+        return cls(
+            lambda text: list(hf.encode(text, add_special_tokens=False)),
+            lambda ids: hf.decode(list(ids), skip_special_tokens=True),
+            render,
+            tuple(sorted(int(i) for i in eos if i is not None)),
+            hf.bos_token_id if getattr(hf, "add_bos_token", False) else None,
+            special,
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._render is not None
+
+    def encode(self, text: str) -> list:
+        """Token ids of ``text`` (special tokens written in it are matched)."""
+        if not isinstance(text, str):
+            raise bad("text", "a str", type(text).__name__)
+        ids = self._encode(text)
+        return ids if self.bos_id is None else [self.bos_id, *ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``; special tokens are left out."""
+        return self._decode([int(i) for i in ids])
+
+    def render(self, messages: Sequence[dict]) -> str:
+        """The chat template applied to ``messages``, with the assistant's turn opened."""
+        if self._render is None:
+            raise bad("tokenizer", "a chat template", "none (use encode on plain text)")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
+                raise bad(f"messages[{i}]", "a dict with 'role' and 'content'", repr(m))
+        return self._render([dict(m) for m in messages])
+
+    def chat(self, messages: Sequence[dict]) -> list:
+        """Token ids of the chat template applied to ``messages``."""
+        text = self.render(messages)
+        ids = self._encode(text)
+        if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids

@@ -1,0 +1,416 @@
+"""A prefix cache: token prefixes -> shared state, with a byte budget, LRU and pins.
+
+``PrefixCache`` keeps, per cached token sequence, one record per layer (one
+row each). ``lookup(tokens)`` finds the entry sharing the longest common
+prefix with ``tokens`` (at most ``len(tokens) - 1`` tokens, so at least one
+is left to prefill and give the next token's logits) and leases it: the
+lease's ``states`` are ``SharedState`` rows reading the entry's records
+with no copy, cut to the matched length (a cut of a shared row only
+shortens its view). A request then prefills only ``tokens[matched:]``::
+
+    cache = PrefixCache(max_bytes=1 << 30, identity=model_identity(path))
+    with cache.lookup(prompt) as hit:          # None on a miss
+        states = hit.states                    # rows reading the cached prefix
+        logits, states = forward(model, mx.array([prompt[hit.matched:]]), states)
+    cache.insert(prompt, states)               # the whole prompt, for the next request
+
+Bytes are counted once per record, however many entries or rows share it
+(an entry made from a leased row shares the leased entry's records). When
+an insert takes the total over ``max_bytes``, least recently used entries
+that no lease pins are dropped until it fits; a pinned entry is never
+dropped, so the budget counts what running rows still read (dropping it
+would free nothing: the rows hold the arrays). ``save``/``load`` write the
+entries to one ``.safetensors`` file (``kv.save``), refused on load for
+another model identity. Decisions: ``notes/kinds.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..core import ops
+from ..core.args import as_int
+from ..core.masks import Releasable
+from ..core.records import CacheState, QuantizedState
+from ..errors import bad, check
+from ..kinds.shared import SharedState, fork, held_records, materialize
+from ..persist import files as persist
+
+__all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
+
+ENTRIES_KEY = "prefix_cache.entries"
+
+
+def model_identity(path: str | os.PathLike) -> str:
+    """A model's identity for ``PrefixCache``: ``kv.persist.model_digest`` of a
+    directory of ``*.safetensors`` weights, or the SHA-256 of one weight file
+    (a GGUF), memoized like the digest."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise bad("path", "a model directory or weight file", type(path).__name__)
+    if os.path.isdir(path):
+        return persist.model_digest(path)
+    check(
+        os.path.isfile(path), "path", "an existing model directory or weight file", os.fspath(path)
+    )
+    return persist.file_digest(os.fspath(path))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return _common(_ids(a), _ids(b))
+
+
+def _ids(tokens) -> np.ndarray:
+    return np.asarray(list(tokens), dtype=np.int64)
+
+
+def _common(a: np.ndarray, b: np.ndarray) -> int:
+    """``common_prefix`` of two int64 arrays (compared vectorised: a lookup
+    compares a prompt with every entry)."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+class _Entry:
+    __slots__ = ("array", "pins", "states", "tokens")
+
+    def __init__(self, tokens: tuple, states: list):
+        self.tokens, self.states, self.pins = tokens, states, 0
+        self.array = _ids(tokens)  # (lookup compares vectorised)
+
+
+def _units(states) -> list:
+    """The records ``held_bytes`` counts once each for ``states``."""
+    return [x for s in states for x in held_records(s)]
+
+
+class PrefixLease(Releasable):
+    """A pin on one cache entry, with rows reading its first ``matched`` tokens.
+
+    Attributes:
+        tokens: the entry's tokens.
+        matched: how many leading tokens of the looked-up sequence it holds.
+        states: one ``SharedState`` row per layer reading those tokens (no copy).
+    """
+
+    __slots__ = ("_cache", "_entry", "matched", "released", "states", "tokens")
+
+    def __init__(self, cache: PrefixCache, entry: _Entry, matched: int) -> None:
+        self._cache, self._entry = cache, entry
+        self.tokens, self.matched = entry.tokens, matched
+        cut = len(entry.tokens) - matched
+        self.states = [
+            ops.trim(fork(s, 0, 0) if not isinstance(s, SharedState) else s, cut)
+            for s in entry.states
+        ]
+        self.released = False
+        entry.pins += 1
+
+    def release(self) -> None:
+        """Unpin the entry (exactly once); the ``states`` stay valid."""
+        if self.released:
+            raise bad("lease", "an unreleased prefix lease", "one released already")
+        self.released = True
+        self._entry.pins -= 1
+        self._cache._fit()
+
+
+def _check_states(states, arg="states") -> list:
+    if isinstance(states, (str, bytes)) or not hasattr(states, "__len__"):
+        raise bad(arg, "a list of records (one per layer)", type(states).__name__)
+    states = list(states)
+    check(len(states) >= 1, arg, "at least one record", "none")
+    for i, s in enumerate(states):
+        if not isinstance(s, (CacheState, QuantizedState, SharedState)):
+            raise bad(
+                f"{arg}[{i}]", "a CacheState, QuantizedState or SharedState", type(s).__name__
+            )
+    return states
+
+
+def _compact(state):
+    """What an entry stores of a one-row record: the record itself when it is
+    a dense row without padding (the running row and the entry then share
+    it), else ``extract_row`` (the row's own tokens copied; a shared prefix
+    stays shared)."""
+    if type(state) is not SharedState and state.left_pad == (0,):
+        return state
+    return ops.extract_row(state, 0)
+
+
+class PrefixCache:
+    """Token prefixes -> one-row records per layer, LRU within a byte budget.
+
+    Args:
+        max_bytes: the budget; inserts drop unpinned least recently used
+            entries until the bytes held fit (0: keep nothing unpinned).
+        identity: the model's identity (``model_identity``); ``save`` records
+            it and ``load`` refuses a file made for another one.
+    """
+
+    def __init__(self, max_bytes: int, *, identity: str | None = None) -> None:
+        max_bytes = as_int(max_bytes, "max_bytes")
+        check(max_bytes >= 0, "max_bytes", ">= 0", max_bytes)
+        if identity is not None and not isinstance(identity, str):
+            raise bad("identity", "a str (model_identity(path))", type(identity).__name__)
+        self.max_bytes, self.identity = max_bytes, identity
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # oldest first
+        self._held: dict = {}  # id(record) -> [record, entries holding it]: bytes counted once
+        self._bytes = 0  # held_bytes(self.records()), kept as entries come and go
+        self.peak_bytes = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def records(self) -> list:
+        """Every record the entries hold (for ``held_bytes`` over a batch and its cache)."""
+        return [s for e in self._entries.values() for s in e.states]
+
+    def __contains__(self, tokens) -> bool:
+        return tuple(tokens) in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries hold, each shared record counted once
+        (``held_bytes(self.records())``, counted as entries come and go: an
+        insert costs its own records, not a walk over every entry)."""
+        return self._bytes
+
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.tokens] = entry
+        for x in _units(entry.states):
+            got = self._held.get(id(x))
+            if got is None:
+                self._held[id(x)] = [x, 1]
+                self._bytes += x.nbytes
+            else:
+                got[1] += 1
+
+    def _drop(self, key: tuple) -> None:
+        entry = self._entries.pop(key)
+        for x in _units(entry.states):
+            got = self._held[id(x)]
+            got[1] -= 1
+            if not got[1]:
+                del self._held[id(x)]
+                self._bytes -= x.nbytes
+
+    @property
+    def pinned(self) -> int:
+        """Entries that a lease holds now."""
+        return sum(1 for e in self._entries.values() if e.pins)
+
+    def insert(self, tokens: Sequence[int], states: Sequence) -> bool:
+        """Cache ``states`` (one record per layer, one row each, holding exactly
+        ``tokens``). A row is stored compactly (``extract_row``: its own tokens
+        copied, a shared prefix still shared). Returns whether the entry is
+        kept once the budget is enforced. A sequence cached already is only
+        marked as recently used."""
+        key = tuple(as_int(t, f"tokens[{i}]") for i, t in enumerate(tokens))
+        check(len(key) >= 1, "tokens", "at least one token", "none")
+        states = _check_states(states)
+        for i, s in enumerate(states):
+            check(
+                s.batch_size == 1, f"states[{i}] batch size", "1 (one row per entry)", s.batch_size
+            )
+            check(
+                s.lengths[0] == len(key),
+                f"states[{i}] tokens",
+                f"{len(key)} (len(tokens))",
+                s.lengths[0],
+            )
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        self._add(_Entry(key, [_compact(s) for s in states]))
+        self._fit()
+        return key in self._entries
+
+    def pin(self, tokens: Sequence[int]) -> PrefixLease | None:
+        """A lease on the entry holding exactly ``tokens`` (all of them), or ``None``."""
+        e = self._entries.get(tuple(tokens))
+        if e is None:
+            return None
+        self._entries.move_to_end(e.tokens)
+        return PrefixLease(self, e, len(e.tokens))
+
+    def lookup(self, tokens: Sequence[int], *, min_tokens: int = 1) -> PrefixLease | None:
+        """A lease on the entry sharing the longest prefix with ``tokens``
+        (at most ``len(tokens) - 1`` tokens, at least ``min_tokens``), or ``None``."""
+        query = _ids(tokens)
+        limit = len(query) - 1
+        best, best_n = None, 0
+        for e in self._entries.values():
+            n = min(_common(e.array, query), limit)
+            if n > best_n or (
+                n == best_n and best is not None and n and len(e.tokens) < len(best.tokens)
+            ):
+                best, best_n = e, n
+        if best is None or best_n < max(1, min_tokens):
+            return None
+        self._entries.move_to_end(best.tokens)
+        return PrefixLease(self, best, best_n)
+
+    def _fit(self) -> None:
+        total = self.nbytes
+        self.peak_bytes = max(self.peak_bytes, total)
+        while total > self.max_bytes:
+            victim = next((k for k, e in self._entries.items() if not e.pins), None)
+            if victim is None:
+                return  # everything left is pinned: rows read it
+            self._drop(victim)
+            self.evictions += 1
+            total = self.nbytes
+
+    # --- persistence -------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Write every entry to one ``.safetensors`` file (``kv.save``).
+
+        Shared rows are written materialized (each entry self-contained), so
+        the file holds dense records; ``identity`` is recorded when set.
+        """
+        records, entries = [], []
+        for e in self._entries.values():
+            layers = [materialize(s) if isinstance(s, SharedState) else s for s in e.states]
+            entries.append({"tokens": list(e.tokens), "layers": len(layers)})
+            records += layers
+        meta = {ENTRIES_KEY: json.dumps(entries, separators=(",", ":"))}
+        if self.identity is not None:
+            meta[persist.DIGEST_KEY] = self.identity
+        persist.save(path, records, meta)
+
+    @classmethod
+    def load(cls, path, max_bytes: int, *, identity: str | None = None) -> PrefixCache:
+        """The cache ``save`` wrote. With ``identity``, a file recorded for
+        another model (or with no identity) is refused (``KVStateError``)."""
+        records, meta = persist.load(path)
+        have = meta.get(persist.DIGEST_KEY)
+        if identity is not None:
+            if have is None:
+                raise bad(
+                    "path",
+                    "a prefix cache recording a model identity",
+                    "a file with no model identity",
+                )
+            check(
+                have == identity,
+                "path",
+                f"a prefix cache for this model ({identity[:16]}…)",
+                f"one for another model ({have[:16]}…)",
+            )
+        check(
+            ENTRIES_KEY in meta,
+            "path",
+            "a file written by PrefixCache.save",
+            f"no {ENTRIES_KEY!r} metadata",
+        )
+        out = cls(max_bytes, identity=identity if identity is not None else have)
+        at = 0
+        for e in json.loads(meta[ENTRIES_KEY]):
+            layers = records[at : at + e["layers"]]
+            at += e["layers"]
+            out.insert(e["tokens"], layers)
+        mx.eval([p for s in records for p in s.planes])
+        return out
+
+
+# --- prefill through the mlx-lm bridge ---------------------------------------------------
+
+
+def prefill(
+    model,
+    prompts: Sequence[Sequence[int]],
+    cache: PrefixCache | None = None,
+    *,
+    memo=None,
+    prefill_step_size: int | None = None,
+    **make,
+) -> tuple:
+    """Prefill each prompt, reusing the longest cached prefix, then merge the rows.
+
+    A prompt whose start is cached prefills only the rest (its rows read the
+    cached records, no copy); every prompt is then cached for the requests
+    that follow. A prompt with tokens to run besides its last runs them and
+    its last token in one forward, the output layer on the last position
+    only (``kvstate.mlx_lm.forward(..., last=True)``): a cached request is
+    one forward, not two. Prompts whose every token but the last is cached
+    (the n samples of a prompt, a repeated request) run their last tokens
+    together in one batched ``step``. Rows are ``SharedState`` records, so
+    rows of different prefixes merge into one batch.
+
+    Args:
+        model: an mlx-lm model.
+        prompts: lists of token ids, one per row.
+        cache: the prefix cache (``None``: no reuse; rows still share nothing).
+        prefill_step_size: most tokens per forward (``None``: each prompt's
+            uncached rest in one forward).
+        make: ``make_states`` options (``kv_bits``, ``kv_group_size``).
+
+    Returns:
+        ``(logits [B, V], states, leases, prefilled)``: the last logits per
+        row, the merged states (one ``SharedState`` per layer), per row the
+        lease pinning the cache entry it reads (``None`` when none; release
+        each when its row finishes), and per row the tokens actually run
+        through the model.
+    """
+    from ..mlx_lm import forward, make_states, merge_rows, step
+
+    check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
+    if prefill_step_size is not None:
+        prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
+        check(prefill_step_size >= 1, "prefill_step_size", ">= 1", prefill_step_size)
+    prompts = [list(p) for p in prompts]
+    rows, leases, prefilled = [], [], []
+    last: dict[int, mx.array] = {}  # prompt -> its logits, where its rest ran alone
+    for i, p in enumerate(prompts):
+        check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
+        hit = cache.lookup(p) if cache is not None else None
+        start = 0 if hit is None else hit.matched
+        states = make_states(model, 1, **make) if hit is None else hit.states
+        rest = p[start:]  # (lookup leaves at least the last token to run)
+        held = p[:-1]  # cached up to its last token: the batched step runs that
+        if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
+            chunk = prefill_step_size or len(rest)
+            for at in range(0, len(rest), chunk):
+                end = at + chunk >= len(rest)
+                logits, states = forward(
+                    model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
+                )
+            last[i], held = logits[:, -1, :], p
+        prefilled.append(len(rest))
+        if held and cache is not None and cache.insert(held, states):
+            pinned = cache.pin(held)  # the row reads the entry (the same records when dense)
+            assert pinned is not None  # inserted just above
+            states = pinned.states
+            if hit is not None:
+                hit.release()
+            hit = pinned
+        leases.append(hit)
+        rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
+    ran = sorted(last)
+    wait = [b for b in range(len(prompts)) if b not in last]
+    if not wait:
+        return mx.concatenate([last[b] for b in ran], axis=0), merge_rows(rows), leases, prefilled
+    # The rows cached up to their last token: those tokens in one batched step.
+    tokens = mx.array([prompts[b][-1] for b in wait])
+    lg, stepped = step(model, tokens, merge_rows([rows[b] for b in wait]), memo=memo)
+    if cache is not None:  # the whole prompts too (a next turn reuses all of them)
+        for j, b in enumerate(wait):
+            cache.insert(prompts[b], [ops.extract_row(s, j) for s in stepped])
+    logits = mx.concatenate([last[b] for b in ran] + [lg], axis=0)
+    states = merge_rows([rows[b] for b in ran] + [stepped])
+    order = ran + wait  # (the rows as merged)
+    if order != sorted(order):  # back in prompt order
+        back = [order.index(b) for b in range(len(prompts))]
+        logits = logits[mx.array(back)]
+        states = [ops.filter_rows(s, back) for s in states]
+    return logits, states, leases, prefilled
