@@ -123,50 +123,71 @@ def validate_quantized(state: QuantizedState):
     D * bits / 32]``, scales and biases ``[B, H, C, D / group_size]`` of one
     float dtype."""
     B, ends = _rows.validate_rows(state)
+    _check_format(state)
+    if ends is None:
+        return state
+    H, C, dtype = _check_triple(state, "keys", B, None, None, None)
+    _check_triple(state, "values", B, C, H, dtype)
+    _rows.check_ends(state, C)
+    return state
+
+
+def _check_format(state: QuantizedState) -> None:
+    """Check ``bits`` and ``group_size``: ints among the supported values."""
     check_int(state.bits, "state.bits", 1)
     check_int(state.group_size, "state.group_size", 1)
     if state.bits not in BITS:
         raise bad("state.bits", f"one of {BITS}", state.bits)
     if state.group_size not in GROUP_SIZES:
         raise bad("state.group_size", f"one of {GROUP_SIZES}", state.group_size)
-    if ends is None:
-        return state
-    H = C = dtype = None  # set by the first plane checked (keys)
-    for name in ("keys", "values"):
-        planes = getattr(state, name)
-        if type(planes) is not tuple or len(planes) != 3:
-            raise bad(
-                f"state.{name}",
-                "a (packed, scales, biases) tuple of 3 arrays",
-                f"{type(planes).__name__} of {len(planes) if type(planes) is tuple else '?'}",
-            )
-        packed, scales, biases = planes
-        _, H, C, width = check_plane(f"state.{name}[0] (packed)", packed, B, C, H)
-        groups = check_plane(f"state.{name}[1] (scales)", scales, B, C, H)[3]
-        check_plane(f"state.{name}[2] (biases)", biases, B, C, H)
-        if biases.shape != scales.shape:
-            raise bad(
-                f"state.{name}[2] (biases) shape",
-                f"{list(scales.shape)} as scales",
-                list(biases.shape),
-            )
-        if packed.dtype != mx.uint32:
-            raise bad(f"state.{name}[0] (packed) dtype", "uint32", packed.dtype)
-        dtype = scales.dtype if dtype is None else dtype
-        for j, x in ((1, scales), (2, biases)):
-            if x.dtype != dtype:
-                raise bad(f"state.{name}[{j}] dtype", f"{dtype} as keys[1] (scales)", x.dtype)
-        check_float(f"state.{name}[1] (scales)", dtype)
-        D = groups * state.group_size
-        if width * 32 != D * state.bits:
-            raise bad(
-                f"state.{name}[0] (packed) width (shape[3])",
-                f"{D * state.bits // 32} ({groups} groups of {state.group_size} at "
-                f"{state.bits} bits)",
-                width,
-            )
-    _rows.check_ends(state, C)  # type: ignore[arg-type]  # C: set by the keys loop above
-    return state
+
+
+def _check_triple(state: QuantizedState, name: str, B: int, C, H, dtype):
+    """Check one ``(packed, scales, biases)`` triple (``state.keys`` or ``state.values``).
+
+    Args:
+        state: The state whose triple is checked.
+        name: ``"keys"`` or ``"values"``.
+        B: The rows.
+        C: The columns the triple must have, or ``None`` (the first triple sets them).
+        H: The heads the triple must have, or ``None`` (the first triple sets them).
+        dtype: The scales' dtype the triple must have, or ``None`` (the first sets it).
+
+    Returns:
+        ``(H, C, dtype)`` of this triple.
+    """
+    planes = getattr(state, name)
+    if type(planes) is not tuple or len(planes) != 3:
+        raise bad(
+            f"state.{name}",
+            "a (packed, scales, biases) tuple of 3 arrays",
+            f"{type(planes).__name__} of {len(planes) if type(planes) is tuple else '?'}",
+        )
+    packed, scales, biases = planes
+    _, H, C, width = check_plane(f"state.{name}[0] (packed)", packed, B, C, H)
+    groups = check_plane(f"state.{name}[1] (scales)", scales, B, C, H)[3]
+    check_plane(f"state.{name}[2] (biases)", biases, B, C, H)
+    if biases.shape != scales.shape:
+        raise bad(
+            f"state.{name}[2] (biases) shape",
+            f"{list(scales.shape)} as scales",
+            list(biases.shape),
+        )
+    if packed.dtype != mx.uint32:
+        raise bad(f"state.{name}[0] (packed) dtype", "uint32", packed.dtype)
+    dtype = scales.dtype if dtype is None else dtype
+    for j, x in ((1, scales), (2, biases)):
+        if x.dtype != dtype:
+            raise bad(f"state.{name}[{j}] dtype", f"{dtype} as keys[1] (scales)", x.dtype)
+    check_float(f"state.{name}[1] (scales)", dtype)
+    D = groups * state.group_size
+    if width * 32 != D * state.bits:
+        raise bad(
+            f"state.{name}[0] (packed) width (shape[3])",
+            f"{D * state.bits // 32} ({groups} groups of {state.group_size} at {state.bits} bits)",
+            width,
+        )
+    return H, C, dtype
 
 
 @ops.fetch.register

@@ -758,6 +758,17 @@ def validate_ring(state: RotatingState):
     max_size = check_int(state.max_size, "state.max_size", 1)
     keep = check_int(state.keep, "state.keep", 0, max_size - 1)
     check_int(state.step, "state.step", 1)
+    _check_held(state, keep)
+    keys, values = state.keys, state.values
+    if keys is None or values is None:
+        _check_planeless(state)
+        return state
+    _check_ring_planes(state, B, keys, values)
+    return state
+
+
+def _check_held(state: RotatingState, keep: int) -> None:
+    """Check each row's ``held`` against its ``lengths`` and the kept prefix."""
     for b, (n, h) in enumerate(zip(state.lengths, state.held)):
         if h > n:
             raise bad(f"state.held[{b}]", f"<= lengths[{b}] = {n} (tokens the row has seen)", h)
@@ -765,17 +776,23 @@ def validate_ring(state: RotatingState):
             raise bad(f"state.held[{b}]", f"{n} (a row inside its kept prefix holds it all)", h)
         if n > keep and h < keep:
             raise bad(f"state.held[{b}]", f">= keep = {keep} (the kept prefix is never evicted)", h)
+
+
+def _check_planeless(state: RotatingState) -> None:
+    """Check a state missing a plane: both planes ``None`` and every length zero."""
     keys, values = state.keys, state.values
-    if keys is None or values is None:
-        if keys is not None or values is not None:
-            raise bad(
-                "state.keys and state.values",
-                "both set or both None",
-                f"{type(keys).__name__} and {type(values).__name__}",
-            )
-        if any(state.lengths):
-            raise bad("state.lengths", "zeros before the first append (no planes)", state.lengths)
-        return state
+    if keys is not None or values is not None:
+        raise bad(
+            "state.keys and state.values",
+            "both set or both None",
+            f"{type(keys).__name__} and {type(values).__name__}",
+        )
+    if any(state.lengths):
+        raise bad("state.lengths", "zeros before the first append (no planes)", state.lengths)
+
+
+def _check_ring_planes(state: RotatingState, B: int, keys: mx.array, values: mx.array) -> None:
+    """Check the planes: ``[B, H, C, D]`` of one float dtype, every row's held fitting in ``C``."""
     _, H, C, _ = check_plane("state.keys", keys, B)
     check_plane("state.values", values, B, C, H)
     check_float("state.keys", keys.dtype)
@@ -784,7 +801,6 @@ def validate_ring(state: RotatingState):
     for b, h in enumerate(state.held):
         if h > C:
             raise bad(f"state.held[{b}]", f"<= {C} (the capacity)", h)
-    return state
 
 
 @clear_hidden.register
