@@ -173,6 +173,26 @@ def _decode(
     used = set() if used is None else used
     ids = {} if ids is None else ids
     arg = f"record {i}"
+    kind, cls, host, arrays, nested = _entry_parts(arg, entry)
+    fields = {k: _untuple(v) for k, v in host.items()}
+    _decode_arrays(i, arg, arrays, tensors, used, fields)
+    _decode_nested(i, arg, nested, tensors, used, ids, depth, fields)
+    if "row_ids" in fields:
+        fields["row_ids"] = _fresh_row_ids(arg, fields["row_ids"], ids)
+    return _construct(arg, kind, cls, fields)
+
+
+def _entry_parts(arg: str, entry) -> tuple:
+    """Check one table entry's shape and field names.
+
+    Args:
+        arg: The entry's name in errors (``"record 0"``).
+        entry: The entry as the file's table holds it.
+
+    Returns:
+        ``(kind, cls, host, arrays, nested)``: the record's kind, its class and
+        the entry's three objects (``nested`` empty where the entry has none).
+    """
     if (
         type(entry) is not dict
         or not {"kind", "host", "arrays"} <= set(entry)
@@ -190,7 +210,11 @@ def _decode(
     names = [*host, *arrays, *nested]
     if not set(names) <= known or len(set(names)) != len(names):
         raise bad(f"{arg} fields", f"each of {sorted(known)} at most once", _short(names))
-    fields = {k: _untuple(v) for k, v in host.items()}
+    return kind, cls, host, arrays, nested
+
+
+def _decode_arrays(i, arg: str, arrays: dict, tensors: dict, used: set, fields: dict) -> None:
+    """Fill ``fields`` with the entry's arrays (one, or a tuple), noting names in ``used``."""
     for name, n in arrays.items():
         if type(n) is not int or not 0 <= n <= MAX_TUPLE:
             raise bad(f"{arg} arrays[{name!r}]", f"an int in [0, {MAX_TUPLE}]", _short(n))
@@ -206,6 +230,12 @@ def _decode(
             fields[name] = tuple(tensors.get(k) for k in keys)
             if all(x is None for x in fields[name]):
                 raise bad(arg, f"tensors named {keys[0]!r}...", "none in the file")
+
+
+def _decode_nested(
+    i, arg: str, nested: dict, tensors: dict, used: set, ids: dict, depth: int, fields: dict
+) -> None:
+    """Fill ``fields`` with the entry's nested records (one, or a tuple), decoded in turn."""
     for name, parts in nested.items():
         if type(parts) is dict and depth < MAX_DEPTH:  # one record
             fields[name] = _decode(f"{i}.{name}", parts, tensors, used, ids, depth + 1)
@@ -220,11 +250,17 @@ def _decode(
             _decode(f"{i}.{name}.{j}", e, tensors, used, ids, depth + 1)
             for j, e in enumerate(parts)
         )
-    if "row_ids" in fields:
-        saved = fields["row_ids"]
-        if type(saved) is not tuple or any(type(x) is not int for x in saved):
-            raise bad(f"{arg} row_ids", "a list of ints", _short(saved))
-        fields["row_ids"] = tuple(ids.setdefault(x, fresh_row_ids(1)[0]) for x in saved)
+
+
+def _fresh_row_ids(arg: str, saved, ids: dict) -> tuple:
+    """The saved row ids mapped to fresh ones (one per saved id, shared through ``ids``)."""
+    if type(saved) is not tuple or any(type(x) is not int for x in saved):
+        raise bad(f"{arg} row_ids", "a list of ints", _short(saved))
+    return tuple(ids.setdefault(x, fresh_row_ids(1)[0]) for x in saved)
+
+
+def _construct(arg: str, kind: str, cls, fields: dict):
+    """The record built by ``cls(**fields)``, its errors named for the entry."""
     try:
         return cls(**fields)
     except KVStateError as e:
@@ -605,6 +641,18 @@ def check_file(path: str) -> dict:
     shape. MLX reads the data through those offsets, so a file that lies
     about them is refused here, as ``KVStateError``, not read.
     """
+    size, n, raw = _read_header(path)
+    header, meta = _parse_header(raw)
+    data = size - 8 - n
+    spans = [_tensor_span(name, t, data) for name, t in header.items()]
+    spans.sort()
+    for (_, e0), (b1, _) in zip(spans, spans[1:]):
+        check(b1 >= e0, "path tensors", "data that does not overlap", f"overlap at {b1}")
+    return meta
+
+
+def _read_header(path: str) -> tuple:
+    """The file's size, its header's length and raw bytes, the length checked against the size."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -622,6 +670,11 @@ def check_file(path: str) -> dict:
             raw = f.read(n)
     except OSError as e:
         raise bad("path", "a readable file", f"{path}: {e}") from None
+    return size, n, raw
+
+
+def _parse_header(raw: bytes) -> tuple:
+    """The header's tensor table and its metadata (an object of strings), parsed from JSON."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -633,41 +686,33 @@ def check_file(path: str) -> dict:
         type(k) is not str or type(v) is not str for k, v in meta.items()
     ):
         raise bad("path metadata", "an object of strings", _short(meta))
-    data = size - 8 - n
-    spans = []
-    for name, t in header.items():
-        arg = f"tensor {name!r}"
-        if type(t) is not dict or set(t) != {"dtype", "shape", "data_offsets"}:
-            raise bad(arg, "dtype, shape and data_offsets", _short(t))
-        itemsize = DTYPES.get(t["dtype"]) if type(t["dtype"]) is str else None
-        if itemsize is None:
-            raise bad(f"{arg} dtype", f"one of {sorted(DTYPES)}", _short(t["dtype"]))
-        shape, offsets = t["shape"], t["data_offsets"]
-        if (
-            type(shape) is not list
-            or len(shape) > 8
-            or any(type(d) is not int or not 0 <= d < 2**40 for d in shape)
-        ):
-            raise bad(f"{arg} shape", "at most 8 non-negative ints", _short(shape))
-        if (
-            type(offsets) is not list
-            or len(offsets) != 2
-            or any(type(o) is not int for o in offsets)
-        ):
-            raise bad(f"{arg} data_offsets", "[begin, end]", _short(offsets))
-        begin, end = offsets
-        nbytes = itemsize
-        for d in shape:
-            nbytes *= d
-        if not 0 <= begin <= end <= data or end - begin != nbytes:
-            raise bad(
-                f"{arg} data_offsets", f"{nbytes} bytes inside the {data} data bytes", offsets
-            )
-        spans.append((begin, end))
-    spans.sort()
-    for (_, e0), (b1, _) in zip(spans, spans[1:]):
-        check(b1 >= e0, "path tensors", "data that does not overlap", f"overlap at {b1}")
-    return meta
+    return header, meta
+
+
+def _tensor_span(name: str, t, data: int) -> tuple:
+    """One tensor's ``(begin, end)`` data offsets, checked against its dtype, shape and the data."""
+    arg = f"tensor {name!r}"
+    if type(t) is not dict or set(t) != {"dtype", "shape", "data_offsets"}:
+        raise bad(arg, "dtype, shape and data_offsets", _short(t))
+    itemsize = DTYPES.get(t["dtype"]) if type(t["dtype"]) is str else None
+    if itemsize is None:
+        raise bad(f"{arg} dtype", f"one of {sorted(DTYPES)}", _short(t["dtype"]))
+    shape, offsets = t["shape"], t["data_offsets"]
+    if (
+        type(shape) is not list
+        or len(shape) > 8
+        or any(type(d) is not int or not 0 <= d < 2**40 for d in shape)
+    ):
+        raise bad(f"{arg} shape", "at most 8 non-negative ints", _short(shape))
+    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets):
+        raise bad(f"{arg} data_offsets", "[begin, end]", _short(offsets))
+    begin, end = offsets
+    nbytes = itemsize
+    for d in shape:
+        nbytes *= d
+    if not 0 <= begin <= end <= data or end - begin != nbytes:
+        raise bad(f"{arg} data_offsets", f"{nbytes} bytes inside the {data} data bytes", offsets)
+    return begin, end
 
 
 # --- model checks -------------------------------------------------------------------
