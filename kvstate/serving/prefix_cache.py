@@ -362,7 +362,7 @@ def prefill(
         each when its row finishes), and per row the tokens actually run
         through the model.
     """
-    from ..mlx_lm import forward, make_states, merge_rows, step
+    from ..mlx_lm import merge_rows
 
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
     if prefill_step_size is not None:
@@ -373,34 +373,78 @@ def prefill(
     last: dict[int, mx.array] = {}  # prompt -> its logits, where its rest ran alone
     for i, p in enumerate(prompts):
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
-        hit = cache.lookup(p) if cache is not None else None
-        start = 0 if hit is None else hit.matched
-        states = make_states(model, 1, **make) if hit is None else hit.states
-        rest = p[start:]  # (lookup leaves at least the last token to run)
-        held = p[:-1]  # cached up to its last token: the batched step runs that
-        if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
-            chunk = prefill_step_size or len(rest)
-            for at in range(0, len(rest), chunk):
-                end = at + chunk >= len(rest)
-                logits, states = forward(
-                    model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
-                )
-            last[i], held = logits[:, -1, :], p
-        prefilled.append(len(rest))
-        if held and cache is not None and cache.insert(held, states):
-            pinned = cache.pin(held)  # the row reads the entry (the same records when dense)
-            assert pinned is not None  # inserted just above
-            states = pinned.states
-            if hit is not None:
-                hit.release()
-            hit = pinned
-        leases.append(hit)
-        rows.append([fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states])
+        row, lease, ran, logits = _prefill_prompt(model, p, cache, memo, prefill_step_size, make)
+        if logits is not None:
+            last[i] = logits
+        prefilled.append(ran)
+        leases.append(lease)
+        rows.append(row)
     ran = sorted(last)
     wait = [b for b in range(len(prompts)) if b not in last]
     if not wait:
         return mx.concatenate([last[b] for b in ran], axis=0), merge_rows(rows), leases, prefilled
-    # The rows cached up to their last token: those tokens in one batched step.
+    logits, states = _step_waiting(model, prompts, rows, last, wait, cache, memo)
+    return logits, states, leases, prefilled
+
+
+def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, make: dict) -> tuple:
+    """Prefill one prompt past its cached prefix, caching it and pinning the entry it reads.
+
+    Args:
+        model: an mlx-lm model.
+        p: the prompt's token ids (at least one).
+        cache: the prefix cache, or ``None``.
+        memo: the forward's memo.
+        prefill_step_size: most tokens per forward, or ``None``.
+        make: ``make_states`` options.
+
+    Returns:
+        ``(row, lease, ran, logits)``: the row's states (``SharedState``s), the
+        lease it holds (or ``None``), the tokens run through the model, and the
+        last logits ``[1, V]`` where the rest ran here (``None``: the last token
+        waits for the batched step).
+    """
+    from ..mlx_lm import forward, make_states
+
+    hit = cache.lookup(p) if cache is not None else None
+    start = 0 if hit is None else hit.matched
+    states = make_states(model, 1, **make) if hit is None else hit.states
+    rest = p[start:]  # (lookup leaves at least the last token to run)
+    held = p[:-1]  # cached up to its last token: the batched step runs that
+    out = None
+    if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
+        chunk = prefill_step_size or len(rest)
+        for at in range(0, len(rest), chunk):
+            end = at + chunk >= len(rest)
+            logits, states = forward(
+                model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
+            )
+        out, held = logits[:, -1, :], p
+    if held and cache is not None and cache.insert(held, states):
+        pinned = cache.pin(held)  # the row reads the entry (the same records when dense)
+        assert pinned is not None  # inserted just above
+        states = pinned.states
+        if hit is not None:
+            hit.release()
+        hit = pinned
+    row = [fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states]
+    return row, hit, len(rest), out
+
+
+def _step_waiting(
+    model, prompts: Sequence, rows: list, last: dict, wait: list, cache, memo
+) -> tuple:
+    """Run the last tokens of the rows in ``wait`` in one batched step; merge all rows.
+
+    Those rows are cached up to their last token; the whole prompts are cached
+    after the step (a next turn reuses all of them).
+
+    Returns:
+        ``(logits [B, V], states)`` in prompt order.
+    """
+    from ..mlx_lm import merge_rows, step
+
+    ran = sorted(last)
     tokens = mx.array([prompts[b][-1] for b in wait])
     lg, stepped = step(model, tokens, merge_rows([rows[b] for b in wait]), memo=memo)
     if cache is not None:  # the whole prompts too (a next turn reuses all of them)
@@ -413,4 +457,4 @@ def prefill(
         back = [order.index(b) for b in range(len(prompts))]
         logits = logits[mx.array(back)]
         states = [ops.filter_rows(s, back) for s in states]
-    return logits, states, leases, prefilled
+    return logits, states
