@@ -243,23 +243,7 @@ class Decoder:
         """Any call: the arguments checked, rows padded to their bucket, each
         record prepared and flattened (``_flatten``), the step, the records
         rebuilt (``_rebuild``)."""
-        check(tokens.ndim in (1, 2), "tokens rank", "1 ([B]) or 2 ([B, N])", tokens.ndim)
-        squeeze = tokens.ndim == 1
-        N = 1 if squeeze else tokens.shape[1]
-        check(N >= 1, "tokens length", ">= 1", N)
-        if self._layers is None:
-            self._layers = layer_count(self.model)
-        if len(states) != self._layers:
-            raise bad("states", f"{self._layers} records (one per layer of the model)", len(states))
-        B = tokens.shape[0]
-        kinds: set = set()  # (each kind checked once: this loop runs every step)
-        for i, s in enumerate(states):
-            if type(s) not in kinds:
-                if not _shells.is_record(s):
-                    raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
-                kinds.add(type(s))
-            if s.batch_size != B:
-                raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
+        squeeze, N, B = self._check_call(tokens, states)
         if B == 0:  # nothing to run (mlx-lm models cannot run an empty batch)
             self._last = None
             logits, states = forward(self.model, tokens[:, None] if squeeze else tokens, states)
@@ -286,19 +270,34 @@ class Decoder:
             self._last = None
             return self._padding.unpad(logits, new, B)
         if alone and all(type(sp) is compiled.Spec for _, sp in firsts):
-            reps: dict = {}
-            for i, w in enumerate(where):
-                reps.setdefault(w, i)
-            last.steady = _Steady(
-                shape=tokens.shape,
-                dtype=tokens.dtype,
-                N=N,
-                fn=fn,
-                keys=keys,
-                reps=tuple(reps[w] for w in range(len(reps))),
-                room=min(compiled.room(new[i]) for i, _ in firsts),
-            )
+            last.steady = _steady_of(tokens, N, fn, keys, where, new, firsts)
         return logits, new
+
+    def _check_call(self, tokens: mx.array, states: list) -> tuple[bool, int, int]:
+        """Check a call's tokens and records (one per layer, each ``B`` rows).
+
+        Returns:
+            ``(squeeze, N, B)``: whether ``tokens`` is ``[B]``, the tokens per
+            row, and the rows.
+        """
+        check(tokens.ndim in (1, 2), "tokens rank", "1 ([B]) or 2 ([B, N])", tokens.ndim)
+        squeeze = tokens.ndim == 1
+        N = 1 if squeeze else tokens.shape[1]
+        check(N >= 1, "tokens length", ">= 1", N)
+        if self._layers is None:
+            self._layers = layer_count(self.model)
+        if len(states) != self._layers:
+            raise bad("states", f"{self._layers} records (one per layer of the model)", len(states))
+        B = tokens.shape[0]
+        kinds: set = set()  # (each kind checked once: this loop runs every step)
+        for i, s in enumerate(states):
+            if type(s) not in kinds:
+                if not _shells.is_record(s):
+                    raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
+                kinds.add(type(s))
+            if s.batch_size != B:
+                raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
+        return squeeze, N, B
 
     @property
     def _returned(self) -> dict:
@@ -439,6 +438,25 @@ class _Last:
     def __init__(self, refs: list, group_of: list, groups: list) -> None:
         self.refs, self.group_of, self.groups = refs, group_of, groups
         self.steady: _Steady | None = None
+
+
+def _steady_of(
+    tokens: mx.array, N: int, fn, keys: tuple, where: list, new: list, firsts: list
+) -> "_Steady":
+    """What a steady call may reuse from this general call: its compiled step,
+    keys, one representative flat per group (``reps``) and the room left."""
+    reps: dict = {}
+    for i, w in enumerate(where):
+        reps.setdefault(w, i)
+    return _Steady(
+        shape=tokens.shape,
+        dtype=tokens.dtype,
+        N=N,
+        fn=fn,
+        keys=keys,
+        reps=tuple(reps[w] for w in range(len(reps))),
+        room=min(compiled.room(new[i]) for i, _ in firsts),
+    )
 
 
 def _keys(specs: list) -> tuple:
