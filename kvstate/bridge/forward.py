@@ -371,6 +371,29 @@ def forward(
     output layer runs on that position alone where the model's head is
     known (``_last_logits``), else the full logits are sliced.
     """
+    tokens, poisoned = _checked_call(model, tokens, states)
+    if _hybrid.needs_groups(states):
+        return _hybrid.grouped(forward, model, tokens, states, memo=memo, start_early=start_early)
+    B, N = tokens.shape
+    if start_early is None:
+        start_early = mx.default_device().type == _CPU
+    ctx = _shells.Eager(MaskMemo() if memo is None else check_memo(memo), start_early)
+    shells = _shells_of(states, B, ctx)
+    if B == 0:  # mlx-lm models cannot run an empty batch: nothing to run, nothing appended
+        V, dtype = _logits_shape(model)
+        return mx.zeros((0, N, V), dtype), list(states)
+    logits = _run(model, tokens, shells, ctx, last)
+    if poisoned is not None:
+        logits = mx.where(poisoned[:, None, None], mx.array(float("nan"), logits.dtype), logits)
+    return logits, [sh.content for sh in shells]
+
+
+def _checked_call(model: Model, tokens, states: Sequence) -> tuple[mx.array, Any]:
+    """Check a forward's tokens (``[B, N]``, ``N >= 1``) and its records' count.
+
+    Returns:
+        ``(tokens, poisoned)`` as ``token_ids`` gives them.
+    """
     tokens, poisoned = token_ids(model, tokens)
     shape = tokens.shape
     if len(shape) != 2:
@@ -381,35 +404,36 @@ def forward(
     layers = layer_count(model)
     if len(states) != layers:
         raise bad("states", f"{layers} records (one per layer of the model)", len(states))
-    if _hybrid.needs_groups(states):
-        return _hybrid.grouped(forward, model, tokens, states, memo=memo, start_early=start_early)
-    # One pass checks each record and wraps it (messages are formatted only
-    # on failure: this runs every decode step); a failure leaves nothing behind.
-    B, shells = shape[0], []
-    if start_early is None:
-        start_early = mx.default_device().type == _CPU
-    ctx = _shells.Eager(MaskMemo() if memo is None else check_memo(memo), start_early)
+    return tokens, poisoned
+
+
+def _shells_of(states: Sequence, B: int, ctx) -> list:
+    """Each record checked (a record of ``B`` rows) and wrapped in its shell.
+
+    One pass checks and wraps (messages are formatted only on failure: this
+    runs every decode step); a failure leaves nothing behind.
+    """
+    shells = []
     for i, s in enumerate(states):
         if not _shells.is_record(s):
             raise bad(f"states[{i}]", "a kvstate record", type(s).__name__)
         if s.batch_size != B:
             raise bad(f"states[{i}] batch size", f"{B} (tokens rows)", s.batch_size)
         shells.append(_shells.shell(s, ctx))
-    if B == 0:  # mlx-lm models cannot run an empty batch: nothing to run, nothing appended
-        V, dtype = _logits_shape(model)
-        return mx.zeros((0, shape[1], V), dtype), list(states)
+    return shells
+
+
+def _run(model: Model, tokens: mx.array, shells: list, ctx, last: bool) -> mx.array:
+    """The model's logits over the shells (the cascade read where routed or shared);
+    the context's masks released after."""
     run = _last_logits if last else _logits
     try:
         if routing.routes_reads() or any(type(sh) is SharedShell for sh in shells):
             with _cascade(model, ctx):
-                logits = run(model, tokens, shells)
-        else:
-            logits = run(model, tokens, shells)
+                return run(model, tokens, shells)
+        return run(model, tokens, shells)
     finally:
         ctx.release()
-    if poisoned is not None:
-        logits = mx.where(poisoned[:, None, None], mx.array(float("nan"), logits.dtype), logits)
-    return logits, [sh.content for sh in shells]
 
 
 def _logits(model, tokens, cache):
