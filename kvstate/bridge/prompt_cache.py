@@ -113,75 +113,18 @@ def _per_row(name, c, field, B=None) -> list:
 
 
 def _from_cache(i, c):
+    """One mlx-lm cache object as a record (copied), by its class."""
     name = f"caches[{i}]"
     if isinstance(c, lm_cache.QuantizedKVCache):
-        if c.keys is None:
-            return quantized(1, group_size=c.group_size, bits=c.bits)
-        _planes_of(name, c, True)
-        n, B = _stored(name, c, c.keys[0]), c.keys[0].shape[0]
-        keys = tuple(_own(x[:, :, :n]) for x in c.keys)
-        values = tuple(_own(x[:, :, :n]) for x in c.values)
-        return QuantizedState(
-            (n,) * B, (0,) * B, keys=keys, values=values, group_size=c.group_size, bits=c.bits
-        )
+        return _from_quantized_cache(name, c)
     if isinstance(c, lm_cache.KVCache):
-        if c.keys is None:
-            return empty(1)
-        _planes_of(name, c, False)
-        n = _stored(name, c, c.keys)
-        return from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
+        return _from_kv_cache(name, c)
     if isinstance(c, lm_cache.BatchKVCache):
-        pending = getattr(c, "_right_padding", None)  # absent after load_prompt_cache
-        check(
-            pending is None,
-            f"{name}",
-            "a finalized BatchKVCache (call finalize())",
-            "one with pending right padding",
-        )
-        lp = _per_row(name, c, "left_padding")
-        if c.keys is None:
-            check(all(p == 0 for p in lp), f"{name}.left_padding", "zeros for an empty cache", lp)
-            return empty(len(lp))
-        _planes_of(name, c, False)
-        w = as_int(c._idx, f"{name}._idx")
-        check(0 <= w <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", w)
-        check(all(0 <= p <= w for p in lp), f"{name}.left_padding", f"each in [0, {w}] (_idx)", lp)
-        return from_arrays(
-            _own(c.keys[:, :, :w]),
-            _own(c.values[:, :, :w]),
-            lengths=[w - p for p in lp],
-            left_pad=lp,
-        )
+        return _from_batch_kv_cache(name, c)
     if isinstance(c, lm_cache.RotatingKVCache):
-        if c.keys is None:
-            return rotating(1, max_size=c.max_size, keep=c.keep)
-        _planes_of(name, c, False)
-        offset = as_int(c.offset, f"{name}.offset")
-        check(offset >= 0, f"{name}.offset", ">= 0", offset)
-        idx = as_int(c._idx, f"{name}._idx")
-        check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
-        k, v = c._temporal_order(c.keys), c._temporal_order(c.values)  # new arrays
-        n = min(offset, k.shape[2])
-        return from_temporal(
-            _own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset, max_size=c.max_size, keep=c.keep
-        )
+        return _from_rotating_cache(name, c)
     if isinstance(c, lm_cache.BatchRotatingKVCache):
-        B = len(_per_row(name, c, "offset"))
-        if c.keys is None:
-            return rotating(B, max_size=c.max_size)
-        pending = getattr(c, "_lengths", None)  # absent after load_prompt_cache
-        check(
-            pending is None,
-            name,
-            "a finalized BatchRotatingKVCache (call finalize())",
-            "one with pending right padding",
-        )
-        _planes_of(name, c, False)
-        _per_row(name, c, "left_padding", B)  # (negative once rotated: extract clips it)
-        idx = as_int(c._idx, f"{name}._idx")
-        check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
-        # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
-        return ops.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])
+        return _from_batch_rotating_cache(i, name, c)
     if isinstance(c, lm_cache.ArraysCache):
         return _from_arrays_cache(name, c)
     if isinstance(c, lm_cache.ChunkedKVCache):
@@ -194,6 +137,91 @@ def _from_cache(i, c):
         "BatchRotatingKVCache, ArraysCache, ChunkedKVCache or CacheList",
         type(c).__name__,
     )
+
+
+def _from_quantized_cache(name, c):
+    """A ``QuantizedKVCache`` as a ``QuantizedState``: its stored columns of each plane."""
+    if c.keys is None:
+        return quantized(1, group_size=c.group_size, bits=c.bits)
+    _planes_of(name, c, True)
+    n, B = _stored(name, c, c.keys[0]), c.keys[0].shape[0]
+    keys = tuple(_own(x[:, :, :n]) for x in c.keys)
+    values = tuple(_own(x[:, :, :n]) for x in c.values)
+    return QuantizedState(
+        (n,) * B, (0,) * B, keys=keys, values=values, group_size=c.group_size, bits=c.bits
+    )
+
+
+def _from_kv_cache(name, c):
+    """A ``KVCache`` as a ``CacheState``: its stored columns."""
+    if c.keys is None:
+        return empty(1)
+    _planes_of(name, c, False)
+    n = _stored(name, c, c.keys)
+    return from_arrays(_own(c.keys[:, :, :n]), _own(c.values[:, :, :n]))
+
+
+def _from_batch_kv_cache(name, c):
+    """A finalized ``BatchKVCache`` as a ``CacheState``: its columns up to ``_idx``, each row
+    left-padded as the cache pads it."""
+    pending = getattr(c, "_right_padding", None)  # absent after load_prompt_cache
+    check(
+        pending is None,
+        f"{name}",
+        "a finalized BatchKVCache (call finalize())",
+        "one with pending right padding",
+    )
+    lp = _per_row(name, c, "left_padding")
+    if c.keys is None:
+        check(all(p == 0 for p in lp), f"{name}.left_padding", "zeros for an empty cache", lp)
+        return empty(len(lp))
+    _planes_of(name, c, False)
+    w = as_int(c._idx, f"{name}._idx")
+    check(0 <= w <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", w)
+    check(all(0 <= p <= w for p in lp), f"{name}.left_padding", f"each in [0, {w}] (_idx)", lp)
+    return from_arrays(
+        _own(c.keys[:, :, :w]),
+        _own(c.values[:, :, :w]),
+        lengths=[w - p for p in lp],
+        left_pad=lp,
+    )
+
+
+def _from_rotating_cache(name, c):
+    """A ``RotatingKVCache`` as a ``RotatingState``: its entries in temporal order."""
+    if c.keys is None:
+        return rotating(1, max_size=c.max_size, keep=c.keep)
+    _planes_of(name, c, False)
+    offset = as_int(c.offset, f"{name}.offset")
+    check(offset >= 0, f"{name}.offset", ">= 0", offset)
+    idx = as_int(c._idx, f"{name}._idx")
+    check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)  # new arrays
+    n = min(offset, k.shape[2])
+    return from_temporal(
+        _own(k[:, :, :n]), _own(v[:, :, :n]), lengths=c.offset, max_size=c.max_size, keep=c.keep
+    )
+
+
+def _from_batch_rotating_cache(i, name, c):
+    """A finalized ``BatchRotatingKVCache`` as a ``RotatingState``: its rows (mlx-lm's own
+    ``extract``) merged."""
+    B = len(_per_row(name, c, "offset"))
+    if c.keys is None:
+        return rotating(B, max_size=c.max_size)
+    pending = getattr(c, "_lengths", None)  # absent after load_prompt_cache
+    check(
+        pending is None,
+        name,
+        "a finalized BatchRotatingKVCache (call finalize())",
+        "one with pending right padding",
+    )
+    _planes_of(name, c, False)
+    _per_row(name, c, "left_padding", B)  # (negative once rotated: extract clips it)
+    idx = as_int(c._idx, f"{name}._idx")
+    check(0 <= idx <= c.keys.shape[2], f"{name}._idx", f"in [0, {c.keys.shape[2]}]", idx)
+    # mlx-lm's own extract gives each row as a RotatingKVCache (keep = 0).
+    return ops.merge_rows([_from_cache(i, c.extract(b)) for b in range(B)])
 
 
 def _ints(x):
@@ -273,59 +301,16 @@ def from_prompt_cache(caches: Sequence) -> list:
 
 
 def _to_cache(i, s):
+    """One record as an mlx-lm cache object, by its class."""
     name = f"states[{i}]"
     if isinstance(s, QuantizedState):
-        check(
-            s.batch_size == 1,
-            f"{name} batch size",
-            "1 (mlx-lm has no batched quantized cache)",
-            s.batch_size,
-        )
-        c = lm_cache.QuantizedKVCache(group_size=s.group_size, bits=s.bits)
-        if s.keys is not None:
-            a, n = s.left_pad[0], s.lengths[0]
-            c.keys = tuple(x[:, :, a : a + n] for x in s.keys)
-            c.values = tuple(x[:, :, a : a + n] for x in s.values)
-            c.offset = n
-        return c
+        return _to_quantized_cache(name, s)
     if isinstance(s, CacheState):
-        if s.batch_size == 1:
-            c = lm_cache.KVCache()
-            if s.keys is not None:
-                a, n = s.left_pad[0], s.lengths[0]
-                c.keys, c.values, c.offset = s.keys[:, :, a : a + n], s.values[:, :, a : a + n], n
-            return c
-        if s.keys is None:
-            return lm_cache.BatchKVCache([0] * s.batch_size)
-        if any(e != s.width for e in s.ends):
-            # BatchKVCache has one shared end: right-align the rows first.
-            s = ops.merge_rows([ops.extract_row(s, b) for b in range(s.batch_size)])
-        c = lm_cache.BatchKVCache(list(s.left_pad))
-        w = s.width
-        c.keys, c.values = s.keys[:, :, :w], s.values[:, :, :w]
-        c.offset = mx.array(s.lengths)
-        c._idx = w
-        return c
+        return _to_kv_cache(s)
     if isinstance(s, RotatingState):
-        if s.batch_size == 1:
-            c = lm_cache.RotatingKVCache(s.max_size, s.keep)
-            if s.keys is not None:
-                # The state mlx-lm's concatenating path leaves: temporal order, _idx = held.
-                c.keys, c.values = ops.fetch(s)
-                c.offset, c._idx = s.lengths[0], s.held[0]
-            return c
-        check(s.keep == 0, f"{name}.keep", "0 (mlx-lm's BatchRotatingKVCache drops keep)", s.keep)
-        if s.keys is None:
-            return lm_cache.BatchRotatingKVCache(s.max_size, [0] * s.batch_size)
-        rows = [_to_cache(i, ops.extract_row(s, b)) for b in range(s.batch_size)]
-        return lm_cache.BatchRotatingKVCache.merge(rows)
+        return _to_rotating_cache(i, name, s)
     if isinstance(s, RecurrentState):
-        c = lm_cache.ArraysCache(
-            len(s.arrays), left_padding=list(s.left_padding) if any(s.left_padding) else None
-        )
-        c.cache = list(s.arrays)
-        c.lengths = None if s.until is None else mx.array(s.until)
-        return c
+        return _to_arrays_cache(s)
     if isinstance(s, ChunkedState):
         return _to_chunked_cache(name, s)
     if isinstance(s, CompositeState):
@@ -336,6 +321,71 @@ def _to_cache(i, s):
         "ChunkedState or CompositeState",
         type(s).__name__,
     )
+
+
+def _to_quantized_cache(name, s):
+    """A one-row ``QuantizedState`` as a ``QuantizedKVCache``."""
+    check(
+        s.batch_size == 1,
+        f"{name} batch size",
+        "1 (mlx-lm has no batched quantized cache)",
+        s.batch_size,
+    )
+    c = lm_cache.QuantizedKVCache(group_size=s.group_size, bits=s.bits)
+    if s.keys is not None:
+        a, n = s.left_pad[0], s.lengths[0]
+        c.keys = tuple(x[:, :, a : a + n] for x in s.keys)
+        c.values = tuple(x[:, :, a : a + n] for x in s.values)
+        c.offset = n
+    return c
+
+
+def _to_kv_cache(s):
+    """A ``CacheState`` as a ``KVCache`` (one row) or a ``BatchKVCache`` (rows right-aligned)."""
+    if s.batch_size == 1:
+        c = lm_cache.KVCache()
+        if s.keys is not None:
+            a, n = s.left_pad[0], s.lengths[0]
+            c.keys, c.values, c.offset = s.keys[:, :, a : a + n], s.values[:, :, a : a + n], n
+        return c
+    if s.keys is None:
+        return lm_cache.BatchKVCache([0] * s.batch_size)
+    if any(e != s.width for e in s.ends):
+        # BatchKVCache has one shared end: right-align the rows first.
+        s = ops.merge_rows([ops.extract_row(s, b) for b in range(s.batch_size)])
+    c = lm_cache.BatchKVCache(list(s.left_pad))
+    w = s.width
+    c.keys, c.values = s.keys[:, :, :w], s.values[:, :, :w]
+    c.offset = mx.array(s.lengths)
+    c._idx = w
+    return c
+
+
+def _to_rotating_cache(i, name, s):
+    """A ``RotatingState`` as a ``RotatingKVCache`` (one row) or a ``BatchRotatingKVCache``
+    (``keep == 0``: mlx-lm's own ``merge`` of the rows)."""
+    if s.batch_size == 1:
+        c = lm_cache.RotatingKVCache(s.max_size, s.keep)
+        if s.keys is not None:
+            # The state mlx-lm's concatenating path leaves: temporal order, _idx = held.
+            c.keys, c.values = ops.fetch(s)
+            c.offset, c._idx = s.lengths[0], s.held[0]
+        return c
+    check(s.keep == 0, f"{name}.keep", "0 (mlx-lm's BatchRotatingKVCache drops keep)", s.keep)
+    if s.keys is None:
+        return lm_cache.BatchRotatingKVCache(s.max_size, [0] * s.batch_size)
+    rows = [_to_cache(i, ops.extract_row(s, b)) for b in range(s.batch_size)]
+    return lm_cache.BatchRotatingKVCache.merge(rows)
+
+
+def _to_arrays_cache(s):
+    """A ``RecurrentState`` as an ``ArraysCache``: its slots, padding and ``lengths``."""
+    c = lm_cache.ArraysCache(
+        len(s.arrays), left_padding=list(s.left_padding) if any(s.left_padding) else None
+    )
+    c.cache = list(s.arrays)
+    c.lengths = None if s.until is None else mx.array(s.until)
+    return c
 
 
 def _to_chunked_cache(name, s):
