@@ -25,55 +25,31 @@
     the quantized rows read by mlx-lm's ``quantized_scaled_dot_product_attention``
     instead of ``kv.attend`` (same planes, same mask), side by side.
 
-    python benchmarks/quantized.py
+    python -m benchmarks quantized [--only a|b|c]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 
 import mlx.core as mx
-from mlx_lm.models import llama
 from mlx_lm.models.base import quantized_scaled_dot_product_attention as lm_qsdpa
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 import kvstate as kv
+from benchmarks import _common as c
 from kvstate import mlx_lm as br
 from kvstate.kinds.rows import read_mask
 
-LLAMA_1B = dict(  # meta-llama/Llama-3.2-1B config.json (geometry fields)
-    model_type="llama",
-    hidden_size=2048,
-    num_hidden_layers=16,
-    intermediate_size=8192,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    vocab_size=128256,
-    rope_theta=500000.0,
-    tie_word_embeddings=True,
-    rope_scaling={
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-)
 GROUP = 64
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 # --- (a) bytes per token --------------------------------------------------------------
 
 
 def bytes_per_token(tokens: int, chunk: int = 64):
-    args = llama.ModelArgs(**LLAMA_1B)
-    model = llama.Model(args)  # lazy: weights never evaluated
+    model = c.llama("llama-3.2-1b", "bfloat16", evaluate=False)  # weights never evaluated
+    args = model.args
     H, D = args.num_key_value_heads, args.head_dim
     rows = []
     for name, bits in (("bfloat16", None), ("8-bit", 8), ("4-bit", 4)):
@@ -121,30 +97,6 @@ def bytes_per_token(tokens: int, chunk: int = 64):
 
 
 # --- (b) decode step through the bridge -------------------------------------------------
-
-
-def small_model(args):
-    """The ``--model`` llama with seeded random weights in ``--dtype``."""
-    mx.random.seed(0)
-    if args.model == "1b":
-        config = LLAMA_1B
-    else:
-        config = dict(
-            model_type="llama",
-            hidden_size=args.hidden,
-            num_hidden_layers=args.layers,
-            intermediate_size=2 * args.hidden,
-            num_attention_heads=args.hidden // 64,
-            num_key_value_heads=args.kv_heads,
-            head_dim=64,
-            rms_norm_eps=1e-5,
-            vocab_size=args.vocab,
-            tie_word_embeddings=False,
-        )
-    model = llama.Model(llama.ModelArgs(**config))
-    model.set_dtype(DTYPES[args.dtype])
-    mx.eval(model.parameters())
-    return model
 
 
 def random_rows(model, lengths, seed=0):
@@ -223,22 +175,16 @@ class FloorSide:
 
 
 def race(sides: dict, steps: int, warmup: int = 2):
-    names = list(sides)
-    times = {n: [] for n in names}
-    for s in range(steps + warmup):
-        order = names[s % len(names) :] + names[: s % len(names)]
-        for n in order:
-            t0 = time.perf_counter()
-            sides[n].step()
-            if s >= warmup:
-                times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
+    """Median seconds of each side's ``step`` (variants interleaved, the order turning)."""
+    t = c.rounds({n: side.step for n, side in sides.items()}, steps, warmup=warmup)
+    return {n: c.median(v) for n, v in t.items()}
 
 
 def decode_step(args):
-    model = small_model(args)
+    shape = c.shaped(args.hidden, args.layers, args.kv_heads, args.vocab)
+    model = c.llama("llama-3.2-1b" if args.model == "1b" else shape, args.dtype)
     B = args.batch
-    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1) for i in range(B)]
+    lengths = c.ragged(B, args.length, args.spread)
     a = model.args
     geo = (
         f"llama {a.num_hidden_layers} layers, hidden {a.hidden_size}, "
@@ -311,17 +257,13 @@ def decode_step(args):
 
 
 def attention_step(args):
-    a = LLAMA_1B
-    L, H, Hq, D = (
-        a["num_hidden_layers"],
-        a["num_key_value_heads"],
-        a["num_attention_heads"],
-        a["head_dim"],
-    )
+    a = c.LLAMA_1B
+    L, H = a["num_hidden_layers"], a["num_key_value_heads"]
+    Hq, D = a["num_attention_heads"], a["head_dim"]
     B = args.batch
-    lengths = [args.length - args.spread + (2 * args.spread * i) // max(B - 1, 1) for i in range(B)]
+    lengths = c.ragged(B, args.length, args.spread)
     key = mx.random.key(1)
-    dt = DTYPES[args.dtype]
+    dt = getattr(mx, args.dtype)
 
     def rows(bits):
         out = []
@@ -398,7 +340,7 @@ def attention_step(args):
         )
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=1024, help="(a) tokens appended per record")
     p.add_argument("--batch", type=int, default=8)
@@ -416,14 +358,11 @@ def main():
         default="small",
         help="(b) the small llama (--layers/--hidden/...) or the Llama-3.2-1B shape",
     )
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(b, c)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="(b, c)")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    print(
-        f"mlx {mx.__version__}, load average at start {os.getloadavg()[0]:.2f} "
-        f"({os.cpu_count()} cores)"
-    )
+    print(c.machine())
     if args.only in (None, "a"):
         bytes_per_token(args.tokens)
     if args.only in (None, "b"):

@@ -21,9 +21,9 @@ weights (``quantized_matmul``) and with the weights dequantized to float32.
 from the dense run's, and free-running greedy generations from the CLI's
 built-in chat prompts: how many differ from the dense run, and where.
 
-    python benchmarks/real_model.py prefill --rounds 5
-    python benchmarks/real_model.py weights --rounds 5
-    python benchmarks/real_model.py quality --tokens 512
+    python -m benchmarks real-model prefill --rounds 5
+    python -m benchmarks real-model weights --rounds 5
+    python -m benchmarks real-model quality --tokens 512
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import time
 
 import mlx.core as mx
 
+from benchmarks import _common as c
 from kvstate import mlx_lm as br
 from kvstate.cli import PROMPTS
-from kvstate.models import load as models
 
 
 def chat_prompts(tok, n):
@@ -125,14 +125,8 @@ def prefill_bench(args, loaded):
         got = sides[name](model, prompts, args.step)
         ref = got if ref is None else ref
         assert got == ref, f"{name}: first tokens {got} differ from {ref}"
-    times = {n: [] for n in names}
-    for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            t = time.perf_counter()
-            sides[name](model, prompts, args.step)
-            times[name].append(time.perf_counter() - t)
-        print(f"  round {r}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names), flush=True)
+    run = {n: lambda f=f: f(model, prompts, args.step) for n, f in sides.items()}
+    times = c.rounds(run, args.rounds)
     base = times["mlx-lm BatchGenerator"]
     print(
         f"{'side':<24}{'median s':>10}{'min s':>8}{'max s':>8}{'prefill tok/s':>15}"
@@ -153,8 +147,8 @@ def prefill_bench(args, loaded):
 
 
 def weights_bench(args):
-    q = models.load_model(None)
-    f = models.load_model(None, dequantize=True)
+    q = c.real(quantized=True)
+    f = c.real()
     prompts = chat_prompts(q.tokenizer, args.batch)
     sides = {"4-bit GGUF": q.model, "float32": f.model}
 
@@ -236,7 +230,7 @@ def greedy(model, prompts, n, **make):
 
 
 def quality_bench(args):
-    loaded = models.load_model(None, dequantize=args.float32)
+    loaded = c.real(quantized=not args.float32)
     model, tok = loaded.model, loaded.tokenizer
     ids = topics_tokens(tok, args.tokens)
     kinds = {
@@ -275,7 +269,7 @@ def quality_bench(args):
         )
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     a = sub.add_parser("prefill")
@@ -300,9 +294,9 @@ def main():
     q.add_argument("--chunk", type=int, default=64)
     q.add_argument("--gen", type=int, default=32, help="greedy tokens per chat prompt")
     q.add_argument("--float32", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.what == "prefill":
-        prefill_bench(args, models.load_model(None, dequantize=args.float32))
+        prefill_bench(args, c.real(quantized=not args.float32))
     elif args.what == "weights":
         weights_bench(args)
     else:

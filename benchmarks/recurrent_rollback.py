@@ -18,20 +18,19 @@ the same rows, times (each to its evaluated result):
 Prints, per side, the median over rounds and the min-max spread, and each
 side's median ratio to the kvstate step of the same round.
 
-    python benchmarks/recurrent_rollback.py --family qwen3_next
+    python -m benchmarks recurrent-rollback --family qwen3_next
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 from mlx_lm.models import lfm2, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
 
 import kvstate as kv
+from benchmarks import _common as c
 from kvstate import mlx_lm as br
 
 
@@ -100,13 +99,7 @@ def arrays(out) -> list:
     return list(out.planes)  # a record
 
 
-def timed(fn):
-    t = time.perf_counter()
-    mx.eval(arrays(fn()))
-    return time.perf_counter() - t
-
-
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=("qwen3_next", "lfm2"), default="qwen3_next")
     p.add_argument("--batch", type=int, default=4)
@@ -116,7 +109,7 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=7)
-    args = p.parse_args()
+    args = c.output_args(p).parse_args(argv)
 
     model = build(args.family, args.hidden, args.layers, args.vocab)
     B, K = args.batch, args.draft
@@ -138,8 +131,8 @@ def main():
     mx.eval([s.planes for s in verified])
 
     def lm_step():
-        for c, st in zip(lm_cache, lm_saved):
-            c.state = st  # the same rows every round (the state setter, no copy)
+        for cache, st in zip(lm_cache, lm_saved):
+            cache.state = st  # the same rows every round (the state setter, no copy)
         return model(tok[:, None], cache=lm_cache)
 
     sides = {
@@ -149,27 +142,21 @@ def main():
         "rollback all/none": lambda: kv.rollback(verified, cp, [0, K + 1] * (B // 2)),
         "rollback partial": lambda: br.rollback(model, verified, cp, partial, block),
     }
-    for fn in sides.values():  # warm-up
-        timed(fn)
-    times = {k: [] for k in sides}
-    for r in range(args.rounds):
-        names = list(sides)
-        names = names[r % len(names) :] + names[: r % len(names)]  # rotate the order
-        for k in names:
-            times[k].append(timed(sides[k]))
+    times = c.rounds({k: lambda f=f: arrays(f()) for k, f in sides.items()}, args.rounds, warmup=1)
     base = times["step"]
     print(
         f"{args.family}: B={B}, prompts {args.length}..{args.length + 8 * (B - 1)}, K={K}, "
         f"hidden {args.hidden}, {args.layers} layers, {args.rounds} rounds, "
         f"{mx.default_device()}"
     )
-    print(f"{'side':24s} {'median ms':>10s} {'min-max ms':>16s} {'x step (median)':>16s}")
+    print("side: ms median [min-max] over rounds; x step: the per-round ratio")
     for k, ts in times.items():
-        ratio = statistics.median(t / b for t, b in zip(ts, base))
-        print(
-            f"{k:24s} {1e3 * statistics.median(ts):10.2f} "
-            f"{1e3 * min(ts):7.2f}-{1e3 * max(ts):7.2f} {ratio:16.2f}"
-        )
+        print(f"  {k:24s} {c.spread(ts, digits=2)}  x step {c.ratio(ts, base, 2)}")
+    c.write(
+        args,
+        f"recurrent-rollback-{args.family}",
+        [dict(side=k, **c.summary(t)) for k, t in times.items()],
+    )
 
 
 if __name__ == "__main__":

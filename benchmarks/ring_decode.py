@@ -1,92 +1,64 @@
-"""Ring decode step: ``kv.append`` + ``kv.attend`` on a ``RotatingState`` versus
-mlx-lm's ``RotatingKVCache`` (``update_and_fetch`` + fused SDPA), one layer.
+"""Ring decode step: ``kv.append`` + ``kv.attend`` (``RotatingState``) against mlx-lm's ring.
 
-Both rings are filled past ``max_size`` (wrapped), then decode one token per
-step, alternating sides, each step timed to its evaluated output (float32,
-CPU, same process, same inputs). Run at two ring sizes: a step that wrote
-in place costs the same at both; one that copied the buffer would grow
-with ``max_size`` (the append-only rows show the write alone). Prints the median step
-time of each side and the ratio
-(mlx-lm time / kvstate time; above 1.0 means kvstate is faster).
+mlx-lm's side is one ``RotatingKVCache`` per row (``update_and_fetch`` + fused
+SDPA), one layer. Both rings are filled past ``max_size`` (wrapped), then decode one
+token per step, alternating sides, each step timed to its evaluated output (float32,
+same process, same inputs). At two ring sizes: a step that writes in place costs the
+same at both; one that copied the buffer would grow with ``max_size`` (the
+append-only rows show the write alone). Ratio: mlx-lm / kvstate (above 1: kvstate
+faster).
 
-    python benchmarks/ring_decode.py
+    python -m benchmarks ring-decode [--batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 import kvstate as kv
+from benchmarks import _common as c
 
 
-def run(max_size, keep, steps, B, H, Hq, D):
+def sides(max_size, a, attend: bool):
+    """kvstate's and mlx-lm's one-token step (append, then attend when ``attend``)."""
+    B, H, Hq, D = a.batch, a.heads, a.q_heads, a.head_dim
     mx.random.seed(0)
-    scale = D**-0.5
     fill = mx.random.normal((1, H, max_size + 7, D))
-    caches = [RotatingKVCache(max_size, keep) for _ in range(B)]
-    for c in caches:
-        c.update_and_fetch(fill, fill)
-    s = kv.rotating(B, max_size=max_size, keep=keep)
-    s = kv.append(s, mx.repeat(fill, B, axis=0), mx.repeat(fill, B, axis=0))
-    mx.eval(*s.planes, *[c.keys for c in caches])
-    ours, theirs = [], []
-    for _ in range(steps):
-        k = mx.random.normal((B, H, 1, D))
-        q = mx.random.normal((B, Hq, 1, D))
-        mx.eval(k, q)
-        t0 = time.perf_counter()
-        s = kv.append(s, k, k)
-        out = kv.attend(s, q, scale=scale)
-        mx.eval(out)
-        ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+    caches = [RotatingKVCache(max_size, a.keep) for _ in range(B)]
+    for cache in caches:
+        cache.update_and_fetch(fill, fill)
+    s = [kv.append(kv.rotating(B, max_size=max_size, keep=a.keep), *[mx.repeat(fill, B, 0)] * 2)]
+    new = [(mx.random.normal((B, H, 1, D)), mx.random.normal((B, Hq, 1, D))) for _ in range(8)]
+    mx.eval(s[0].planes, [x.keys for x in caches], new)
+    n = [0, 0]
+
+    def ours():
+        k, q = new[n[0] % 8]
+        n[0] += 1
+        s[0] = kv.append(s[0], k, k)
+        return kv.attend(s[0], q, scale=D**-0.5) if attend else (s[0].keys, s[0].values)
+
+    def theirs():
+        k, q = new[n[1] % 8]
+        n[1] += 1
         outs = []
-        for b, c in enumerate(caches):
-            mask = c.make_mask(1)
-            ck, cv = c.update_and_fetch(k[b : b + 1], k[b : b + 1])
-            outs.append(
-                mx.fast.scaled_dot_product_attention(q[b : b + 1], ck, cv, scale=scale, mask=mask)
-            )
-        mx.eval(*outs)
-        theirs.append(time.perf_counter() - t0)
-    skip = steps // 5
-    return statistics.median(ours[skip:]), statistics.median(theirs[skip:])
+        for b, cache in enumerate(caches):
+            mask = cache.make_mask(1)
+            ck, cv = cache.update_and_fetch(k[b : b + 1], k[b : b + 1])
+            if attend:
+                sdpa = mx.fast.scaled_dot_product_attention
+                outs.append(sdpa(q[b : b + 1], ck, cv, scale=D**-0.5, mask=mask))
+            else:
+                outs += [cache.keys, cache.values]
+        return outs
+
+    return {"kvstate": ours, "mlx-lm": theirs}
 
 
-def run_append(max_size, keep, steps, B, H, D):
-    """Append only, evaluated: the write itself (in place: flat in ``max_size``)."""
-    mx.random.seed(0)
-    fill = mx.random.normal((1, H, max_size + 7, D))
-    caches = [RotatingKVCache(max_size, keep) for _ in range(B)]
-    for c in caches:
-        c.update_and_fetch(fill, fill)
-    s = kv.rotating(B, max_size=max_size, keep=keep)
-    s = kv.append(s, mx.repeat(fill, B, axis=0), mx.repeat(fill, B, axis=0))
-    del fill
-    mx.eval(*s.planes, *[c.keys for c in caches])
-    ours, theirs = [], []
-    for _ in range(steps):
-        k = mx.random.normal((B, H, 1, D))
-        mx.eval(k)
-        t0 = time.perf_counter()
-        s = kv.append(s, k, k)
-        mx.eval(s.keys, s.values)
-        ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for b, c in enumerate(caches):
-            c.update_and_fetch(k[b : b + 1], k[b : b + 1])
-        mx.eval(*[x for c in caches for x in (c.keys, c.values)])
-        theirs.append(time.perf_counter() - t0)
-    skip = steps // 5
-    return statistics.median(ours[skip:]), statistics.median(theirs[skip:])
-
-
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--keep", type=int, default=4)
@@ -95,22 +67,22 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=64)
-    a = p.parse_args()
+    a = c.output_args(p).parse_args(argv)
     print(
         f"batch={a.batch} keep={a.keep} H={a.heads} Hq={a.q_heads} D={a.head_dim} "
-        f"steps={a.steps} (mlx-lm: one RotatingKVCache per row)"
+        f"steps={a.steps} (mlx-lm: one RotatingKVCache per row); the first fifth untimed"
     )
+    rows = []
     for m in a.sizes:
-        ours, theirs = run(m, a.keep, a.steps, a.batch, a.heads, a.q_heads, a.head_dim)
-        print(
-            f"max_size={m:6d}  step    kvstate {ours * 1e3:7.3f} ms  mlx-lm "
-            f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}"
-        )
-        ours, theirs = run_append(m, a.keep, a.steps, a.batch, a.heads, a.head_dim)
-        print(
-            f"max_size={m:6d}  append  kvstate {ours * 1e3:7.3f} ms  mlx-lm "
-            f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}"
-        )
+        for what in ("step", "append"):
+            t = c.rounds(sides(m, a, what == "step"), a.steps, warmup=a.steps // 5)
+            ours, theirs = c.median(t["kvstate"]), c.median(t["mlx-lm"])
+            rows.append(dict(max_size=m, what=what, kvstate_ms=ours * 1e3, mlx_lm_ms=theirs * 1e3))
+            print(
+                f"max_size={m:6d}  {what:<6}  kvstate {ours * 1e3:7.3f} ms  mlx-lm "
+                f"{theirs * 1e3:7.3f} ms  ratio {theirs / ours:5.2f}"
+            )
+    c.write(a, "ring-decode", rows)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ its reason: an HTTP status and body, an error event, a broken stream, a
 stream with no finish reason, or the client's ``--timeout``), and the
 server's peak resident memory during that N (``VmHWM``, reset before each N).
 
-    python benchmarks/serve_load.py --clients 1 8 32 --requests 32
-    python benchmarks/serve_load.py --soak 600 --clients 32 --servers kvstate
+    python -m benchmarks serve-load --clients 1 8 32 --requests 32
+    python -m benchmarks serve-load --soak 600 --clients 32 --servers kvstate
 
 ``--soak S`` replays the set for S seconds at the first N (clients send no
 new request after S; the ones in flight finish) and samples the server's
@@ -290,7 +290,7 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--requests", type=int, default=32, help="requests per N (32)")
@@ -309,7 +309,7 @@ def main():
         default=None,
         help="an mlx-lm directory (default: the GGUF exported once, float32)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from kvstate.models import gguf
     from kvstate.models import load as models

@@ -15,27 +15,24 @@ rows grow alike. Sides:
   holds its whole prompt);
 - ``mlx-lm BatchGenerator``.
 
-    python benchmarks/serve_step.py --batch 1 8 --rounds 5 --steps 4
+    python -m benchmarks serve-step --batch 1 8 --rounds 5 --steps 4
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_load import QUESTIONS, SYSTEM  # noqa: E402
+from benchmarks.serve_load import QUESTIONS, SYSTEM
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds, after one warm-up (5)")
     ap.add_argument("--steps", type=int, default=4, help="decode steps per side per round (4)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from mlx_lm.generate import BatchGenerator
 
     from kvstate.models import load as models

@@ -26,7 +26,7 @@ import sys
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="llama-3.2-1b", help="a model of benchmarks/suite.py")
+    p.add_argument("--model", default="llama-3.2-1b", help="a model of benchmarks._common.MODELS")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--cases", default="1:aligned,32:aligned,32:ragged", help="B:layout,...")
@@ -48,16 +48,17 @@ def main(argv=None):
     args = parse(argv)
     if args.gpu_per_rank:
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("MLX_RANK", "0")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import mlx.core as mx
-    import suite
 
+    from benchmarks import _common as c
+    from benchmarks import suite
     from kvstate import mlx_lm as br
 
     group = mx.distributed.init(backend=args.backend)
     N, rank = group.size(), group.rank()
     dtype = getattr(mx, args.dtype)
-    model = suite.build_model(args.model, dtype)
+    model = c.llama(args.model, dtype)
     if N > 1:
         model.shard(group)
     # Each rank's records hold its share of the KV heads.

