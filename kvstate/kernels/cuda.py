@@ -462,8 +462,8 @@ def splits_for(B: int, H: int, span: int, N: int = 1) -> int:
     ``MAX_SPLITS`` (so one row of 8K columns at B=1 is spread over 32 splits
     per head), and no split reads fewer than ``MIN_SPLIT`` columns. Inside the
     kernel each row divides its own length, so a short row's splits are short.
-    The constants come from the sweeps of ``benchmarks/kernel_sweep.py`` and
-    whole steps (``benchmarks/decode_cost.py``) on the H200 (``notes/kernels.md``).
+    The constants come from kernel sweeps and whole-step timings on the H200
+    (``notes/kernels.md``; the figures in ``notes/figures.md``).
     """
     rows = max(1, B * H * N)
     if rows >= SINGLE_ROWS or span <= SINGLE_SPAN:
@@ -534,8 +534,10 @@ def decode_read(
 
     Args:
         N: queries per row.
-        q, k: the arrays (for the shape check), when known.
-        group_size, bits: a quantized ``k``'s format.
+        q: the queries (for the shape check), when known.
+        k: the keys (for the shape check), when known.
+        group_size: a quantized ``k``'s format.
+        bits: a quantized ``k``'s format.
         written: whether a fused write may be chosen (dense ``k`` only).
         prefix: rows read a shared prefix first (``kvstate.kinds.shared``): up to
             ``PREFIX_QUERIES`` queries per row go to the kernel (a cached
@@ -626,8 +628,9 @@ def ragged_attention(
             the queries stand in the row's own columns (``N <= ends -
             left_pad``). Off CUDA, the gathered columns and one masked SDPA.
         splits: overrides ``splits_for`` (for measurements); 1 is one launch.
-        threads, unroll, prefetch: override ``THREADS`` / ``UNROLL`` / ``PREFETCH``
-            (for measurements).
+        threads: overrides ``THREADS`` (for measurements).
+        unroll: overrides ``UNROLL`` (for measurements).
+        prefetch: overrides ``PREFETCH`` (for measurements).
     """
     N, C = q.shape[2], k.shape[2]
     if not _kernel_reads(q, k, window, prefix):
@@ -917,7 +920,7 @@ def folded_attention(q, k, v, scale: float, mask=None):
     head; a bool ``mask`` ``[B, 1, N, C]`` is repeated over the ``G`` groups
     (``"causal"`` is built as an array: its bottom-right rule does not
     survive folding). The result equals the stock read's; where it is
-    faster is measured by ``benchmarks/verify_read.py`` (``notes/speculative.md``).
+    faster was measured on the CPU and the H200 (``notes/kernels.md``).
     """
     B, Hq, N, D = q.shape
     H = k.shape[1]

@@ -1,35 +1,36 @@
-"""Continuous batched generation: requests in, completions out.
+"""Requests in, completions out: batch generation on the one scheduler.
 
-One scheduler (``serve``) drives an *engine*, the cache side of generation.
-Each decode step it admits the requests that have arrived (prefilled
-together in one batch, then joined to the running batch), samples one token
-for every active row, and drops the rows that finished (end of sequence or
-``max_tokens``)::
+``serve(engine, requests, batch_size)`` runs every request to completion.
+Requests arrive at decode steps (``Request.arrival``); each step admits those
+that have arrived while rows are free, decodes one round for every row and
+drops the rows that finished (a stop token or ``max_tokens``)::
 
     step:      0   1   2   3   4   5   6   7   8
     req 0:     P   d   d   d   d   x                 P prefill + join
-    req 1:     P   d   d   d   d   d   d   x         d one decode step
+    req 1:     P   d   d   d   d   d   d   x         d one decode round
     req 2:                 P   d   d   x             x finished, filtered out
 
 A ``Request`` is a frozen record of what was asked; a ``Completion`` of what
-came back (tokens, why it stopped, time to first token). Engines implement
-``prefill``, ``join``, ``step``, ``leave`` and ``nbytes``: ``KVStateEngine``
-on kvstate records through ``kvstate.mlx_lm``, ``MlxLmEngine`` on mlx-lm's
-own batch caches the way its ``BatchGenerator`` drives them. Sampling is
-``kv.sample`` with one PRNG key per request (a request's tokens do not
-depend on which other rows share its batch).
+came back (tokens, why it stopped, time to first token). The kvstate engines
+(``KVStateEngine``, ``SpeculativeEngine``) are configurations of the one
+scheduler, ``kvstate.serving.scheduler.Scheduler``, which the HTTP server
+runs too; ``MlxLmEngine`` runs mlx-lm's own ``BatchGenerator`` on the same
+requests, the reference ``kvstate generate --compare`` measures against.
+Sampling is ``kv.sample`` with one PRNG key per request (a request's tokens
+do not depend on which other rows share its batch).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import attrs
 import mlx.core as mx
 
-from .. import sampling
-from ..core.records import CacheState, QuantizedState
+from .prefix_cache import PrefixCache
+from .scheduler import Job, Scheduler
 
 
 @attrs.frozen
@@ -65,24 +66,7 @@ class Completion:
     seconds: float
 
 
-class _Row:
-    """Host bookkeeping of one active request (the scheduler's, never shared)."""
-
-    __slots__ = ("request", "start", "tokens", "ttft")
-
-    def __init__(self, request, start):
-        self.request, self.tokens, self.start, self.ttft = request, [], start, None
-
-    def done(self) -> bool:
-        r = self.request
-        return len(self.tokens) >= r.max_tokens or (bool(self.tokens) and self.tokens[-1] in r.stop)
-
-    def extend(self, tokens):
-        """Take the tokens a decode round emitted, up to the end of the request."""
-        for t in tokens:
-            if self.done():
-                return
-            self.tokens.append(t)
+Progress = Optional[Callable[[int, int, int], None]]  # progress(tokens, active, queued)
 
 
 def serve(
@@ -91,12 +75,12 @@ def serve(
     batch_size: int,
     *,
     on_finish: Callable[[Completion], None] | None = None,
-    progress=None,
+    progress: Progress = None,
 ) -> tuple:
     """Run every request to completion.
 
     Args:
-        engine: the cache side (``KVStateEngine`` or ``MlxLmEngine``).
+        engine: ``KVStateEngine``, ``SpeculativeEngine`` or ``MlxLmEngine``.
         requests: what to serve; at most ``batch_size`` rows are decoded at once,
             the rest wait for a row to leave.
         on_finish: called with each ``Completion`` as its request finishes.
@@ -107,146 +91,109 @@ def serve(
         ``seconds``, ``steps`` and ``bytes_per_token`` (cache bytes over the
         tokens the rows hold, averaged over decode steps).
     """
-    pending = sorted(requests, key=lambda r: r.arrival)
-    done: dict = {}
-    active: list = []
-    batch, keys, t, per_tok = None, None, 0, []
-    arrived: dict = {}
-    start = time.perf_counter()
-
-    def finish(row):
-        c = Completion(
-            row.request,
-            tuple(row.tokens),
-            "stop" if row.tokens[-1] in row.request.stop else "length",
-            row.ttft,
-            time.perf_counter() - row.start,
-        )
-        done[row.request.id] = c
-        if on_finish:
-            on_finish(c)
-
-    while pending or active:
-        now = time.perf_counter()
-        for r in pending:
-            if r.arrival > t:
-                break
-            arrived.setdefault(r.id, now)
-        admit: list = []
-        while pending and pending[0].arrival <= t and len(active) + len(admit) < batch_size:
-            admit.append(pending.pop(0))
-        if admit:
-            logits, fresh = engine.prefill([list(r.prompt) for r in admit])
-            first, fresh_keys = _sample(logits, sampling.row_keys([r.seed for r in admit]), admit)
-            now = time.perf_counter()
-            rows = [_Row(r, arrived[r.id]) for r in admit]
-            for row, tok in zip(rows, first):
-                row.tokens.append(tok)
-                row.ttft = now - row.start
-            joined = [i for i, row in enumerate(rows) if not row.done()]
-            for row in rows:
-                if row.done():
-                    finish(row)
-            if joined:
-                if len(joined) < len(rows):
-                    fresh = engine.leave(fresh, joined)
-                    fresh_keys = fresh_keys[mx.array(joined)]
-                batch = fresh if batch is None else engine.join(batch, fresh)
-                keys = fresh_keys if keys is None else mx.concatenate([keys, fresh_keys])
-                active += [rows[i] for i in joined]
-            else:
-                _drop(engine, fresh)
-        if not active:  # idle until the next arrival
-            t = max(t + 1, pending[0].arrival) if pending else t
-            continue
-        tokens = mx.array([row.tokens[-1] for row in active], dtype=mx.int32)
-        requests_ = [row.request for row in active]
-        if hasattr(engine, "decode"):  # several tokens per row and round (speculative)
-            emitted, batch, keys = engine.decode(batch, tokens, keys, requests_)
-        else:
-            logits, batch = engine.step(batch, tokens)
-            nxt, keys = _sample(logits, keys, requests_)
-            emitted = [[tok] for tok in nxt]
-        for row, toks in zip(active, emitted):
-            row.extend(toks)
-        held = sum(len(row.request.prompt) + len(row.tokens) - 1 for row in active)
-        per_tok.append(engine.nbytes(batch) / held)
-        keep = [i for i, row in enumerate(active) if not row.done()]
-        for row in active:
-            if row.done():
-                finish(row)
-        if len(keep) < len(active):
-            active = [active[i] for i in keep]
-            if keep:
-                batch = engine.leave(batch, keep)
-            else:
-                _drop(engine, batch)
-                batch = None
-            keys = keys[mx.array(keep)] if keep else None
-        t += 1
-        if progress:
-            progress(
-                sum(len(c.tokens) for c in done.values()) + sum(len(row.tokens) for row in active),
-                len(active),
-                len(pending),
-            )
-    stats = {
-        "seconds": time.perf_counter() - start,
-        "steps": t,
-        "bytes_per_token": sum(per_tok) / max(len(per_tok), 1),
-    }
-    return [done[r.id] for r in requests], stats
+    return engine.serve(requests, batch_size, on_finish=on_finish, progress=progress)
 
 
-def _drop(engine, batch) -> None:
-    """Every row of ``batch`` leaves: an engine holding per-row resources (prefix-cache
-    leases) releases them (``engine.drop``); ``None`` is the empty batch."""
-    drop = getattr(engine, "drop", None)
-    if drop is not None:
-        drop(batch)
-    return None
+class _Track:
+    """What one request got so far (the ``emit`` of its job)."""
+
+    def __init__(self, request: Request, on_done: Callable[[Completion], None]):
+        self.request, self.on_done = request, on_done
+        self.arrived = time.perf_counter()
+        self.tokens: list = []
+        self.ttft = 0.0
+
+    def emit(self, kind: str, choice: int, value: Any) -> None:
+        if kind == "token":
+            if not self.tokens:
+                self.ttft = time.perf_counter() - self.arrived
+            self.tokens.append(value)
+        elif kind == "done":
+            seconds = time.perf_counter() - self.arrived
+            self.on_done(Completion(self.request, tuple(self.tokens), value, self.ttft, seconds))
+        else:  # "error"
+            raise RuntimeError(f"request {self.request.id}: {value}")
 
 
-def _sample(logits, keys, requests) -> tuple:
-    """Each row's next token (host ints) and next key, with its request's settings."""
-    params = None  # every row greedy: no key is used or advanced
-    if any(r.temperature != 0 for r in requests):
-        params = sampling.parameters(
-            len(requests),
-            temperature=[r.temperature for r in requests],
-            top_p=[r.top_p for r in requests],
-        )
-    tokens, keys = sampling.next_tokens(logits, keys, params)
-    return tokens.tolist(), keys
+class _Run:
+    """One ``serve`` call's bookkeeping: arrivals, completions, step count, stats."""
+
+    def __init__(self, requests, on_finish, progress: Progress):
+        self.pending = sorted(requests, key=lambda r: r.arrival)
+        self.order = [r.id for r in requests]
+        self.done: dict = {}
+        self.on_finish, self.progress = on_finish, progress
+        self.steps, self.tokens = 0, 0
+        self.per_token: list = []
+        self.start = time.perf_counter()
+
+    def finish(self, c: Completion) -> None:
+        self.done[c.request.id] = c
+        if self.on_finish:
+            self.on_finish(c)
+
+    def arrived(self) -> list:
+        """The requests whose arrival step has come, taken from the pending line."""
+        out = []
+        while self.pending and self.pending[0].arrival <= self.steps:
+            out.append(self.pending.pop(0))
+        return out
+
+    def idle(self) -> None:
+        """No row is active: jump to the next arrival."""
+        self.steps = max(self.steps + 1, self.pending[0].arrival) if self.pending else self.steps
+
+    def stepped(self, active: int, queued: int) -> None:
+        self.steps += 1
+        if self.progress:
+            self.progress(self.tokens, active, queued + len(self.pending))
+
+    def result(self) -> tuple:
+        stats = {
+            "seconds": time.perf_counter() - self.start,
+            "steps": self.steps,
+            "bytes_per_token": sum(self.per_token) / max(len(self.per_token), 1),
+        }
+        return [self.done[i] for i in self.order], stats
 
 
-# --- engines: kvstate records, and mlx-lm's own caches --------------------------------
+def _job(request: Request, run: _Run) -> Job:
+    track = _Track(request, run.finish)
+
+    def emit(kind, choice, value):
+        run.tokens += kind == "token"
+        track.emit(kind, choice, value)
+
+    return Job(
+        prompt=list(request.prompt),
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        emit=emit,
+        stop=frozenset(request.stop),
+    )
 
 
-class _Leased(list):
-    """A batch's records (one per layer) and, per row, the prefix-cache lease
-    it holds (``None`` for none): leases leave with their rows."""
+def _held_tokens(spec) -> int:
+    """Tokens the rows' caches hold (each row's context less its pending token)."""
+    return sum(len(c) - 1 for c in spec.context)
 
-    __slots__ = ("leases",)
 
-    def __init__(self, records, leases):
-        super().__init__(records)
-        self.leases = list(leases)
+# --- engines: configurations of the scheduler, and mlx-lm's BatchGenerator -----------
 
 
 class KVStateEngine:
-    """Rows are kvstate records, driven through ``kvstate.mlx_lm``.
+    """Rows are kvstate records, run by the scheduler (``Scheduler``).
 
-    ``prefill`` runs the admitted prompts as one batch
-    (``kvstate.mlx_lm.prefill``: right-padded, chunked, padding trimmed).
-    With a ``prefix_cache`` (a ``kvstate.serving.prefix_cache.PrefixCache``) each
-    prompt reuses the longest cached prefix instead and runs only the rest
-    (``kvstate.serving.prefix_cache.prefill``); rows are then ``SharedState``s that
-    read the cached records without copying them, and each row pins its
-    entry until it leaves. ``prompt_tokens``/``prefilled`` count the prompt
-    tokens asked for and run; ``peak_bytes`` the most KV bytes held (rows
-    and cache, each shared record once). A model with sliding-window layers
-    runs without the cache (rings do not share prefixes).
+    With a ``prefix_cache`` (a ``PrefixCache``; its budget is kept, each run
+    starts it empty) each prompt reuses the longest cached prefix and
+    prefills only the rest; rows then read the cached records without
+    copying them. ``prompt_tokens``/``prefilled`` count the prompt tokens
+    asked for and run in the last run; ``peak_bytes`` the most KV bytes
+    held (rows and cache, each shared record once). A model with
+    sliding-window layers runs without the cache (rings do not share
+    prefixes). ``compiled``: each round's forward compiled.
     """
 
     name = "kvstate"
@@ -254,158 +201,61 @@ class KVStateEngine:
     def __init__(
         self, model, compiled: bool = False, prefill_step_size: int = 512, prefix_cache=None
     ):
-        from .. import mlx_lm as bridge
-
-        self.model, self.bridge, self.prefill_step_size = model, bridge, prefill_step_size
-        self._step: Callable[..., tuple] = bridge.step  # or a compiled step, same call
+        self.model, self.compiled, self.prefill_step_size = model, compiled, prefill_step_size
         if compiled:
-            self._step = bridge.make_step(model)  # step(model, tokens, states) -> (logits, states)
             self.name = "kvstate (compiled)"
         self.budget = None if prefix_cache is None else prefix_cache.max_bytes
-        if self.budget is not None and not all(
-            type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1)
-        ):
-            self.budget = None  # sliding-window rings do not share prefixes (notes/kinds.md)
         self.reset()
 
-    def reset(self):
-        """Fresh counters, and an empty prefix cache of the same budget."""
-        from .prefix_cache import PrefixCache
-
-        self.cache = None if self.budget is None else PrefixCache(self.budget)
+    def reset(self) -> None:
+        """Fresh counters."""
+        self.cache = None
         self.prompt_tokens = self.prefilled = self.peak_bytes = 0
+        self.drafted = self.accepted = 0
 
-    def prefill(self, prompts):
-        self.prompt_tokens += sum(map(len, prompts))
-        if self.cache is None:
-            self.prefilled += sum(map(len, prompts))
-            return self.bridge.prefill(
-                self.model, prompts, prefill_step_size=self.prefill_step_size
-            )
-        from .prefix_cache import prefill
-
-        logits, states, leases, ran = prefill(
-            self.model, prompts, self.cache, prefill_step_size=self.prefill_step_size
-        )
-        self.prefilled += sum(ran)
-        return logits, _Leased(states, leases)
-
-    def join(self, batch, rows):
-        joined = self.bridge.extend(batch, rows)
-        if self.cache is None:
-            return joined
-        return _Leased(joined, batch.leases + rows.leases)
-
-    def step(self, batch, tokens):
-        logits, states = self._step(self.model, tokens, batch)
-        return logits, (states if self.cache is None else _Leased(states, batch.leases))
-
-    def leave(self, batch, keep):
-        kept = self.bridge.filter_rows(batch, keep)
-        if self.cache is None:
-            return kept
-        stay = set(keep)
-        for i, lease in enumerate(batch.leases):
-            if i not in stay and lease is not None:
-                lease.release()
-        return _Leased(kept, [batch.leases[i] for i in keep])
-
-    def drop(self, batch):
-        """Release the leases of every row of ``batch`` (they all leave)."""
-        for lease in getattr(batch, "leases", ()):
-            if lease is not None:
-                lease.release()
-
-    def nbytes(self, batch):
-        from ..kinds.shared import held_bytes
-
-        held = held_bytes(list(batch) + ([] if self.cache is None else self.cache.records()))
-        self.peak_bytes = max(self.peak_bytes, held)
-        return held
-
-
-class MlxLmEngine:
-    """Rows are mlx-lm's batch caches, driven as its ``BatchGenerator`` drives them.
-
-    ``prefill``: mlx-lm's ``PromptProcessingBatch`` on every prompt but its
-    last token (right-padded, chunked, then turned into left padding), then
-    the last tokens as one decode step; models with sliding-window layers
-    run each whole prompt alone and merge the caches, as kvstate does for
-    them (``kvstate.mlx_lm.prefill``). ``join`` and ``leave`` are mlx-lm's
-    in-place ``extend`` and ``filter``.
-    """
-
-    name = "mlx-lm"
-
-    def __init__(self, model, prefill_step_size: int = 512):
-        from mlx_lm.models import cache
-
-        self.model, self.cache, self.prefill_step_size = model, cache, prefill_step_size
-        self.rings = any(
-            isinstance(c, cache.RotatingKVCache) for c in cache.make_prompt_cache(model)
-        )
-
-    def prefill(self, prompts):
-        if self.rings:
-            rows = []
-            for p in prompts:
-                caches = self.cache.make_prompt_cache(self.model)
-                rows.append((self.model(mx.array([p]), cache=caches)[:, -1, :], caches))
-            merged = [type(cs[0]).merge(list(cs)) for cs in zip(*(c for _, c in rows))]
-            return mx.concatenate([lg for lg, _ in rows]), merged
-        from mlx_lm.generate import PromptProcessingBatch
-
-        batch = PromptProcessingBatch(
+    def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
+        """A scheduler of this configuration for one run (an empty prefix cache)."""
+        cache = None if self.budget is None else PrefixCache(self.budget)
+        return Scheduler(
             self.model,
-            list(range(len(prompts))),
-            [self.cache.make_prompt_cache(self.model) for _ in prompts],
+            (),
+            max_batch=batch_size,
+            max_queue=max(jobs, 1),
+            prefix_cache=cache,
+            compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
         )
-        if any(len(p) > 1 for p in prompts):
-            batch.prompt([p[:-1] for p in prompts])
-        caches = batch.prompt_cache
-        last = mx.array([[p[-1]] for p in prompts], dtype=mx.int32)
-        return self.model(last, cache=caches)[:, -1, :], caches
 
-    def join(self, batch, rows):
-        for b, r in zip(batch, rows):
-            b.extend(r)  # in place, as mlx-lm's BatchGenerator does
-        return batch
+    def serve(self, requests, batch_size, *, on_finish=None, progress: Progress = None) -> tuple:
+        """``serve(self, ...)``: the requests through one scheduler of this configuration."""
+        run = _Run(requests, on_finish, progress)
+        sched = self.scheduler(batch_size, len(requests))
+        while run.pending or sched.active_rows or sched.queued:
+            for r in run.arrived():
+                sched.submit(_job(r, run))
+            if not sched.step():
+                run.idle()
+                continue
+            if sched.spec is not None:
+                run.per_token.append(sched.nbytes() / max(_held_tokens(sched.spec), 1))
+            run.stepped(sched.active_rows, sched.queued)
+        self._took(sched)
+        return run.result()
 
-    def step(self, batch, tokens):
-        return self.model(tokens[:, None], cache=batch)[:, -1, :], batch
-
-    def leave(self, batch, keep):
-        for b in batch:
-            b.filter(mx.array(keep))
-        return batch
-
-    def nbytes(self, batch):
-        held = sum(c.nbytes for c in batch)
-        self.peak_bytes = max(getattr(self, "peak_bytes", 0), held)
-        return held
-
-    def reset(self):
-        self.peak_bytes = 0
+    def _took(self, sched: Scheduler) -> None:
+        """The run's counters, from its scheduler."""
+        st = sched.stats
+        self.cache = sched.prefix_cache  # the last run's prefix cache (None: none)
+        self.prompt_tokens, self.prefilled = st["prompt_tokens"], st["prefilled"]
+        self.peak_bytes = st["peak_bytes"]
+        self.drafted, self.accepted = st["drafted"], st["accepted"]
 
 
-def _read_later(r):
-    """A round's emitted tokens per row, read when first iterated: after ``serve``
-    has dropped the old batch, so that a plain round's appends write in place
-    (``kvstate.speculative._Read``)."""
-    for e in r.emitted:
-        yield list(e)
-
-
-class SpeculativeEngine:
+class SpeculativeEngine(KVStateEngine):
     """Rows speculate (``kvstate.speculative``): each round drafts, verifies every
     row's window in one target forward and emits each row's accepted tokens.
-
-    The scheduler's pending tokens, keys and requests are the truth: ``decode``
-    puts them into the ``Speculation`` (a row just prefilled gets its first
-    token there) and returns several tokens per row. ``drafted`` and
-    ``accepted`` count the draft tokens over a run.
-    """
+    ``drafted`` and ``accepted`` count the draft tokens of the last run; the
+    cost-aware ``window`` rule keeps what it measured across runs."""
 
     name = "kvstate (speculative)"
 
@@ -418,64 +268,111 @@ class SpeculativeEngine:
         compiled: bool = False,
         window=None,
     ):
-        from .. import mlx_lm as bridge
-        from ..speculative import rounds as speculative
+        super().__init__(model, compiled=compiled, prefill_step_size=prefill_step_size)
+        self.name = "kvstate (speculative, compiled)" if compiled else "kvstate (speculative)"
+        self.drafter, self.num_draft, self.window = drafter, num_draft, window
 
-        self.model, self.bridge, self.sp = model, bridge, speculative
-        # the cost-aware window rule and what it measured: kept across batches
-        self.window = window
-        self.drafter, self.num_draft, self.prefill_step_size = drafter, num_draft, prefill_step_size
-        self.forward = speculative.compiled(model) if compiled else None
-        if compiled:
-            self.name = "kvstate (speculative, compiled)"
-        self.drafted = self.accepted = self.peak_bytes = 0
-
-    def prefill(self, prompts):
-        bridge, sp = self.bridge, self.sp
-        logits, states = bridge.prefill(
-            self.model, prompts, prefill_step_size=self.prefill_step_size
+    def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
+        return Scheduler(
+            self.model,
+            (),
+            max_batch=batch_size,
+            max_queue=max(jobs, 1),
+            drafter=self.drafter,
+            num_draft=self.num_draft,
+            window=self.window,
+            compiled=self.compiled,
+            prefill_step_size=self.prefill_step_size,
         )
-        draft = None
-        if isinstance(self.drafter, sp.DraftModel):
-            _, draft = bridge.prefill(
-                self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+
+    def _took(self, sched: Scheduler) -> None:
+        super()._took(sched)
+        self.window = sched.window
+
+
+class MlxLmEngine:
+    """mlx-lm's own ``BatchGenerator`` on the same requests: the reference.
+
+    Requests are inserted as they arrive (a generator step counts as a decode
+    step); greedy rows sample with ``sample`` (the argmax), others with
+    mlx-lm's ``make_sampler(temperature, top_p)`` (mlx-lm's random stream,
+    so sampled tokens differ from kvstate's keyed ones). ``peak_bytes``:
+    the most bytes its caches held.
+    """
+
+    name = "mlx-lm"
+
+    def __init__(self, model, prefill_step_size: int = 512):
+        self.model, self.prefill_step_size = model, prefill_step_size
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_bytes = 0
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """A greedy row's next token."""
+        return mx.argmax(logprobs, axis=-1)
+
+    def _sampler(self, request: Request):
+        if request.temperature == 0:
+            return self.sample
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(request.temperature, request.top_p)
+
+    def serve(self, requests, batch_size, *, on_finish=None, progress: Progress = None) -> tuple:
+        """``serve(self, ...)``: the requests through mlx-lm's ``BatchGenerator``."""
+        from mlx_lm.generate import BatchGenerator
+
+        run = _Run(requests, on_finish, progress)
+        stops = sorted({t for r in requests for t in r.stop})
+        gen = BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in stops],
+            completion_batch_size=batch_size,
+            prefill_batch_size=batch_size,
+            prefill_step_size=self.prefill_step_size,
+        )
+        tracks: dict = {}
+        try:
+            while run.pending or tracks:
+                self._insert(gen, run, tracks)
+                if not tracks:
+                    run.idle()
+                    continue
+                _, generated = gen.next()
+                self._measure(gen, tracks, run)
+                self._emit(generated, tracks, run)
+                run.stepped(len(tracks), 0)
+        finally:
+            gen.close()
+        return run.result()
+
+    def _insert(self, gen, run: _Run, tracks: dict) -> None:
+        """Insert the requests that have arrived."""
+        arrived = run.arrived()
+        if arrived:
+            uids = gen.insert(
+                [list(r.prompt) for r in arrived],
+                max_tokens=[r.max_tokens for r in arrived],
+                samplers=[self._sampler(r) for r in arrived],
             )
-        B = len(prompts)
-        batch = sp.Batch(states, mx.zeros((B,), mx.uint32))
-        return logits, sp.Speculation(
-            batch, prompts, (self.num_draft,) * B, (self.num_draft,) * B, draft, self.window
-        )
+            for uid, r in zip(uids, arrived):
+                tracks[uid] = _Track(r, run.finish)
 
-    def join(self, batch, rows):
-        return self.sp.join(batch, rows)
+    def _emit(self, generated, tracks: dict, run: _Run) -> None:
+        """Each response's token to its request; finished requests end."""
+        for resp in generated:
+            track = tracks[resp.uid]
+            track.emit("token", 0, int(resp.token))
+            run.tokens += 1
+            if resp.finish_reason is not None:
+                track.emit("done", 0, resp.finish_reason)
+                del tracks[resp.uid]
 
-    def leave(self, batch, keep):
-        return self.sp.leave(batch, keep)
-
-    def decode(self, spec, tokens, keys, requests):
-        sp = self.sp
-        pending = tokens.tolist()
-        context = [
-            c if len(c) > len(r.prompt) else c + (t,)
-            for c, t, r in zip(spec.context, pending, requests)
-        ]
-        params = [sampling.Sampling(temperature=r.temperature, top_p=r.top_p) for r in requests]
-        if keys is None:
-            keys = sampling.row_keys([r.seed for r in requests])
-        batch = attrs.evolve(
-            spec.batch, tokens=tokens.astype(mx.uint32), keys=keys, sampling=params
-        )
-        spec = attrs.evolve(spec, batch=batch, context=context)
-        spec, r = sp.step(self.model, spec, drafter=self.drafter, forward=self.forward)
-        self.window = spec.window
-        self.drafted += sum(r.drafted)
-        self.accepted += sum(r.accepted)
-        return _read_later(r), spec, spec.batch.keys
-
-    def nbytes(self, spec):
-        held = sum(s.nbytes for s in spec.states) + sum(s.nbytes for s in (spec.draft_states or ()))
+    def _measure(self, gen, tracks: dict, run: _Run) -> None:
+        """Bytes its caches hold (mlx-lm's own count), and per token held."""
+        held = gen.prompt_cache_nbytes
         self.peak_bytes = max(self.peak_bytes, held)
-        return held
-
-    def reset(self):
-        self.drafted = self.accepted = self.peak_bytes = 0
+        tokens = sum(len(t.request.prompt) + len(t.tokens) for t in tracks.values())
+        run.per_token.append(held / max(tokens, 1))

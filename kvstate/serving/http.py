@@ -13,66 +13,22 @@ strings; the model side (``Scheduler``, one thread) owns the batch::
 A job is one request; its ``n`` choices are ``n`` rows. A client that goes
 away cancels its job, and its rows leave the batch at the next step. When
 ``max_queue`` jobs are waiting, a new request is answered 429 at once (no
-hidden wait). Decisions are in ``notes/serving.md``.
+hidden wait). The scheduler is ``kvstate.serving.scheduler`` (the one every
+generation path runs); this module is the HTTP side. Decisions are in
+``notes/serving.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
-import os
-import queue
-import threading
 import time
-import uuid
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import attrs
 
 from ..errors import KVStateError
-
-# --- jobs and events ------------------------------------------------------------------
-
-
-class QueueFull(Exception):
-    """The scheduler's queue is full: the server answers 429."""
-
-
-@attrs.define(eq=False)
-class Job:
-    """One request on its way through the scheduler.
-
-    ``emit(kind, choice, value)`` is called from the scheduler thread with
-    ``("token", i, token_id)``, ``("done", i, finish_reason)`` or
-    ``("error", -1, message)``; the HTTP side hops it onto the event loop.
-    """
-
-    prompt: list
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    n: int = 1
-    emit: Callable[[str, int, Any], None] = lambda kind, i, value: None
-    cancelled: set = attrs.Factory(set)  # choices the client no longer wants
-    id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
-    submitted: float = attrs.Factory(time.perf_counter)
-
-    generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
-    leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
-
-    def release(self) -> None:
-        """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
-        leases, self.leases = self.leases, []
-        for lease in leases:
-            if lease is not None:  # (prefix_cache.prefill gives None for a row it did not cache)
-                lease.release()
-
-    def cancel(self, choice: Optional[int] = None) -> None:
-        """Stop one choice (a stop string matched) or all of them (client gone)."""
-        self.cancelled.update(range(self.n) if choice is None else (choice,))
-
+from .scheduler import Job, QueueFull, Scheduler
 
 # --- request parsing ------------------------------------------------------------------
 
@@ -350,8 +306,8 @@ class Api:
             return _error(
                 BadRequest("the server is at capacity; retry later", code="queue_full", status=429)
             )
-        except BadRequest as exc:  # n larger than the batch (--max-batch)
-            return _error(exc)
+        except KVStateError as exc:  # n larger than the batch (--max-batch)
+            return _error(BadRequest(str(exc), "n"))
         kind = "chat.completion" if chat else "text_completion"
         head = {
             "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
@@ -431,219 +387,6 @@ class Api:
             choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": None}
         chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": [choice]}
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-
-# --- the model side -------------------------------------------------------------------
-
-
-class Scheduler:
-    """One thread that owns the batch: admits jobs, runs rounds, drops finished rows.
-
-    The rows are a ``kvstate.speculative.Speculation``: with no drafter a
-    round is one plain decode step; with ``Lookup()`` or ``DraftModel(m)`` it
-    drafts and verifies per row. Prompts go through the prefix cache
-    (``kvstate.serving.prefix_cache.prefill``), so a prompt whose start was seen
-    before prefills only the rest; a job of ``n`` choices prefills once and
-    forks its row ``n - 1`` times (``kv.fork``: the copies share the
-    prompt's keys and values). Each row's ``payload`` is ``(job, choice)``.
-
-    Args:
-        model: an mlx-lm model.
-        eos: token ids that end a choice.
-        max_batch: most rows decoding at once (a job of ``n`` choices is ``n`` rows).
-        max_queue: most jobs waiting to be admitted; ``submit`` raises ``QueueFull`` past it.
-        prefix_cache: a ``PrefixCache`` (``None``: prompts are prefilled whole).
-        drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``.
-        num_draft: most drafted tokens per row per round.
-        window: ``kvstate.speculative.Window()``: each round only as wide as its
-            measured cost pays (``notes/speculative.md``), its measurements kept
-            across batches (``self.window``); ``None``: every row drafts up to
-            ``num_draft`` each round.
-    """
-
-    def __init__(
-        self,
-        model,
-        eos,
-        *,
-        max_batch: int = 32,
-        max_queue: int = 64,
-        prefix_cache=None,
-        drafter=None,
-        num_draft: int = 4,
-        window=None,
-    ):
-        self.model, self.eos = model, frozenset(eos)
-        self.window = window if drafter is not None else None  # the rule and its costs
-        self.max_batch, self.max_queue = max_batch, max_queue
-        self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
-        self._queue: queue.Queue = queue.Queue()
-        self._pending: collections.deque = collections.deque()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
-        self.stats = {"rounds": 0, "prefilled": 0, "prompt_tokens": 0, "drafted": 0, "accepted": 0}
-
-    # the HTTP side's view
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def active_rows(self) -> int:
-        spec = self.spec
-        return 0 if spec is None else spec.batch_size
-
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize() + len(self._pending)
-
-    def submit(self, job: Job) -> None:
-        """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
-        if job.n > self.max_batch:
-            raise BadRequest(f"'n' must be at most {self.max_batch} (the batch), got {job.n}", "n")
-        if self.queued >= self.max_queue:
-            raise QueueFull
-        self._queue.put(job)
-
-    def start(self) -> "Scheduler":
-        self._thread = threading.Thread(target=self._run, name="kvstate-scheduler", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    # the thread
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._admit(block=not self.active_rows)
-                if self.active_rows:
-                    self._round()
-        except Exception as exc:  # say why to every waiting client, then stop
-            for job in self._jobs():
-                job.emit("error", -1, f"{type(exc).__name__}: {exc}")
-            raise
-
-    def _jobs(self) -> list:
-        rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
-        return list(dict.fromkeys(rows + list(self._pending)))
-
-    def _admit(self, block: bool) -> None:
-        """Take waiting jobs, oldest first, while their rows fit; prefill them together."""
-        room = self.max_batch - self.active_rows
-        jobs = []
-        while room > 0:
-            if not self._pending:
-                try:
-                    self._pending.append(
-                        self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
-                    )
-                except queue.Empty:
-                    break
-                block = False
-            job = self._pending[0]
-            if len(job.cancelled) == job.n:
-                self._pending.popleft()
-                continue
-            if job.n > room:
-                break  # it waits at the head for rows to leave
-            jobs.append(self._pending.popleft())
-            room -= job.n
-        if jobs:
-            self._start(jobs)
-
-    def _start(self, jobs: list) -> None:
-        """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
-        step gives every first token), sample, fork each job's choices, join the batch."""
-        import mlx.core as mx
-
-        import kvstate as kv
-
-        from .. import mlx_lm as bridge
-        from ..batch import sample_batch
-        from ..speculative import rounds as speculative
-        from ..speculative.drafts import DraftModel
-        from . import prefix_cache
-
-        prompts = [job.prompt for job in jobs]
-        logits, states, leases, prefilled = prefix_cache.prefill(
-            self.model, prompts, self.prefix_cache
-        )
-        for job, lease in zip(jobs, leases):
-            job.leases = [lease] if lease is not None else []
-        self.stats["prefilled"] += sum(prefilled)
-        self.stats["prompt_tokens"] += sum(map(len, prompts))
-        seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
-        batch = kv.Batch(
-            states,
-            mx.zeros((len(jobs),), mx.uint32),
-            keys=kv.row_keys(seeds),
-            sampling=[kv.Sampling(temperature=job.temperature, top_p=job.top_p) for job in jobs],
-            ids=[job.id for job in jobs],
-            payload=[(job, 0) for job in jobs],
-        )
-        tokens, keys = sample_batch(logits, batch)
-        batch = attrs.evolve(batch, tokens=tokens, keys=keys)
-        draft_states = None
-        if isinstance(self.drafter, DraftModel):
-            _, draft_states = bridge.prefill(self.drafter.model, prompts)
-        origin = [(b, 0) for b in range(len(jobs))]  # per row: (job, choice)
-        for b, job in enumerate(jobs):  # a job's choices share its prompt's rows (kv.fork)
-            if job.n > 1:
-                batch = kv.fork(batch, b, job.n - 1)
-                if draft_states is not None:
-                    draft_states = kv.fork(draft_states, b, job.n - 1)
-                origin += [(b, c) for c in range(1, job.n)]
-        batch = attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin])
-        first = cast(list, batch.tokens.tolist())  # [B]
-        context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
-        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
-        new = speculative.Speculation(batch, context, k, k, draft_states, self.window)
-        self.spec = new if self.spec is None else speculative.join(self.spec, new)
-        B = self.spec.batch_size
-        self._emit([(t,) for t in first], range(B - len(origin), B))
-
-    def _round(self) -> None:
-        from ..speculative import rounds as speculative
-
-        self.spec, r = speculative.step(self.model, self.spec, drafter=self.drafter)
-        self.window = self.spec.window  # what it measured outlives the rows
-        self.stats["rounds"] += 1
-        self.stats["drafted"] += sum(r.drafted)
-        self.stats["accepted"] += sum(r.accepted)
-        self._emit(r.emitted, range(self.spec.batch_size))
-
-    def _emit(self, emitted, rows) -> None:
-        """Hand each row's new tokens to its job; finished or cancelled rows leave."""
-        from ..speculative import rounds as speculative
-
-        payload = self.spec.batch.payload
-        for toks, b in zip(emitted, rows):
-            job, choice = payload[b]
-            for t in toks:
-                if choice in job.cancelled:
-                    break
-                job.generated[choice] += 1
-                job.emit("token", choice, t)
-                if t in self.eos or job.generated[choice] >= job.max_tokens:
-                    job.emit("done", choice, "stop" if t in self.eos else "length")
-                    job.cancel(choice)
-        keep = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
-        if len(keep) < len(payload):
-            for job in {job for job, _ in payload}:
-                if len(job.cancelled) == job.n:
-                    job.release()
-            if not keep:  # the batch empties: the rule keeps its last round's cost
-                self.window = speculative.recorded(self.spec)
-            self.spec = speculative.leave(self.spec, keep) if keep else None
-
-
-def _random_seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 # --- running it -----------------------------------------------------------------------

@@ -1,0 +1,365 @@
+"""The scheduler: continuous batching, written once.
+
+Every way kvstate generates many requests runs through ``Scheduler``: the
+HTTP server (one thread calls ``step`` in a loop), ``kvstate generate`` and
+``kvstate.engine.serve`` (which call ``step`` themselves, admitting requests
+as they arrive). Each ``step`` admits the waiting jobs whose rows fit, runs
+one round over every row, hands each row's new tokens to its job, and drops
+the rows that finished or were cancelled::
+
+    submit(job) ──▶ queue ──▶ step():  admit   prefill the new prompts together
+                                                (prefix cache), sample their first
+                                                tokens, fork a job's n choices, join
+                                       round   one decode step, or a speculative
+                                                round (drafter), for every row
+                                       emit    tokens to their jobs; finished and
+                                                cancelled rows leave
+
+The rows are one ``kvstate.speculative.Speculation``: with no drafter a
+round is a plain decode step (the same device work as ``kvstate.mlx_lm.step``);
+with ``Lookup()`` or ``DraftModel(m)`` it drafts and verifies per row.
+``compiled`` runs each round's forward through ``kvstate.speculative.compiled``.
+A job talks back through ``emit(kind, choice, value)``: ``("token", i, id)``,
+``("done", i, "stop" | "length")``, ``("error", -1, message)``. Design:
+``notes/serving.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional, cast
+
+import attrs
+import mlx.core as mx
+
+from .. import mlx_lm as bridge
+from ..batch import Batch, sample_batch
+from ..core.records import CacheState, QuantizedState
+from ..errors import KVStateError
+from ..kinds.shared import fork, held_bytes
+from ..sampling import Sampling, row_keys
+from ..speculative import rounds as speculative
+from ..speculative.drafts import DraftModel
+from . import prefix_cache
+
+__all__ = ["Job", "QueueFull", "Scheduler"]
+
+
+class QueueFull(Exception):
+    """The scheduler's queue is full (the server answers 429)."""
+
+
+@attrs.define(eq=False)
+class Job:
+    """One request on its way through the scheduler.
+
+    ``emit(kind, choice, value)`` is called from the thread running ``step``
+    with ``("token", i, token_id)``, ``("done", i, finish_reason)`` or
+    ``("error", -1, message)``. ``stop``: token ids that end a choice besides
+    the scheduler's ``eos``.
+    """
+
+    prompt: list
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    n: int = 1
+    emit: Callable[[str, int, Any], None] = lambda kind, i, value: None
+    stop: frozenset = frozenset()
+    cancelled: set = attrs.Factory(set)  # choices the client no longer wants
+    id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
+    submitted: float = attrs.Factory(time.perf_counter)
+
+    generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
+    leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
+
+    def release(self) -> None:
+        """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
+        leases, self.leases = self.leases, []
+        for lease in leases:
+            if lease is not None:  # (prefix_cache.prefill gives None for a row it did not cache)
+                lease.release()
+
+    def cancel(self, choice: Optional[int] = None) -> None:
+        """Stop one choice (a stop string matched) or all of them (client gone)."""
+        self.cancelled.update(range(self.n) if choice is None else (choice,))
+
+
+class Scheduler:
+    """Continuous batching over one model: admits jobs, runs rounds, drops finished rows.
+
+    A job of ``n`` choices prefills once and forks its row ``n - 1`` times
+    (``kv.fork``: the copies share the prompt's keys and values). Prompts go
+    through the prefix cache when there is one, so a prompt whose start was
+    seen before prefills only the rest. Each row's ``payload`` is
+    ``(job, choice)``.
+
+    Args:
+        model: an mlx-lm model.
+        eos: token ids that end a choice.
+        max_batch: most rows decoding at once (a job of ``n`` choices is ``n`` rows).
+        max_queue: most jobs waiting to be admitted; ``submit`` raises ``QueueFull`` past it.
+        prefix_cache: a ``PrefixCache`` (``None``: prompts are prefilled whole).
+        drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``.
+        num_draft: most drafted tokens per row per round.
+        window: ``kvstate.speculative.Window()``: each round only as wide as its
+            measured cost pays, its measurements kept across batches
+            (``self.window``); ``None``: every row drafts up to ``num_draft``.
+        compiled: run each round's forward compiled (``speculative.compiled``).
+        prefill_step_size: prompt tokens per prefill forward (longer prompts are chunked).
+    """
+
+    def __init__(
+        self,
+        model,
+        eos,
+        *,
+        max_batch: int = 32,
+        max_queue: int = 64,
+        prefix_cache=None,
+        drafter=None,
+        num_draft: int = 4,
+        window=None,
+        compiled: bool = False,
+        prefill_step_size: int = 512,
+    ):
+        self.model, self.eos = model, frozenset(eos)
+        self.window = window if drafter is not None else None  # the rule and its costs
+        self.max_batch, self.max_queue = max_batch, max_queue
+        if prefix_cache is not None and not _shares_prefixes(model):
+            prefix_cache = None  # rings, recurrent or chunked layers share no prefix (yet)
+        self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
+        self.forward = speculative.compiled(model) if compiled else None
+        self.prefill_step_size = prefill_step_size
+        self._queue: queue.Queue = queue.Queue()
+        self._pending: collections.deque = collections.deque()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
+        self.stats = {
+            "rounds": 0,
+            "prefilled": 0,
+            "prompt_tokens": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "peak_bytes": 0,
+        }
+
+    # --- what callers see -----------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def active_rows(self) -> int:
+        spec = self.spec
+        return 0 if spec is None else spec.batch_size
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize() + len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
+        if job.n > self.max_batch:
+            raise KVStateError(f"n: expected at most {self.max_batch} (the batch), got {job.n}")
+        if self.queued >= self.max_queue:
+            raise QueueFull
+        self._queue.put(job)
+
+    def step(self, block: bool = False) -> bool:
+        """Admit what waits (waiting up to 50 ms for a job with ``block``), then run
+        one round if any row is active. Returns whether a round ran."""
+        self._admit(block=block)
+        if not self.active_rows:
+            return False
+        self._round()
+        return True
+
+    def nbytes(self) -> int:
+        """KV bytes held now: the rows (the draft model's too) and the prefix cache,
+        each shared record counted once."""
+        records: list = []
+        if self.spec is not None:
+            records += list(self.spec.states) + list(self.spec.draft_states or ())
+        if self.prefix_cache is not None:
+            records += self.prefix_cache.records()
+        return held_bytes(records)
+
+    # --- the thread (the HTTP server) ------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self._run, name="kvstate-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.step(block=not self.active_rows)
+        except Exception as exc:  # say why to every waiting client, then stop
+            for job in self._jobs():
+                job.emit("error", -1, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _jobs(self) -> list:
+        rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
+        return list(dict.fromkeys(rows + list(self._pending)))
+
+    # --- admission --------------------------------------------------------------------
+
+    def _admit(self, block: bool) -> None:
+        """Take waiting jobs, oldest first, while their rows fit; prefill them together."""
+        room = self.max_batch - self.active_rows
+        jobs = []
+        while room > 0:
+            if not self._pending and not self._take(block):
+                break
+            block = False
+            job = self._pending[0]
+            if len(job.cancelled) == job.n:
+                self._pending.popleft()
+                continue
+            if job.n > room:
+                break  # it waits at the head for rows to leave
+            jobs.append(self._pending.popleft())
+            room -= job.n
+        if jobs:
+            self._start(jobs)
+
+    def _take(self, block: bool) -> bool:
+        """Move one job from the queue to the pending line; whether there was one."""
+        try:
+            self._pending.append(
+                self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+            )
+        except queue.Empty:
+            return False
+        return True
+
+    def _start(self, jobs: list) -> None:
+        """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
+        step gives every first token), sample, fork each job's choices, join the rows."""
+        prompts = [job.prompt for job in jobs]
+        logits, states, leases, prefilled = self._prefill(prompts)
+        for job, lease in zip(jobs, leases):
+            job.leases = [lease] if lease is not None else []
+        self.stats["prefilled"] += sum(prefilled)
+        self.stats["prompt_tokens"] += sum(map(len, prompts))
+        batch = _first_tokens(jobs, states, logits)
+        draft_states = None
+        if isinstance(self.drafter, DraftModel):
+            _, draft_states = bridge.prefill(
+                self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+            )
+        batch, draft_states, origin = _forked(jobs, batch, draft_states)
+        first = cast(list, batch.tokens.tolist())  # [B]
+        context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
+        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
+        new = speculative.Speculation(batch, context, k, k, draft_states, self.window)
+        self.spec = new if self.spec is None else speculative.join(self.spec, new)
+        B = self.spec.batch_size
+        self._emit([(t,) for t in first], range(B - len(origin), B))
+
+    def _prefill(self, prompts: list) -> tuple:
+        """``(logits, states, leases, prefilled)``: through the prefix cache when
+        there is one, else each prompt's own records (every family)."""
+        if self.prefix_cache is not None:
+            return prefix_cache.prefill(
+                self.model, prompts, self.prefix_cache, prefill_step_size=self.prefill_step_size
+            )
+        logits, states = bridge.prefill(
+            self.model, prompts, prefill_step_size=self.prefill_step_size
+        )
+        return logits, states, [None] * len(prompts), [len(p) for p in prompts]
+
+    # --- rounds -----------------------------------------------------------------------
+
+    def _round(self) -> None:
+        self.spec, r = speculative.step(
+            self.model, self.spec, drafter=self.drafter, forward=self.forward
+        )
+        self.window = self.spec.window  # what it measured outlives the rows
+        self.stats["rounds"] += 1
+        self.stats["drafted"] += sum(r.drafted)
+        self.stats["accepted"] += sum(r.accepted)
+        self._emit(r.emitted, range(self.spec.batch_size))
+
+    def _emit(self, emitted, rows) -> None:
+        """Hand each row's new tokens to its job; finished or cancelled rows leave."""
+        payload = self.spec.batch.payload
+        for toks, b in zip(emitted, rows):
+            job, choice = payload[b]
+            self._hand(job, choice, toks)
+        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.nbytes())
+        keep = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
+        if len(keep) == len(payload):
+            return
+        for job in {job for job, _ in payload}:
+            if len(job.cancelled) == job.n:
+                job.release()
+        if not keep:  # the batch empties: the rule keeps its last round's cost
+            self.window = speculative.recorded(self.spec)
+        self.spec = speculative.leave(self.spec, keep) if keep else None
+
+    def _hand(self, job: Job, choice: int, tokens) -> None:
+        """``tokens`` to ``job``'s ``choice``, up to its end (a stop token or ``max_tokens``)."""
+        for t in tokens:
+            if choice in job.cancelled:
+                return
+            job.generated[choice] += 1
+            job.emit("token", choice, t)
+            stop = t in self.eos or t in job.stop
+            if stop or job.generated[choice] >= job.max_tokens:
+                job.emit("done", choice, "stop" if stop else "length")
+                job.cancel(choice)
+
+
+def _shares_prefixes(model) -> bool:
+    """Whether the prefix cache can hold the model's records (dense and quantized
+    layers: ``kvstate.kinds.shared``)."""
+    return all(type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1))
+
+
+def _first_tokens(jobs: list, states, logits) -> Batch:
+    """The admitted jobs' rows as a ``Batch``, their first tokens sampled."""
+    seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
+    batch = Batch(
+        states,
+        mx.zeros((len(jobs),), mx.uint32),
+        keys=row_keys(seeds),
+        sampling=[Sampling(temperature=job.temperature, top_p=job.top_p) for job in jobs],
+        ids=[job.id for job in jobs],
+        payload=[(job, 0) for job in jobs],
+    )
+    tokens, keys = sample_batch(logits, batch)
+    return attrs.evolve(batch, tokens=tokens, keys=keys)
+
+
+def _forked(jobs: list, batch: Batch, draft_states) -> tuple:
+    """Each job's ``n - 1`` further choices forked from its row (sharing its prompt's
+    keys and values): ``(batch, draft_states, origin)``, ``origin[row] = (job, choice)``."""
+    origin = [(b, 0) for b in range(len(jobs))]
+    for b, job in enumerate(jobs):
+        if job.n > 1:
+            batch = fork(batch, b, job.n - 1)
+            if draft_states is not None:
+                draft_states = fork(draft_states, b, job.n - 1)
+            origin += [(b, c) for c in range(1, job.n)]
+    return attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin]), draft_states, origin
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
