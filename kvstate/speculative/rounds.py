@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Union, cast
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Union, cast
 
 import attrs
 import mlx.core as mx
@@ -796,160 +796,70 @@ def step(
         ``(new_spec, Round)``: the rows after the round, and per row the
         emitted tokens (the accepted drafts, then the target's token).
     """
-    drafter = validate_drafter(drafter)
-    if not isinstance(spec, Speculation):
-        raise bad(
-            "spec", "a Speculation (kvstate.speculative.start makes one)", type(spec).__name__
-        )
-    draft_model = drafter if isinstance(drafter, DraftModel) else None
-    is_model = draft_model is not None
-    check(
-        is_model == (spec.draft_states is not None),
-        "drafter",
-        "a DraftModel exactly when the rows hold draft records",
-        type(drafter).__name__,
-    )
+    drafter, draft_model = _step_args(spec, drafter)
     forward = forward or eager(target)
     t0 = time.perf_counter()
     rows, last = _settled(spec)  # the rows' contexts so far (the last round maybe unread)
     rule, unrecorded = _record_read(spec.window, spec.unrecorded)
     batch, B = spec.batch, spec.batch_size
-    widest = 1 + max(spec.max_draft)  # the widest window a round may run
-    sampled = any(s.temperature > 0 for s in batch.sampling)
-    alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
-    # after a plain round (or none): an entry into drafting (``Window.hysteresis``)
-    entry = not (spec.unrecorded and spec.unrecorded[-1].drafted)
-    asked = _asked(spec, drafter, rule, alphas, entry)
+    sampled, alphas, entry, asked, Kmax, params = _plan(spec, drafter, draft_model, rule)
     # The last round unread (pipelined): the round is built from what the host knows,
     # the rows' contexts less that round's token (still on the device), and reads it
     # once the verify is handed over; a round that ends plain reads nothing.
     late = last is not None
-    Kmax = max(asked) if is_model else 0
-    params = sampling_arrays(batch) if sampled else None
-
-    q = round_keys = None
-    host: list | None = None
-    guess: list | None = None  # a late lookup's guess of each row's unread last token
-    riders: tuple = (False,) * B  # rows whose drafts ride in paid columns (Lookup.ride_ngram)
-    width: int | None = None
     drafting = _Drafted(B, 1, 0.0, entry=entry)  # its sample if it drafts (W, seconds: at its end)
-    carry = batch.keys  # greedy rows: nothing draws from the keys
-    if draft_model is not None and Kmax:
-        if sampled:
-            round_keys, carry = _round_keys(batch.keys, Kmax)
-        known = cast(_Context, rows).known() if late else _rows(rows)  # late: less its last
-        dstates = _catch_up(draft_model, spec, known, 0 if late else 1)
-        anchors = [ops.anchor(s) for s in dstates]
-        drafts_dev, q, dstates = _propose_model(
-            spec, draft_model, dstates, Kmax, params, round_keys, sampled
-        )
-        found = counts = asked
-    else:
-        host = [[]] * B  # no row asks: the context is not read
-        if isinstance(drafter, Lookup) and any(asked):
-            if late:  # drafts from the rows' contexts less the unread last token
-                host, guess = _propose_late(cast(_Context, rows), drafter, asked)
-            else:
-                host = _propose_lookup(_rows(rows), drafter, asked)
-        found = tuple(len(d) for d in host)
-        if rule is not None and any(found):  # the width for the drafts at hand (once)
-            chosen = rule.choose(B, alphas, found, widest, entry)
-            host = [d[: chosen - 1] for d in host]
-        counts = tuple(len(d) for d in host)
-        width = _width(rule, B, max(counts), widest, entry)
-        if width > 1 and isinstance(drafter, Lookup) and drafter.ride_ngram < drafter.min_ngram:
-            # the round's columns are paid: rows without a draft take a shorter match's
-            ride = [width - 1 if a and not c else 0 for a, c in zip(asked, counts)]
-            if any(ride):
-                host, guess, riders = _ride(rows, late, drafter, ride, host, guess)
-                counts = tuple(len(d) for d in host)
-        K = max(counts)
-        if sampled and K:
-            round_keys, carry = _round_keys(batch.keys, 0)
-        drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
+    (
+        drafts_dev,
+        q,
+        dstates,
+        anchors,
+        round_keys,
+        carry,
+        host,
+        guess,
+        riders,
+        found,
+        counts,
+        width,
+    ) = _draft(
+        spec, drafter, draft_model, rows, late, asked, rule, alphas, entry, Kmax, params, sampled
+    )
     K = max(counts)
-    if width is None:  # (the draft model's): wider than its drafts where that measured cheaper
-        width = _width(rule, B, K, widest, entry)
-
-    window = batch.tokens[:, None].astype(mx.uint32)
-    if K:  # pads past counts
-        assert drafts_dev is not None  # [B, K]: drafted above
-        window = mx.concatenate([window, drafts_dev.astype(mx.uint32)], axis=1)
-    if width > 1 + K:  # pad columns past every draft: rolled back as a short draft's
-        window = mx.concatenate([window, mx.zeros((B, width - 1 - K), mx.uint32)], axis=1)
+    window = _window(batch.tokens, drafts_dev, K, width, B)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
     if K and last is not None:  # drafted late: the verify to the device, then the last
         # round read (it ran while this round was built)
         mx.async_eval(logits)
         rows = cast(_Context, rows).rows()
-        rule, unrecorded = _record_read(rule, tuple(r for r in unrecorded if r is not last))
-        rule, drafting = _charge(rule, drafting, last)  # the plain round it read late
+        rule, unrecorded, drafting = _late_read(rule, unrecorded, drafting, last)
         t0, last = max(t0, last.done), None  # its own time from that read
         if guess is not None:  # a late lookup's guesses, checked now
-            assert host is not None  # (a lookup round: drafted on the host)
-            host, found = _checked(host, found, guess, rows)
-            counts = tuple(len(d) for d in host)
+            host, found, counts = _checked_late(host, found, guess, rows)
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         # as a plain decode step makes them: greedy rows only: the argmax, keys
         # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)
         pending, carry = next_tokens(logits[:, -1, :], batch.keys, params)
         read, accepted = _Read(pending, t0, B, last), (0,) * B  # read after the caller drops spec
     elif not sampled:
-        target_tokens = mx.argmax(logits, axis=-1)
-        mx.eval(target_tokens, *([drafts_dev] if host is None else []))
-        drafts = host if host is not None else [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
-        accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
-        pending = mx.array(nxt, dtype=mx.uint32)
+        drafts, accepted, nxt, pending = _accept_greedy_round(logits, drafts_dev, host, counts)
     else:
-        assert params is not None and round_keys is not None  # sampled rows: made above
-        p = probabilities(logits if width == 1 + K else logits[:, : 1 + K], *params)
-        uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
-        acc, nx = accept_sampled(
-            drafts_dev.astype(mx.int32),
-            mx.array(counts, mx.int32),
-            p,
-            q,
-            uniform,
-            round_keys[:, Kmax + 1],
+        drafts, accepted, nxt, pending = _accept_sampled_round(
+            logits, drafts_dev, counts, q, params, round_keys, Kmax, width
         )
-        mx.eval(acc, nx, drafts_dev)
-        accepted, nxt = tuple(acc.tolist()), tuple(nx.tolist())
-        pending = nx
-        drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
     keep = [1 + a for a in accepted]
     if min(keep) < width:  # a pad or a rejected draft to give back
         assert cp is not None  # K > 0: taken above
         # Every layer back to y and the accepted drafts (a recurrent layer keeping
         # part of the window replays it from the checkpoint: notes/kinds.md).
         states = bridge.rollback(target, states, cp, keep, window)
-    draft_states, lag = spec.draft_states, spec.draft_lag
-    if draft_model is not None and Kmax:
-        draft_states = _settle_model(draft_model, dstates, anchors, drafts_dev, accepted)
-        lag = (0,) * B
-    elif is_model:  # a plain round: the draft model catches up when it next drafts
-        lag = tuple(n + 1 for n in lag)
+    draft_states, lag = _draft_records(
+        spec, draft_model, Kmax, dstates, anchors, drafts_dev, accepted
+    )
     if K:  # the rollbacks to the device now: it runs them while the host goes on
         _submit(states, draft_states if draft_model is not None and Kmax else ())
-    num_draft, seen = spec.num_draft, spec.seen
-    if rule is None:
-        num_draft = tuple(
-            next_num_draft(k, c, a, m)
-            for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
-        )
-    else:
-        seen = tuple(  # a rider's draft is no evidence on the row's own drafts
-            rule.observe(x, 0 if r else c, 0 if r else a, k > 0 and f == 0)
-            for x, c, a, k, f, r in zip(spec.seen, counts, accepted, asked, found, riders)
-        )
-    if pending.dtype != mx.uint32:
-        pending = pending.astype(mx.uint32)
-    # Derived from the valid rows in flight (the records ``forward`` returned for
-    # them, this round's tokens and keys): not converted or checked again, as a
-    # plain step's records are not (every round builds them).
-    batch = derived(batch, states=tuple(states), tokens=pending, keys=carry)
-    if draft_states is not None:
-        draft_states = tuple(draft_states)
+    num_draft, seen = _adapted(spec, rule, counts, accepted, asked, found, riders)
+    batch = _next_batch(batch, states, pending, carry)
     emitted: tuple | _Read
     context: tuple | _Context
     if K == 0:  # read later (``_Read``); a later step records its cost
@@ -959,16 +869,7 @@ def step(
     else:
         emitted = tuple(tuple(d[:a]) + (t,) for d, a, t in zip(drafts, accepted, nxt))
         context = tuple(c + e for c, e in zip(_rows(rows), emitted))
-        # a drafting round before this one, with no plain round after it: as charged
-        # so far (its run's entry round held, under hysteresis, while the run goes
-        # on); this one's sample waits for the round after it (``_record_read``)
-        hold = rule is not None and rule.hysteresis and not entry
-        keep = [not r.drafted or (hold and r.entry) for r in unrecorded]
-        rule = _flush(rule, tuple(r for r, k in zip(unrecorded, keep) if not k))
-        kept = tuple(r for r, k in zip(unrecorded, keep) if k)
-        elapsed = max(0.0, time.perf_counter() - t0)
-        drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
-        unrecorded = kept + ((drafting,) if rule is not None else ())
+        rule, unrecorded = _drafted_end(rule, entry, unrecorded, drafting, width, t0)
     new = derived(
         spec,
         batch=batch,
@@ -981,6 +882,301 @@ def step(
         unrecorded=unrecorded,
     )
     return new, Round(emitted, counts, accepted, width)
+
+
+def _step_args(spec: Speculation, drafter: Drafter) -> tuple:
+    """Check ``step``'s rows and drafter (a ``DraftModel`` exactly when the rows hold
+    draft records).
+
+    Returns:
+        ``(drafter, draft_model)``: the drafter validated, and it again where it is a
+        ``DraftModel`` (else ``None``).
+    """
+    drafter = validate_drafter(drafter)
+    if not isinstance(spec, Speculation):
+        raise bad(
+            "spec", "a Speculation (kvstate.speculative.start makes one)", type(spec).__name__
+        )
+    draft_model = drafter if isinstance(drafter, DraftModel) else None
+    check(
+        (draft_model is not None) == (spec.draft_states is not None),
+        "drafter",
+        "a DraftModel exactly when the rows hold draft records",
+        type(drafter).__name__,
+    )
+    return drafter, draft_model
+
+
+def _plan(spec: Speculation, drafter, draft_model, rule: Window | None) -> tuple:
+    """What a round asks before drafting.
+
+    Returns:
+        ``(sampled, alphas, entry, asked, Kmax, params)``: whether any row samples,
+        each row's acceptance estimate under the rule, whether the round follows a
+        plain round (or none: an entry into drafting, ``Window.hysteresis``), each
+        row's draft request (``_asked``), the draft model's steps (0 without one),
+        and the rows' sampling arrays (``None``: every row greedy).
+    """
+    sampled = any(s.temperature > 0 for s in spec.batch.sampling)
+    alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
+    # after a plain round (or none): an entry into drafting (``Window.hysteresis``)
+    entry = not (spec.unrecorded and spec.unrecorded[-1].drafted)
+    asked = _asked(spec, drafter, rule, alphas, entry)
+    Kmax = max(asked) if draft_model is not None else 0
+    params = sampling_arrays(spec.batch) if sampled else None
+    return sampled, alphas, entry, asked, Kmax, params
+
+
+class _Drafts(NamedTuple):
+    """A round's drafts (``_draft``), as ``step`` unpacks them."""
+
+    drafts_dev: mx.array | None  # [B, K] on the device (None: no row drafts)
+    q: mx.array | None  # the draft model's probabilities (sampled rows), else None
+    dstates: list | None  # the draft model's records after drafting, else None
+    anchors: list | None  # their anchors (``ops.anchor``), else None
+    round_keys: mx.array | None  # the round's keys (sampled rows drafting), else None
+    carry: mx.array  # the rows' keys after the round
+    host: list | None  # the drafts on the host (None: the draft model's, on the device)
+    guess: list | None  # a late lookup's guess of each row's unread last token, else None
+    riders: tuple  # per row: its drafts ride in paid columns (``Lookup.ride_ngram``)
+    found: tuple  # per row: the drafts found
+    counts: tuple  # per row: the drafts in the round
+    width: int  # the verify window's width
+
+
+def _draft(
+    spec: Speculation,
+    drafter,
+    draft_model,
+    rows,
+    late: bool,
+    asked: tuple,
+    rule,
+    alphas,
+    entry: bool,
+    Kmax: int,
+    params,
+    sampled: bool,
+) -> _Drafts:
+    """A round's drafts: from the draft model where it drafts (``Kmax > 0``), else on
+    the host (a lookup, or none)."""
+    if draft_model is not None and Kmax:
+        return _draft_by_model(spec, draft_model, rows, late, asked, rule, entry, params, sampled)
+    return _draft_on_host(spec, drafter, rows, late, asked, rule, alphas, entry, sampled)
+
+
+def _draft_by_model(
+    spec: Speculation,
+    draft_model: DraftModel,
+    rows,
+    late: bool,
+    asked: tuple,
+    rule,
+    entry: bool,
+    params,
+    sampled: bool,
+) -> _Drafts:
+    """A round's drafts from the draft model: its records caught up on the rows'
+    contexts (less the unread last token when ``late``), then ``max(asked)`` draft
+    steps; the width wider than the drafts where that measured cheaper."""
+    B, Kmax = spec.batch_size, max(asked)
+    round_keys, carry = None, spec.batch.keys  # greedy rows: nothing draws from the keys
+    if sampled:
+        round_keys, carry = _round_keys(spec.batch.keys, Kmax)
+    known = cast(_Context, rows).known() if late else _rows(rows)  # late: less its last
+    dstates = _catch_up(draft_model, spec, known, 0 if late else 1)
+    anchors = [ops.anchor(s) for s in dstates]
+    drafts_dev, q, dstates = _propose_model(
+        spec, draft_model, dstates, Kmax, params, round_keys, sampled
+    )
+    width = _width(rule, B, Kmax, 1 + max(spec.max_draft), entry)
+    return _Drafts(
+        drafts_dev,
+        q,
+        dstates,
+        anchors,
+        round_keys,
+        carry,
+        None,
+        None,
+        (False,) * B,
+        asked,
+        asked,
+        width,
+    )
+
+
+def _draft_on_host(
+    spec: Speculation,
+    drafter,
+    rows,
+    late: bool,
+    asked: tuple,
+    rule: Window | None,
+    alphas,
+    entry: bool,
+    sampled: bool,
+) -> _Drafts:
+    """A round's drafts on the host: a lookup for the rows that ask (none without a
+    ``Lookup``), cut to the width the rule picks for them, and riders in the paid
+    columns."""
+    B = spec.batch_size
+    widest = 1 + max(spec.max_draft)  # the widest window a round may run
+    host: list = [[]] * B  # no row asks: the context is not read
+    guess: list | None = None
+    riders: tuple = (False,) * B
+    if isinstance(drafter, Lookup) and any(asked):
+        if late:  # drafts from the rows' contexts less the unread last token
+            host, guess = _propose_late(cast(_Context, rows), drafter, asked)
+        else:
+            host = _propose_lookup(_rows(rows), drafter, asked)
+    found = tuple(len(d) for d in host)
+    if rule is not None and any(found):  # the width for the drafts at hand (once)
+        chosen = rule.choose(B, alphas, found, widest, entry)
+        host = [d[: chosen - 1] for d in host]
+    counts = tuple(len(d) for d in host)
+    width = _width(rule, B, max(counts), widest, entry)
+    if width > 1 and isinstance(drafter, Lookup) and drafter.ride_ngram < drafter.min_ngram:
+        # the round's columns are paid: rows without a draft take a shorter match's
+        ride = [width - 1 if a and not c else 0 for a, c in zip(asked, counts)]
+        if any(ride):
+            host, guess, riders = _ride(rows, late, drafter, ride, host, guess)
+            counts = tuple(len(d) for d in host)
+    K = max(counts)
+    keys = spec.batch.keys
+    round_keys, carry = _round_keys(keys, 0) if sampled and K else (None, keys)
+    drafts_dev = mx.array([d + [0] * (K - len(d)) for d in host], mx.uint32) if K else None
+    return _Drafts(
+        drafts_dev, None, None, None, round_keys, carry, host, guess, riders, found, counts, width
+    )
+
+
+def _window(tokens: mx.array, drafts_dev, K: int, width: int, B: int) -> mx.array:
+    """The verify window ``[B, width]``: each row's last token, its drafts (padded
+    past its count to ``K``), then pad columns past every draft."""
+    window = tokens[:, None].astype(mx.uint32)
+    if K:  # pads past counts
+        assert drafts_dev is not None  # [B, K]: drafted above
+        window = mx.concatenate([window, drafts_dev.astype(mx.uint32)], axis=1)
+    if width > 1 + K:  # pad columns past every draft: rolled back as a short draft's
+        window = mx.concatenate([window, mx.zeros((B, width - 1 - K), mx.uint32)], axis=1)
+    return window
+
+
+def _late_read(rule: Window | None, unrecorded: tuple, drafting: _Drafted, last: _Read) -> tuple:
+    """``(rule, unrecorded, drafting)`` once the last round, read late, is recorded and
+    charged to this drafting round (the plain round it read late)."""
+    rule, unrecorded = _record_read(rule, tuple(r for r in unrecorded if r is not last))
+    rule, drafting = _charge(rule, drafting, last)
+    return rule, unrecorded, drafting
+
+
+def _checked_late(host, found: tuple, guess: list, rows: tuple) -> tuple:
+    """``(host, found, counts)`` once a late lookup's guesses are checked (``_checked``)."""
+    assert host is not None  # (a lookup round: drafted on the host)
+    host, found = _checked(host, found, guess, rows)
+    return host, found, tuple(len(d) for d in host)
+
+
+def _accept_greedy_round(logits: mx.array, drafts_dev, host, counts: tuple) -> tuple:
+    """Greedy verification of a drafting round (the target's argmax, read).
+
+    Returns:
+        ``(drafts, accepted, nxt, pending)``: each row's drafts, the drafts it
+        accepted, its next token on the host and on the device.
+    """
+    target_tokens = mx.argmax(logits, axis=-1)
+    mx.eval(target_tokens, *([drafts_dev] if host is None else []))
+    drafts = host if host is not None else [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
+    accepted, nxt = accept_greedy(drafts, cast(list, target_tokens.tolist()))
+    return drafts, accepted, nxt, mx.array(nxt, dtype=mx.uint32)
+
+
+def _accept_sampled_round(
+    logits: mx.array, drafts_dev, counts: tuple, q, params, round_keys, Kmax: int, width: int
+) -> tuple:
+    """Verification of a drafting round with sampled rows, by the rejection rule
+    (``accept_sampled``) on each row's own keys, read.
+
+    Returns:
+        ``(drafts, accepted, nxt, pending)``: each row's drafts, the drafts it
+        accepted, its next token on the host and on the device.
+    """
+    assert params is not None and round_keys is not None  # sampled rows: made above
+    K = max(counts)
+    p = probabilities(logits if width == 1 + K else logits[:, : 1 + K], *params)
+    uniform = mx.vmap(lambda k: mx.random.uniform(shape=(K,), key=k))(round_keys[:, Kmax])
+    acc, nx = accept_sampled(
+        drafts_dev.astype(mx.int32),
+        mx.array(counts, mx.int32),
+        p,
+        q,
+        uniform,
+        round_keys[:, Kmax + 1],
+    )
+    mx.eval(acc, nx, drafts_dev)
+    drafts = [d[:c] for d, c in zip(drafts_dev.tolist(), counts)]
+    return drafts, tuple(acc.tolist()), tuple(nx.tolist()), nx
+
+
+def _draft_records(
+    spec: Speculation, draft_model, Kmax: int, dstates, anchors, drafts_dev, accepted
+) -> tuple:
+    """``(draft_states, lag)`` after the round: the draft model's records settled on the
+    accepted drafts where it drafted; after a plain round, one more token to catch up."""
+    draft_states, lag = spec.draft_states, spec.draft_lag
+    if draft_model is not None and Kmax:
+        draft_states = _settle_model(draft_model, dstates, anchors, drafts_dev, accepted)
+        lag = (0,) * len(accepted)
+    elif draft_model is not None:  # a plain round: the draft model catches up when it next drafts
+        lag = tuple(n + 1 for n in lag)
+    return (None if draft_states is None else tuple(draft_states)), lag
+
+
+def _adapted(
+    spec: Speculation, rule: Window | None, counts, accepted, asked, found, riders
+) -> tuple:
+    """``(num_draft, seen)`` after the round: without a rule each row's adapted draft
+    length; with one, each row's acceptance observed."""
+    if rule is None:
+        num_draft = tuple(
+            next_num_draft(k, c, a, m)
+            for k, c, a, m in zip(spec.num_draft, counts, accepted, spec.max_draft)
+        )
+        return num_draft, spec.seen
+    seen = tuple(  # a rider's draft is no evidence on the row's own drafts
+        rule.observe(x, 0 if r else c, 0 if r else a, k > 0 and f == 0)
+        for x, c, a, k, f, r in zip(spec.seen, counts, accepted, asked, found, riders)
+    )
+    return spec.num_draft, seen
+
+
+def _next_batch(batch, states, pending: mx.array, carry: mx.array):
+    """The rows' batch after the round: the records ``forward`` returned, this round's
+    tokens (``uint32``) and keys.
+
+    Derived from the valid rows in flight: not converted or checked again, as a
+    plain step's records are not (every round builds them).
+    """
+    if pending.dtype != mx.uint32:
+        pending = pending.astype(mx.uint32)
+    return derived(batch, states=tuple(states), tokens=pending, keys=carry)
+
+
+def _drafted_end(
+    rule: Window | None, entry: bool, unrecorded: tuple, drafting: _Drafted, width: int, t0
+) -> tuple:
+    """``(rule, unrecorded)`` at a drafting round's end: a drafting round before this
+    one, with no plain round after it, recorded as charged so far (its run's entry
+    round held, under hysteresis, while the run goes on); this one's sample waits for
+    the round after it (``_record_read``)."""
+    hold = rule is not None and rule.hysteresis and not entry
+    keep = [not r.drafted or (hold and r.entry) for r in unrecorded]
+    rule = _flush(rule, tuple(r for r, k in zip(unrecorded, keep) if not k))
+    kept = tuple(r for r, k in zip(unrecorded, keep) if k)
+    elapsed = max(0.0, time.perf_counter() - t0)
+    drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
+    return rule, kept + ((drafting,) if rule is not None else ())
 
 
 __all__ = [
