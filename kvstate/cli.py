@@ -507,59 +507,11 @@ def _table(results, requests, out):
 
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    for name in (
-        "requests",
-        "batch_size",
-        "repeat",
-        "max_tokens",
-        "prefill_step_size",
-        "samples",
-        "prefix_cache_mb",
-    ):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
-    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
-        raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+    _check_generate(args)
     loaded = load(args, err)
     model, tokenizer = loaded.model, loaded.tokenizer
-    if tokenizer is None:
-        if args.prompt or args.prompts:
-            raise SystemExit(
-                f"kvstate generate: {loaded.name} has no tokenizer: --prompt and "
-                "--prompts need a model with one"
-            )
-        requests = make_requests(
-            args.requests,
-            args.prompt_len,
-            args.gen_len,
-            max(args.arrival_gap, 0),
-            _vocab(model),
-            args.seed,
-        )
-    else:
-        requests = text_requests(args, tokenizer)
-    compiled = args.compile
-    share = not args.no_prefix_cache
-    cache = PrefixCache(args.prefix_cache_mb << 20) if share else None
-    engines: list = [
-        KVStateEngine(
-            model, compiled=compiled, prefill_step_size=args.prefill_step_size, prefix_cache=cache
-        )
-    ]
-    drafter = _drafter(args, err)
-    if drafter is not None:
-        engines = [
-            SpeculativeEngine(
-                model,
-                drafter,
-                args.num_draft,
-                args.prefill_step_size,
-                compiled=compiled,
-                window=_window(args),
-            )
-        ]
-    if args.compare:
-        engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
+    requests = _generate_requests(args, loaded)
+    engines = _engines(args, model, err)
     table_out = err if args.json else out
     print(
         f"model: {loaded.name}; {len(requests)} requests, batch size {args.batch_size}",
@@ -578,7 +530,7 @@ def generate(args, out=None, err=None) -> int:
         ]
     results = [(e.name, s) for e, s in zip(engines, best)]
     _table(results, requests, table_out)
-    if drafter is not None:
+    if isinstance(engines[0], SpeculativeEngine):
         e = engines[0]
         rate = f"{e.accepted / e.drafted:.0%}" if e.drafted else "-"
         print(
@@ -586,18 +538,86 @@ def generate(args, out=None, err=None) -> int:
             "in the last run",
             file=table_out,
         )
-    if not args.compare:
-        return 0
+    return _parity(results, len(requests), table_out) if args.compare else 0
+
+
+def _check_generate(args) -> None:
+    """The numeric flags, before the model loads."""
+    for name in (
+        "requests",
+        "batch_size",
+        "repeat",
+        "max_tokens",
+        "prefill_step_size",
+        "samples",
+        "prefix_cache_mb",
+    ):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
+    if not (args.temperature >= 0 and 0 < args.top_p <= 1):
+        raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+
+
+def _generate_requests(args, loaded) -> list:
+    """The requests: the prompts' text through the tokenizer, or random token ids
+    for a model without one."""
+    if loaded.tokenizer is not None:
+        return text_requests(args, loaded.tokenizer)
+    if args.prompt or args.prompts:
+        raise SystemExit(
+            f"kvstate generate: {loaded.name} has no tokenizer: --prompt and "
+            "--prompts need a model with one"
+        )
+    return make_requests(
+        args.requests,
+        args.prompt_len,
+        args.gen_len,
+        max(args.arrival_gap, 0),
+        _vocab(loaded.model),
+        args.seed,
+    )
+
+
+def _engines(args, model, err) -> list:
+    """kvstate's engine (plain or speculative), and mlx-lm's with ``--compare``."""
+    drafter = _drafter(args, err)
+    if drafter is not None:
+        engines: list = [
+            SpeculativeEngine(
+                model,
+                drafter,
+                args.num_draft,
+                args.prefill_step_size,
+                compiled=args.compile,
+                window=_window(args),
+            )
+        ]
+    else:
+        cache = None if args.no_prefix_cache else PrefixCache(args.prefix_cache_mb << 20)
+        engines = [
+            KVStateEngine(
+                model,
+                compiled=args.compile,
+                prefill_step_size=args.prefill_step_size,
+                prefix_cache=cache,
+            )
+        ]
+    if args.compare:
+        engines.append(MlxLmEngine(model, prefill_step_size=args.prefill_step_size))
+    return engines
+
+
+def _parity(results, n: int, out) -> int:
+    """``--compare``'s verdict: requests with identical tokens, and the speed ratio."""
     (_, ours), (_, theirs) = results
     same = sum(a.tokens == b.tokens for a, b in zip(ours["completions"], theirs["completions"]))
-    n = len(requests)
     print(
         f"token parity: {same}/{n} requests identical{'' if same == n else ' (MISMATCH)'}",
-        file=table_out,
+        file=out,
     )
     print(
         f"speed ratio (mlx-lm time / kvstate time): {theirs['seconds'] / ours['seconds']:.2f}",
-        file=table_out,
+        file=out,
     )
     return 0 if same == n else 1
 

@@ -209,7 +209,7 @@ class KVStateEngine:
 
     def reset(self) -> None:
         """Fresh counters."""
-        self.cache = None
+        self.cache: Optional[PrefixCache] = None
         self.prompt_tokens = self.prefilled = self.peak_bytes = 0
         self.drafted = self.accepted = 0
 

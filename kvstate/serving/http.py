@@ -95,66 +95,98 @@ def parse(
     max_tokens_default: int = 256,
     max_n: int = 16,
 ) -> Params:
-    """Validate an OpenAI request body; raises ``BadRequest`` naming the field."""
+    """Validate an OpenAI request body; raises ``BadRequest`` naming the field.
+
+    Every field is checked here, on the HTTP side, before anything is queued:
+    a value the scheduler would refuse (a seed out of range) is a 400, never a
+    fault in the scheduler's thread."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty list", "messages")
-        for i, m in enumerate(messages):
-            if (
-                not isinstance(m, dict)
-                or m.get("role") not in ("system", "user", "assistant")
-                or not isinstance(m.get("content"), str)
-            ):
-                raise BadRequest(
-                    f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}",
-                    "messages",
-                )
-        prompt = tokenize(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
-    else:
-        text = body.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise BadRequest("'prompt' must be a non-empty string", "prompt")
-        prompt = tokenize(text=text)
-    default = max(1, min(max_tokens_default, context - len(prompt)))
-    max_tokens = _number(body, "max_tokens", default, 1, context, integer=True)
-    if "max_completion_tokens" in body:
-        max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, context, integer=True)
-    if len(prompt) + max_tokens > context:
-        raise BadRequest(
-            f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
-            f"exceeds the context of {context} tokens",
-            "messages" if chat else "prompt",
-            "context_length_exceeded",
-        )
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
-        stop = tuple(stop)
-    else:
-        raise BadRequest("'stop' must be a string or a list of at most 4 non-empty strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest(f"'seed' must be an integer, got {seed!r}", "seed")
+    prompt = _chat_prompt(body, tokenize) if chat else _text_prompt(body, tokenize)
+    max_tokens = _max_tokens(body, len(prompt), context, max_tokens_default, chat)
     return Params(
         prompt=list(prompt),
         max_tokens=max_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-        seed=seed,
+        seed=_seed(body),
         n=_number(body, "n", 1, 1, max_n, integer=True),
-        stop=stop,
-        stream=stream,
+        stop=_stop(body),
+        stream=_stream(body),
         chat=chat,
     )
+
+
+def _chat_prompt(body: dict, tokenize: Callable) -> list:
+    """The token ids of ``messages`` through the chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, dict)
+            or m.get("role") not in ("system", "user", "assistant")
+            or not isinstance(m.get("content"), str)
+        ):
+            raise BadRequest(
+                f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}",
+                "messages",
+            )
+    return tokenize(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
+
+
+def _text_prompt(body: dict, tokenize: Callable) -> list:
+    """The token ids of ``prompt`` (a completion request)."""
+    text = body.get("prompt")
+    if not isinstance(text, str) or not text:
+        raise BadRequest("'prompt' must be a non-empty string", "prompt")
+    return tokenize(text=text)
+
+
+def _max_tokens(body: dict, prompt: int, context: int, default: int, chat: bool) -> int:
+    """``max_tokens`` (or ``max_completion_tokens``), within what the context leaves."""
+    default = max(1, min(default, context - prompt))
+    max_tokens = _number(body, "max_tokens", default, 1, context, integer=True)
+    if "max_completion_tokens" in body:
+        max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, context, integer=True)
+    if prompt + max_tokens > context:
+        raise BadRequest(
+            f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) "
+            f"exceeds the context of {context} tokens",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
+    return max_tokens
+
+
+def _stop(body: dict) -> tuple:
+    """``stop``: a non-empty string or a list of at most 4 (an empty one would end
+    every reply at once)."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str) and stop:
+        return (stop,)
+    if isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+        return tuple(stop)
+    raise BadRequest("'stop' must be a non-empty string or a list of at most 4 of them", "stop")
+
+
+def _stream(body: dict) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
+    return stream
+
+
+def _seed(body: dict) -> Optional[int]:
+    """``seed``: an int in ``[0, 2**64)`` (what ``kv.row_keys`` takes) or none."""
+    seed = body.get("seed")
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise BadRequest(f"'seed' must be an integer in [0, 2**64), got {seed!r}", "seed")
+    return seed
 
 
 # --- text out -------------------------------------------------------------------------
@@ -275,16 +307,32 @@ class Api:
         return self.tok.encode(text)
 
     async def _complete(self, request, *, chat: bool):
-        from aiohttp import web
-
+        """One completion request: parsed, queued, then answered whole or streamed."""
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise BadRequest("the request body is not valid JSON") from None
-            p = parse(body, chat=chat, tokenize=self._tokenize, context=self.context)
+            p = parse(
+                await _body(request), chat=chat, tokenize=self._tokenize, context=self.context
+            )
+            job, events = self._submit(p)
         except BadRequest as exc:
             return _error(exc)
+        kind = "chat.completion" if chat else "text_completion"
+        head = {
+            "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+            "created": int(time.time()),
+            "model": self.model_id,
+        }
+        reply = _Reply(job, p, self.tok.decode)
+        try:
+            if p.stream:
+                return await self._streamed(request, reply, events, head, kind)
+            while not reply.finished:
+                reply.take(await events.get())
+            return _whole(reply, head, kind)
+        finally:
+            job.cancel()  # no-op for finished choices; frees rows of a vanished client
+
+    def _submit(self, p: Params) -> tuple:
+        """``(job, events)``: the job queued, its events hopped onto this event loop."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -303,76 +351,39 @@ class Api:
         try:
             self.scheduler.submit(job)
         except QueueFull:
-            return _error(
-                BadRequest("the server is at capacity; retry later", code="queue_full", status=429)
-            )
+            raise BadRequest(
+                "the server is at capacity; retry later", code="queue_full", status=429
+            ) from None
         except KVStateError as exc:  # n larger than the batch (--max-batch)
-            return _error(BadRequest(str(exc), "n"))
-        kind = "chat.completion" if chat else "text_completion"
-        head = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
-            "created": int(time.time()),
-            "model": self.model_id,
-        }
-        texts = [TextStream(self.tok.decode, p.stop) for _ in range(p.n)]
-        finish: list = [None] * p.n
-        response: Any = None  # a web.StreamResponse when streaming
-        try:
-            if p.stream:
-                response = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await response.prepare(request)
-                if chat:
-                    for i in range(p.n):
-                        await self._send(
-                            response,
-                            head,
-                            kind,
-                            i,
-                            {"role": "assistant", "content": ""},
-                            None,
-                            chat,
-                        )
-            while None in finish:
-                what, i, value = await events.get()
-                if what == "error":
-                    raise RuntimeError(value)
-                if finish[i] is not None:
-                    continue
-                delta = ""
-                if what == "token":
-                    delta = texts[i].push(value)
-                    if texts[i].stopped:
-                        job.cancel(i)
-                        finish[i] = "stop"
-                else:  # done
-                    delta = texts[i].flush()
-                    finish[i] = value
-                if p.stream and delta:
-                    await self._send(response, head, kind, i, delta, None, chat)
-                if p.stream and finish[i] is not None:
-                    await self._send(response, head, kind, i, "", finish[i], chat)
-            if p.stream:
-                await response.write(b"data: [DONE]\n\n")
-                await response.write_eof()
-                return response
-            usage = {
-                "prompt_tokens": len(p.prompt),
-                "completion_tokens": sum(len(t.tokens) for t in texts),
-            }
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            choices = []
-            for i, t in enumerate(texts):
-                c: dict = {"index": i, "finish_reason": finish[i]}
-                if chat:
-                    c["message"] = {"role": "assistant", "content": t.text}
-                else:
-                    c["text"], c["logprobs"] = t.text, None
-                choices.append(c)
-            return web.json_response({**head, "object": kind, "choices": choices, "usage": usage})
-        finally:
-            job.cancel()  # no-op for finished choices; frees rows of a vanished client
+            raise BadRequest(str(exc), "n") from None
+        return job, events
+
+    async def _streamed(self, request, reply: "_Reply", events, head: dict, kind: str):
+        """Server-sent events: a chat's role first, each delta as it comes, each
+        choice's finish reason, then ``[DONE]``."""
+        from aiohttp import web
+
+        chat = reply.params.chat
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        if chat:
+            for i in range(reply.params.n):
+                role = {"role": "assistant", "content": ""}
+                await self._send(response, head, kind, i, role, None, chat)
+        while not reply.finished:
+            taken = reply.take(await events.get())
+            if taken is None:
+                continue
+            i, delta, finish = taken
+            if delta:
+                await self._send(response, head, kind, i, delta, None, chat)
+            if finish is not None:
+                await self._send(response, head, kind, i, "", finish, chat)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _send(self, response, head, kind, i, delta, finish, chat):
         if chat:
@@ -387,6 +398,66 @@ class Api:
             choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": None}
         chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": [choice]}
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+async def _body(request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+class _Reply:
+    """A request's choices as text: each choice's stop strings applied, its finish
+    reason once it has one."""
+
+    def __init__(self, job: Job, params: Params, decode: Callable):
+        self.job, self.params = job, params
+        self.texts = [TextStream(decode, params.stop) for _ in range(params.n)]
+        self.finish: list = [None] * params.n
+
+    @property
+    def finished(self) -> bool:
+        return None not in self.finish
+
+    def take(self, event: tuple) -> Optional[tuple]:
+        """One scheduler event: ``(choice, text delta, finish reason or None)``, or
+        ``None`` for an event of a choice that already finished."""
+        what, i, value = event
+        if what == "error":
+            raise RuntimeError(value)
+        if self.finish[i] is not None:
+            return None
+        if what == "token":
+            delta = self.texts[i].push(value)
+            if self.texts[i].stopped:
+                self.job.cancel(i)
+                self.finish[i] = "stop"
+        else:  # done
+            delta = self.texts[i].flush()
+            self.finish[i] = value
+        return i, delta, self.finish[i]
+
+
+def _whole(reply: _Reply, head: dict, kind: str):
+    """The non-streamed reply: every choice's text and finish reason, and usage."""
+    from aiohttp import web
+
+    p = reply.params
+    usage = {
+        "prompt_tokens": len(p.prompt),
+        "completion_tokens": sum(len(t.tokens) for t in reply.texts),
+    }
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    choices = []
+    for i, t in enumerate(reply.texts):
+        c: dict = {"index": i, "finish_reason": reply.finish[i]}
+        if p.chat:
+            c["message"] = {"role": "assistant", "content": t.text}
+        else:
+            c["text"], c["logprobs"] = t.text, None
+        choices.append(c)
+    return web.json_response({**head, "object": kind, "choices": choices, "usage": usage})
 
 
 # --- running it -----------------------------------------------------------------------

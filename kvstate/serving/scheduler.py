@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any, Callable, Optional, cast
 
 import attrs
@@ -117,18 +118,18 @@ class Scheduler:
 
     def __init__(
         self,
-        model,
-        eos,
+        model: Any,
+        eos: Iterable[int],
         *,
         max_batch: int = 32,
         max_queue: int = 64,
-        prefix_cache=None,
-        drafter=None,
+        prefix_cache: Optional[prefix_cache.PrefixCache] = None,
+        drafter: Any = None,
         num_draft: int = 4,
-        window=None,
+        window: Optional[speculative.Window] = None,
         compiled: bool = False,
         prefill_step_size: int = 512,
-    ):
+    ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
