@@ -74,7 +74,7 @@ def _row_ids(value):
 
 
 def row_ids_of(state) -> tuple:
-    """``state.row_ids``: always a tuple once constructed (``_checked`` draws fresh
+    """``state.row_ids``: always a tuple once constructed (``_constructed`` draws fresh
     ids where ``None`` was given), though the field's type admits ``None``."""
     return state.row_ids
 
@@ -100,7 +100,7 @@ def rows_of(value, rows: Sequence[int]):
     return tuple(value[r] for r in rows)
 
 
-def _checked(self):
+def _constructed(self):
     """After a constructor: fresh row ids where none were given, the kind's
     ``validate``, then zeros in every column no row reads (``clear_hidden``:
     arrays from outside may hold anything there). See ``kvstate.core.invariants``."""
@@ -257,7 +257,7 @@ class _Rows:
         default=None, kw_only=True, eq=False, repr=False, converter=_row_ids
     )
 
-    __attrs_post_init__ = _checked
+    __attrs_post_init__ = _constructed
 
     @property
     def batch_size(self) -> int:
@@ -449,7 +449,7 @@ class RotatingState(_Unpadded):
         default=None, kw_only=True, eq=False, repr=False, converter=_row_ids
     )
 
-    __attrs_post_init__ = _checked
+    __attrs_post_init__ = _constructed
 
     @property
     def starts(self) -> tuple:

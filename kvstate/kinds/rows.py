@@ -497,7 +497,7 @@ def check_checkpoint(state, cp, keep):
         type(keep) is int or (type(keep) in (tuple, list) and all(type(k) is int for k in keep))
     ):
         keep = keep if type(keep) is int else tuple(keep)
-        return _checked(state.lengths, state.left_pad, state.row_ids, cp, keep)
+        return _rollback_target(state.lengths, state.left_pad, state.row_ids, cp, keep)
     return _check_target(state, cp, keep)
 
 
@@ -509,7 +509,7 @@ def _check_target(state, cp, keep) -> tuple:
 
 
 @lru_cache(maxsize=1)
-def _checked(lengths: tuple, left_pad: tuple, row_ids, cp: Checkpoint, keep) -> tuple:
+def _rollback_target(lengths: tuple, left_pad: tuple, row_ids, cp: Checkpoint, keep) -> tuple:
     return _check_target(_Layout(lengths, left_pad, row_ids, len(lengths)), cp, keep)
 
 

@@ -511,7 +511,7 @@ def _propose_late(
     return [f[1:] for f in found], [f[0] if len(f) > 1 else None for f in found]
 
 
-def _checked(host: list, found: tuple, guess: list, rows: tuple) -> tuple:
+def _confirmed(host: list, found: tuple, guess: list, rows: tuple) -> tuple:
     """``(host, found)`` once a late lookup's guesses (``_propose_late``) can be checked
     against the rows' last tokens, read: a row whose guess was wrong drafted nothing
     (its drafts, already in the verify window, ride as pad and are rolled back)."""
@@ -835,7 +835,7 @@ def step(
         rule, unrecorded, drafting = _late_read(rule, unrecorded, drafting, last)
         t0, last = max(t0, last.done), None  # its own time from that read
         if guess is not None:  # a late lookup's guesses, checked now
-            host, found, counts = _checked_late(host, found, guess, rows)
+            host, found, counts = _confirmed_late(host, found, guess, rows)
     if K == 0:  # a plain round: exactly a plain decode step's operations (tested)
         # as a plain decode step makes them: greedy rows only: the argmax, keys
         # untouched; else kv.sample_arrays (what kvstate.mlx_lm.advance runs)
@@ -1071,10 +1071,10 @@ def _late_read(rule: Window | None, unrecorded: tuple, drafting: _Drafted, last:
     return rule, unrecorded, drafting
 
 
-def _checked_late(host, found: tuple, guess: list, rows: tuple) -> tuple:
-    """``(host, found, counts)`` once a late lookup's guesses are checked (``_checked``)."""
+def _confirmed_late(host, found: tuple, guess: list, rows: tuple) -> tuple:
+    """``(host, found, counts)`` once a late lookup's guesses are checked (``_confirmed``)."""
     assert host is not None  # (a lookup round: drafted on the host)
-    host, found = _checked(host, found, guess, rows)
+    host, found = _confirmed(host, found, guess, rows)
     return host, found, tuple(len(d) for d in host)
 
 
