@@ -22,8 +22,8 @@ from kvstate.kinds import quantized as _quantized
 # read forced): that read is mx.quantized_matmul, which MLX 0.32.4's CUDA
 # backend lacks for KV shapes ("No implementation for problem shape", the
 # H200, sessions 3-4), so there is no reference to compare with there.
-# kvstate's own quantized reads on CUDA: tests/test_bridge_cuda.py,
-# tests/test_quantized_read.py.
+# kvstate's own quantized reads on CUDA: tests/bridge/test_bridge_cuda.py,
+# tests/kernels/test_quantized_read.py.
 needs_stock_quantized_read = pytest.mark.skipif(
     not _quantized.stock_read_runs(),
     reason="the reference is mlx-lm's quantized read (mx.quantized_matmul), "

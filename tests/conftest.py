@@ -21,3 +21,40 @@ settings.register_profile(
     "thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tiny_models as tm  # noqa: E402
+
+# --- fixtures shared by several test files ------------------------------------------------
+# The models are built once per test module (scope="module"), as each file built its own.
+# A file that needs another model of the same name defines its own fixture, which
+# overrides these (tests/core/test_handles.py's two-layer llama).
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """The tiny llama of ``tiny_models.llama_model()`` (3 layers, seed 0)."""
+    return tm.llama_model()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """The tiny gemma3_text of ``tiny_models.gemma3_model()`` (4 layers, sliding window 8,
+    sliding and full layers alternating: rings and dense records)."""
+    return tm.gemma3_model()
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """The real model (SmolLM2-135M-Instruct from its GGUF file, fetched and cached on first
+    use), dequantized to float32."""
+    from kvstate.models import load as models
+
+    return models.load_model(None, dequantize=True)
+
+
+@pytest.fixture
+def rng():
+    """A fresh seeded numpy generator per test."""
+    return np.random.default_rng(0)

@@ -18,11 +18,6 @@ from kvstate import mlx_lm as br
 H, D = 1, 4
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model()
-
-
 # --- a continuous batch with per-row sampling equals each request alone ---------------
 
 

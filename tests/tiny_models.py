@@ -88,3 +88,15 @@ def ragged_states(model, lens, seed=10):
         _, s = br.forward(model, mx.array([prompt(seed + i, n)]), s)
         rows.append(s)
     return br.merge_rows(rows)
+
+
+def greedy(decode, model, first, states, steps):
+    """Greedy decode from ``first`` tokens through ``decode(model, tokens, states)`` (the
+    eager ``step`` or a compiled decoder): (logits per step, tokens, states)."""
+    seen, toks, tok = [], [], mx.array(first)
+    for _ in range(steps):
+        logits, states = decode(model, tok, states)
+        tok = mx.argmax(logits, axis=-1)
+        seen.append(logits)
+        toks.append(tok.tolist())
+    return seen, toks, states

@@ -2,7 +2,7 @@
 row moves before and after the ring wraps, trim/rollback bounds, masks.
 
 The reference throughout is ``RefRing`` (``_ring.py``), a plain numpy list of
-one row's entries; mlx-lm itself is compared in ``test_parity_rotating.py``.
+one row's entries; mlx-lm itself is compared in ``tests/parity/test_parity_rotating.py``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import pytest
 import kvstate as kv
 from kvstate.persist import files as persist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, with _fuzz_load.py
 
 
 def run(args, timeout=300, **kw):
@@ -31,13 +31,13 @@ def run(args, timeout=300, **kw):
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=os.path.dirname(HERE),
+        cwd=os.path.dirname(TESTS),
         **kw,
     )
 
 
 def test_load_fuzz_refuses_or_loads_valid_records(tmp_path):
-    out = run([os.path.join(HERE, "_fuzz_load.py"), str(tmp_path)])
+    out = run([os.path.join(TESTS, "_fuzz_load.py"), str(tmp_path)])
     tail = out.stderr[-3000:]
     assert out.returncode == 0, f"fuzz process exited {out.returncode}\n{tail}"
     counts = json.loads(out.stdout.strip().splitlines()[-1])

@@ -25,11 +25,6 @@ from kvstate.bridge import shells as _shells
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model()
-
-
 def ragged(model, lengths=(5, 9, 2), **make):
     prompts = [tm.prompt(20 + i, n) for i, n in enumerate(lengths)]
     logits, states = br.prefill(model, prompts, **make)
@@ -418,59 +413,52 @@ def test_conversion_bad_input(llama):
 # --- rings: sliding layers of gemma3 ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gemma3():
-    return tm.gemma3_model(sliding_window=8)
-
-
-def test_ring_and_full_layers_one_build_per_family(gemma3):
-    _, logits, states = ragged(gemma3, lengths=(3, 6, 5))  # rings not full yet: ragged
+def test_ring_and_full_layers_one_build_per_family(gemma):
+    _, logits, states = ragged(gemma, lengths=(3, 6, 5))  # rings not full yet: ragged
     tok = mx.argmax(logits, axis=-1)
     memo = kv.MaskMemo()
-    _, states = br.step(gemma3, tok, states, memo=memo)
+    _, states = br.step(gemma, tok, states, memo=memo)
     assert memo.builds == 2 and memo.live == 0  # one "rows", one "ring"
 
 
-def test_rotating_kvcache_round_trip(gemma3):
+def test_rotating_kvcache_round_trip(gemma):
     p = tm.prompt(8, 13)  # longer than the window: the ring has rotated
-    c = gemma3.make_cache()
-    logits = gemma3(mx.array([p]), cache=c)[:, -1]
+    c = gemma.make_cache()
+    logits = gemma(mx.array([p]), cache=c)[:, -1]
     for _ in range(3):
-        logits = gemma3(mx.argmax(logits, axis=-1)[:, None], cache=c)[:, -1]
+        logits = gemma(mx.argmax(logits, axis=-1)[:, None], cache=c)[:, -1]
     states = br.from_prompt_cache(c)
     assert [type(s).__name__ for s in states] == ["RotatingState", "CacheState"] * 2
     tok = mx.argmax(logits, axis=-1)
-    ours, states = br.step(gemma3, tok, states)
-    close(ours, gemma3(tok[:, None], cache=c)[:, -1])
+    ours, states = br.step(gemma, tok, states)
+    close(ours, gemma(tok[:, None], cache=c)[:, -1])
     back = br.to_prompt_cache(states)
     assert [type(x) for x in back] == [RotatingKVCache, KVCache] * 2
     tok = mx.argmax(ours, axis=-1)
     for _ in range(3):  # mlx-lm's single-token ring path on the converted cache
-        a = gemma3(tok[:, None], cache=back)[:, -1]
-        b = gemma3(tok[:, None], cache=c)[:, -1]
+        a = gemma(tok[:, None], cache=back)[:, -1]
+        b = gemma(tok[:, None], cache=c)[:, -1]
         close(a, b)
         tok = mx.argmax(a, axis=-1)
 
 
-def test_batch_rotating_kvcache_round_trip(gemma3):
+def test_batch_rotating_kvcache_round_trip(gemma):
     prompts = [tm.prompt(50 + i, n) for i, n in enumerate((12, 4, 9))]
     solos = []
     for p in prompts:
-        c = gemma3.make_cache()
-        solos.append((gemma3(mx.array([p]), cache=c)[:, -1], c))
-    batch = [
-        type(solos[0][1][i]).merge([s[1][i] for s in solos]) for i in range(len(gemma3.layers))
-    ]
+        c = gemma.make_cache()
+        solos.append((gemma(mx.array([p]), cache=c)[:, -1], c))
+    batch = [type(solos[0][1][i]).merge([s[1][i] for s in solos]) for i in range(len(gemma.layers))]
     assert type(batch[0]) is BatchRotatingKVCache
     states = br.from_prompt_cache(batch)
     assert states[0].lengths == (12, 4, 9) and states[0].held == (8, 4, 8)
     tok = mx.argmax(mx.concatenate([s[0] for s in solos]), axis=-1)
-    ours, states = br.step(gemma3, tok, states)
-    close(ours, gemma3(tok[:, None], cache=batch)[:, -1])
+    ours, states = br.step(gemma, tok, states)
+    close(ours, gemma(tok[:, None], cache=batch)[:, -1])
     back = br.to_prompt_cache(states)
     assert type(back[0]) is BatchRotatingKVCache and type(back[1]) is BatchKVCache
     tok = mx.argmax(ours, axis=-1)
-    close(gemma3(tok[:, None], cache=back)[:, -1], br.step(gemma3, tok, states)[0])
+    close(gemma(tok[:, None], cache=back)[:, -1], br.step(gemma, tok, states)[0])
 
 
 def test_batched_ring_with_keep_has_no_mlx_lm_form():

@@ -29,11 +29,6 @@ import kvstate as kv
 H, D = 2, 8
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 def ragged(rng, lengths, *, step=256, dv=D):
     """A merged batch whose rows hold ``lengths`` tokens, and the numpy rows."""
     rows = [(rand(rng, H, n, D), rand(rng, H, n, dv)) for n in lengths]

@@ -4,7 +4,7 @@ MLX's CUDA backend). Off CUDA the kernels answer by their stock paths, so a
 forced run must give the plain run's logits and greedy tokens: what this
 checks is the wiring (which rows are routed, with which ``left_pad``/``ends``
 arrays, and the quantized read's three routes). float32; the CUDA side of the
-same reads is ``tests/test_bridge_cuda.py``."""
+same reads is ``tests/bridge/test_bridge_cuda.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 import tiny_models as tm
 from _quant import needs_stock_quantized_read
 from _tol import atol
-from test_shared_compiled import run
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
@@ -33,7 +32,9 @@ def prompts(lengths=PROMPTS):
 
 def decode(model, logits, states, steps=3):
     """Greedy steps after ``logits``: (logits of every step, tokens, states)."""
-    seen, toks, states = run(bridge.step, model, mx.argmax(logits, -1).tolist(), states, steps)
+    seen, toks, states = tm.greedy(
+        bridge.step, model, mx.argmax(logits, -1).tolist(), states, steps
+    )
     return [logits, *seen], toks, states
 
 
@@ -168,7 +169,7 @@ def quantized_routes(monkeypatch):
     return record_routes(monkeypatch)
 
 
-@needs_stock_quantized_read  # (the unrouted reference; on CUDA: tests/test_bridge_cuda.py)
+@needs_stock_quantized_read  # (the unrouted reference; on CUDA: tests/bridge/test_bridge_cuda.py)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_routes, bits):
     model = tm.llama_model(layers=2)
@@ -193,7 +194,7 @@ def test_quantized_rows_take_the_one_quantized_read(monkeypatch, quantized_route
     assert widths == [got[2][0].capacity] * 8  # whole planes: one compile per capacity
 
 
-@needs_stock_quantized_read  # (forced stock paths; on CUDA: tests/test_bridge_cuda.py)
+@needs_stock_quantized_read  # (forced stock paths; on CUDA: tests/bridge/test_bridge_cuda.py)
 @pytest.mark.parametrize("n", [1, 12])
 def test_kv_attend_quantized_routes_give_the_stock_read(monkeypatch, n):
     rng = np.random.default_rng(3)
@@ -242,7 +243,7 @@ def test_quantized_shared_rows_read_dequantized_where_the_stock_read_cannot_run(
 
     monkeypatch.setattr(mx, "quantized_matmul", missing)
     first = [5, 17, 90]
-    got, got_toks, _ = run(bridge.step, model, first, rows, 4)
-    want, want_toks, _ = run(bridge.step, model, first, unshared, 4)
+    got, got_toks, _ = tm.greedy(bridge.step, model, first, rows, 4)
+    want, want_toks, _ = tm.greedy(bridge.step, model, first, unshared, 4)
     close(got, want, atol=1e-4)  # (the unshared rows: the kernel on CUDA, another order of sums)
     assert got_toks == want_toks

@@ -14,16 +14,6 @@ from kvstate import mlx_lm as br
 H, D = 2, 32
 
 
-@pytest.fixture(scope="module")
-def gemma():
-    return tm.gemma3_model()
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model()
-
-
 def planes_np(states):
     return [[np.array(p) for p in s.planes] for s in states]
 

@@ -10,7 +10,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import VOCAB, llama_model, qwen3_model
+from tiny_models import VOCAB, greedy, llama_model, qwen3_model
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
@@ -33,17 +33,6 @@ def prompts_and_rows(model, rng, step=64):
     return one, [kv.merge_rows([x, y]) for x, y in zip(a, b)]
 
 
-def run(decode, model, first, states, steps):
-    """Greedy decode from ``first`` tokens: (logits per step, tokens, states)."""
-    seen, toks, tok = [], [], mx.array(first)
-    for _ in range(steps):
-        logits, states = decode(model, tok, states)
-        tok = mx.argmax(logits, axis=-1)
-        seen.append(logits)
-        toks.append(tok.tolist())
-    return seen, toks, states
-
-
 @pytest.mark.parametrize("make_model", [llama_model, qwen3_model])
 def test_compiled_shared_decode_equals_eager_and_dense(make_model):
     model = make_model()
@@ -53,9 +42,9 @@ def test_compiled_shared_decode_equals_eager_and_dense(make_model):
     first = [5, 17, 17, 90, 3, 4]  # B = 6: padded to the bucket of 8 (blank shared rows)
     dec_shared = _decoder.make_step(model)
     dec_dense = _decoder.make_step(model)
-    got, got_toks, out = run(dec_shared, model, first, rows, 5)
-    eager, eager_toks, eager_out = run(bridge.step, model, first, rows, 5)
-    unshared, unshared_toks, _ = run(dec_dense, model, first, dense, 5)
+    got, got_toks, out = greedy(dec_shared, model, first, rows, 5)
+    eager, eager_toks, eager_out = greedy(bridge.step, model, first, rows, 5)
+    unshared, unshared_toks, _ = greedy(dec_dense, model, first, dense, 5)
     for g, e, u in zip(got, eager, unshared):
         np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
         np.testing.assert_allclose(np.array(g), np.array(u), atol=ATOL, rtol=1e-5)
@@ -134,10 +123,10 @@ def test_real_model_compiled_shared_decode_equals_eager_and_dense():
     _, states = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
     rows = kv.fork(states, 0, 3)
     first = [1, 2, 3, 4]
-    got, got_toks, _ = run(_decoder.make_step(model), model, first, rows, 3)
-    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
+    got, got_toks, _ = greedy(_decoder.make_step(model), model, first, rows, 3)
+    eager, eager_toks, _ = greedy(bridge.step, model, first, rows, 3)
     dense = [kv.materialize(s) for s in rows]
-    unshared, unshared_toks, _ = run(_decoder.make_step(model), model, first, dense, 3)
+    unshared, unshared_toks, _ = greedy(_decoder.make_step(model), model, first, dense, 3)
     for g, e, u in zip(got, eager, unshared):
         np.testing.assert_allclose(np.array(g), np.array(e), atol=2e-3, rtol=1e-4)
         np.testing.assert_allclose(np.array(g), np.array(u), atol=2e-3, rtol=1e-4)
@@ -154,8 +143,8 @@ def test_rows_reading_an_empty_prefix_record_decode_as_unshared():
     rows = [kv.merge_rows([s, e]) for s, e in zip(rows, empty)]
     assert len(rows[0].prefixes) == 3 and rows[0].shared[-1] == 0
     first = [5, 17, 17, 90, 3, 4, 8]
-    got, got_toks, _ = run(_decoder.make_step(model), model, first, rows, 3)
-    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
+    got, got_toks, _ = greedy(_decoder.make_step(model), model, first, rows, 3)
+    eager, eager_toks, _ = greedy(bridge.step, model, first, rows, 3)
     for g, e in zip(got, eager):
         np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
     assert got_toks == eager_toks
@@ -197,7 +186,7 @@ def test_the_kernel_wiring_reads_the_same(monkeypatch):
     _, one = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
     rows = [kv.trim(s, [0, 0, 3]) for s in kv.fork(one, 0, 2)]  # one record: the kernel's case
     first = [3, 5, 7]
-    want, want_toks, _ = run(bridge.step, model, first, rows, 3)
+    want, want_toks, _ = greedy(bridge.step, model, first, rows, 3)
     calls = []
     real = kernels.ragged_attention
 
@@ -208,8 +197,8 @@ def test_the_kernel_wiring_reads_the_same(monkeypatch):
     _force_route(monkeypatch, fused=False)
     monkeypatch.setattr(kernels, "ragged_attention", counted)
     shared._compiled_read.cache_clear()  # (decided while tracing)
-    eager, eager_toks, _ = run(bridge.step, model, first, rows, 3)
-    got, got_toks, _ = run(_decoder.make_step(model, attention="mask"), model, first, rows, 3)
+    eager, eager_toks, _ = greedy(bridge.step, model, first, rows, 3)
+    got, got_toks, _ = greedy(_decoder.make_step(model, attention="mask"), model, first, rows, 3)
     shared._compiled_read.cache_clear()
     assert calls and all(calls)
     for w, e, g in zip(want, eager, got):
@@ -232,7 +221,7 @@ def test_the_fused_write_wiring_reads_and_writes_the_same(monkeypatch):
     _, one = bridge.forward(model, mx.array([p]), bridge.make_states(model, 1))
     rows = [kv.trim(s, [0, 0, 3]) for s in kv.fork(one, 0, 2, step=4)]
     first = [3, 5, 7]
-    want, want_toks, _ = run(bridge.step, model, first, rows, 5)  # (crosses a suffix bucket)
+    want, want_toks, _ = greedy(bridge.step, model, first, rows, 5)  # (crosses a suffix bucket)
     _force_route(monkeypatch, fused=True)
     calls = []
     real = kernels.write_and_read
@@ -242,13 +231,13 @@ def test_the_fused_write_wiring_reads_and_writes_the_same(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(kernels, "write_and_read", spy)
-    fused, fused_toks, fused_out = run(_decoder.make_step(model), model, first, rows, 5)
+    fused, fused_toks, fused_out = greedy(_decoder.make_step(model), model, first, rows, 5)
     assert calls and all(calls)
     calls.clear()
     monkeypatch.setattr(kernels, "FUSED_BYTES", 0)  # (on CUDA: the scatter write)
     if not kernels.kernel_available():
         _force_route(monkeypatch, fused=False)
-    plain, plain_toks, plain_out = run(_decoder.make_step(model), model, first, rows, 5)
+    plain, plain_toks, plain_out = greedy(_decoder.make_step(model), model, first, rows, 5)
     assert not calls
     assert fused_toks == plain_toks == want_toks
     # CUDA: the fused launch sums the new columns last (float rounding, ROUNDING of
@@ -317,7 +306,7 @@ def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypat
     dense = [kv.materialize(s) for s in rows]
     dec_shared = _decoder.make_step(model)
     dec_dense = _decoder.make_step(model)
-    got, got_toks, out = run(dec_shared, model, first.tolist(), rows, 2)
+    got, got_toks, out = greedy(dec_shared, model, first.tolist(), rows, 2)
     advanced, positions = [], []
     real_advanced, real_host = compiled.advanced, compiled.host_positions
 
@@ -331,7 +320,7 @@ def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypat
 
     monkeypatch.setattr(compiled, "advanced", count_advanced)
     monkeypatch.setattr(compiled, "host_positions", count_positions)
-    more, more_toks, out = run(dec_shared, model, got_toks[-1], out, 3)
+    more, more_toks, out = greedy(dec_shared, model, got_toks[-1], out, 3)
     monkeypatch.undo()
     # one Spec for the 4 layers; advanced once a step (the suffix's, inside the shared
     # record's: 2 calls), its positions derived once a step (suffix's + the row map: 2)
@@ -339,8 +328,8 @@ def test_layers_of_served_shared_rows_share_one_spec_and_read_the_same(monkeypat
     assert len({id(d._returned[id(s)][1]) for s in out}) == 1
     assert len(advanced) == 3 * 2, advanced
     assert len(positions) == 3 * 2, positions
-    eager, eager_toks, _ = run(bridge.step, model, first.tolist(), rows, 5)
-    unshared, unshared_toks, _ = run(dec_dense, model, first.tolist(), dense, 5)
+    eager, eager_toks, _ = greedy(bridge.step, model, first.tolist(), rows, 5)
+    unshared, unshared_toks, _ = greedy(dec_dense, model, first.tolist(), dense, 5)
     for g, e, u in zip(got + more, eager, unshared):
         np.testing.assert_allclose(np.array(g), np.array(e), atol=ATOL, rtol=1e-5)
         np.testing.assert_allclose(np.array(g), np.array(u), atol=ATOL, rtol=1e-5)

@@ -23,11 +23,6 @@ ATOL = 2e-3  # float32 through 30 layers; observed differences are 0 or ~1e-5
 TEXTS = ["The capital of France is", "Hello", "1 2 3 4 5", "Water boils at a temperature of"]
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    return models.load_model(None, dequantize=True)
-
-
 def encode(smollm, texts=TEXTS):
     return [smollm.tokenizer.encode(t) for t in texts]
 

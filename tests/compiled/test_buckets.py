@@ -11,11 +11,6 @@ from kvstate import mlx_lm as br
 from kvstate.compiled import buckets as _buckets
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model()
-
-
 def decode(model, decoder, states, toks, n):
     out = []
     for _ in range(n):

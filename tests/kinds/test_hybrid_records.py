@@ -3,7 +3,7 @@
 The references are mlx-lm's own cache objects, one per row: a batch of
 kvstate rows must hold, read and mask exactly what each row's mlx-lm
 ``ArraysCache`` / ``ChunkedKVCache`` holds when run alone. Model-level
-parity (real mlx-lm models) is in ``test_parity_hybrid.py``.
+parity (real mlx-lm models) is in ``tests/parity/test_parity_hybrid.py``.
 """
 
 from __future__ import annotations

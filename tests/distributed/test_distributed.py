@@ -91,7 +91,7 @@ def test_bad_input_raises_on_both_ends():
 @pytest.mark.slow
 def test_example_prefill_on_one_rank_decode_on_another():
     """``examples/disaggregated.py`` under the real launcher (ring, loopback)."""
-    example = Path(__file__).parents[1] / "examples" / "disaggregated.py"
+    example = Path(__file__).parents[2] / "examples" / "disaggregated.py"
     out = launch(
         str(example), "--check", "--max-tokens", "5", "--every", "2", "--temperature", "0.8"
     )

@@ -15,7 +15,6 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests call the server with openai")
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
-from kvstate.models import load as models  # noqa: E402
 from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
 from kvstate.serving.engine import serve as generate  # noqa: E402
 from kvstate.serving.http import make_app  # noqa: E402
@@ -28,11 +27,6 @@ QUESTIONS = [
     "What is 2 + 2?",
     "What color is the sky on a clear day?",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return models.load_model(None, dequantize=True)
 
 
 class Server:

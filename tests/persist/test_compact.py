@@ -15,16 +15,6 @@ import kvstate as kv
 from kvstate import mlx_lm as br
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model()
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return tm.gemma3_model()
-
-
 def data_and_header(path):
     """``(data bytes, header bytes)`` of a safetensors file (8-byte length, JSON, data)."""
     with open(path, "rb") as f:

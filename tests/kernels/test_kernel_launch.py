@@ -6,7 +6,7 @@ fails as ``cudaGraphAddKernelNode ... invalid argument``. A stand-in for
 ``mx.fast.cuda_kernel`` records every launch (its outputs are zeros, never
 evaluated), so the grids of thousands of rows are checked on the CPU. That the
 kernels index their blocks as these grids lay them out is checked on the H200
-(``tests/test_gpu_kernels.py`` and the other kernel tests).
+(``tests/kernels/test_gpu_kernels.py`` and the other kernel tests).
 """
 
 from __future__ import annotations

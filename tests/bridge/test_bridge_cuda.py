@@ -6,7 +6,7 @@ masked stock path in bf16 tolerance (for quantized rows: the masked stock
 SDPA over the dequantized planes at every width). Before these routes the eager bridge
 could not run quantized rows on CUDA at all (MLX 0.32.4's ``quantized_matmul``
 fails for KV shapes). The CPU side of the same wiring (routes forced, the
-kernels' stock paths) is ``tests/test_bridge_routes.py``."""
+kernels' stock paths) is ``tests/bridge/test_bridge_routes.py``."""
 
 from __future__ import annotations
 

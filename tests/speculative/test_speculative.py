@@ -29,16 +29,6 @@ from kvstate.speculative.window import bucket
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def llama():
-    return tm.llama_model(layers=3)
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    return tm.gemma3_model(layers=4, sliding_window=8)
-
-
 def plain(model, prompts, T, **make):
     """The plain greedy loop: ``T + 1`` tokens per row (prefill, then ``T`` steps)."""
     logits, states = br.prefill(model, prompts, **make)

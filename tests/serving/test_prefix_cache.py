@@ -24,11 +24,6 @@ def entry(rng, n):
     return states, rows
 
 
-@pytest.fixture
-def rng():
-    return np.random.default_rng(0)
-
-
 def test_lookup_finds_the_longest_prefix_and_shares_it(rng):
     cache = PrefixCache(1 << 20)
     a, a_rows = entry(rng, 6)
