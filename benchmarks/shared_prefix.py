@@ -285,10 +285,10 @@ def decode(model, logits, states, steps, key, step=None):
     eager bridge's); returns the median step time, the states and the peak KV
     bytes held."""
     from kvstate import mlx_lm as bridge
-    from kvstate.kinds.shared import held_bytes
+    from kvstate.kinds.shared import resident_bytes
 
     step = step or bridge.step
-    times, peak = [], held_bytes(states)
+    times, peak = [], resident_bytes(states)
     for _ in range(steps):
         key, k = mx.random.split(key)
         tok = mx.random.categorical(logits * (1 / 0.8), key=k)
@@ -296,7 +296,7 @@ def decode(model, logits, states, steps, key, step=None):
         logits, states = step(model, tok, states)
         mx.eval(logits)
         times.append(time.perf_counter() - t)
-        peak = max(peak, held_bytes(states))
+        peak = max(peak, resident_bytes(states))
     return statistics.median(times), states, peak
 
 
@@ -371,7 +371,7 @@ def system_round(model, system, users, steps, seed, compiled=None):
     from mlx_lm.server import LRUPromptCache
 
     from kvstate import mlx_lm as bridge
-    from kvstate.kinds.shared import held_bytes
+    from kvstate.kinds.shared import resident_bytes
     from kvstate.serving.prefix_cache import PrefixCache, prefill
 
     prompts = [system + u for u in users]
@@ -415,12 +415,12 @@ def system_round(model, system, users, steps, seed, compiled=None):
         states = bridge.merge_rows(rows)
         logits = mx.concatenate(last, axis=0)
         extra = [] if cache is None else cache.records()
-        peak0 = held_bytes(list(states) + extra)
+        peak0 = resident_bytes(list(states) + extra)
         t1 = time.perf_counter()
         cstep = compiled_decode(model, logits, states, steps, seed, compiled and compiled[side])
         t2 = time.perf_counter()
         step, states, peak = decode(model, logits, states, steps, mx.random.key(seed))
-        peak = max(peak0, peak + (held_bytes(list(states) + extra) - held_bytes(states)))
+        peak = max(peak0, peak + (resident_bytes(list(states) + extra) - resident_bytes(states)))
         for lease in leases:
             lease.release()
         out[side] = (statistics.mean(ttfts), ran, step, peak, cstep)
@@ -775,7 +775,7 @@ def bytes_part(args):
     from mlx_lm.models.cache import KVCache
     from mlx_lm.server import LRUPromptCache
 
-    from kvstate.kinds.shared import held_bytes
+    from kvstate.kinds.shared import resident_bytes
     from kvstate.persist.files import model_geometry
     from kvstate.serving.prefix_cache import PrefixCache
 
@@ -817,7 +817,7 @@ def bytes_part(args):
         for _ in range(args.steps - 1):
             shared, unshared = grow(shared, n, 1), grow(unshared, n, 1)
             copies = [lm_grow(c, 1) for c in copies]
-        a, b = held_bytes(shared), held_bytes(unshared)
+        a, b = resident_bytes(shared), resident_bytes(unshared)
         lm = lm_bytes(entry) + sum(lm_bytes(c) for c in copies)
         print(
             f"| n={n} samples of {args.prompt} tokens | {a} | {b} | {lm} | {a / b:.3f} | "
@@ -849,8 +849,8 @@ def bytes_part(args):
     for _ in range(args.steps):
         shared, unshared = grow(shared, R, 1), grow(unshared, R, 1)
         running = [lm_grow(c, 1) for c in running]
-    a = held_bytes(shared + cache.records())
-    b = held_bytes(unshared)
+    a = resident_bytes(shared + cache.records())
+    b = resident_bytes(unshared)
     lm = sum(lm_bytes(c) for c in running) + lru.nbytes
     print(f"| {R} requests, {S}-token system prompt + {U} | {a} | {b} | {lm} | {a / b:.3f} | - |")
 

@@ -255,7 +255,7 @@ class Decoder:
         else:
             tokens, states = padded
         flats, specs, prepared, layouts, where, groups = self._flatten(states, N)
-        alone = all(len(f) == 1 for f in flats)  # (no held planes: a steady step may follow)
+        alone = all(len(f) == 1 for f in flats)  # (no read-only planes: a steady step may follow)
         keys = _keys(specs)
         fn = self._compiled((keys, squeeze, tuple(where)))
         traced = self.traces
@@ -355,10 +355,10 @@ class Decoder:
         groups: list = []
         fits: dict = {}  # id(remembered Spec) -> its layout's slot, once one fits as it is
 
-        def add(planes, held, spec, p, at, group) -> None:
-            # one layer's entries; ``held``: planes read, never written (a shared
+        def add(planes, read_only, spec, p, at, group) -> None:
+            # one layer's entries; ``read_only``: planes read, never written (a shared
             # layer's own prefix planes), entered beside its planes
-            flats.append((planes, held) if held else (planes,))
+            flats.append((planes, read_only) if read_only else (planes,))
             specs.append(spec)
             prepared.append(p)
             where.append(at)
@@ -431,7 +431,8 @@ class _Last:
     reference to each (the decoder pins no buffer), ``group_of[i]`` (layer
     ``i``'s layout) and ``groups[j]`` = ``(first layer, Spec)`` of layout
     ``j``; ``steady``: what a steady call reuses, or ``None`` (padded rows,
-    a kind without ``compiled.room``, held planes, a ``Spec`` subclass)."""
+    a kind without ``compiled.room``, read-only planes (``held_planes``), a
+    ``Spec`` subclass)."""
 
     __slots__ = ("refs", "group_of", "groups", "steady")
 

@@ -122,15 +122,15 @@ class Eager:
         self.windowed |= window is not None
         # Models that ask return_array=True (gemma2, phi3small, ...) read the
         # mask's dtype: the same mask as an array, same builder and memo.
-        mask, held = ops.next_mask(record, N, memo=self.memo, window=window, array=return_array)
-        if held is not None:
-            self.leases.append(held)
+        mask, lease = ops.next_mask(record, N, memo=self.memo, window=window, array=return_array)
+        if lease is not None:
+            self.leases.append(lease)
         return mask
 
     def release(self):
-        for held in self.leases:
-            if not held.released:
-                held.release()
+        for lease in self.leases:
+            if not lease.released:
+                lease.release()
         self.leases.clear()
 
 

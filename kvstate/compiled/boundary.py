@@ -130,7 +130,7 @@ class Flat(NamedTuple):
     ``planes``: every stored array, each ``[B, H, C, *]``. ``positions``:
     int32 ``[B]`` arrays (``host_positions``). A ``NamedTuple`` is a tuple to
     ``mx.compile``. (Arrays a step reads but never writes, ``held_planes``,
-    travel beside it: ``Traced.of`` takes ``(planes, positions, held)``.)
+    travel beside it: ``Traced.of`` takes ``(planes, positions, read_only)``.)
     """
 
     planes: tuple
@@ -259,8 +259,8 @@ class Positions:
 
 @singledispatch
 def held_planes(state: Any) -> tuple:
-    """Arrays a compiled step reads from ``state`` but never writes nor returns
-    (the third item ``Traced.of`` takes): none, unless the kind registers
+    """The read-only planes: arrays a compiled step reads from ``state`` but
+    never writes nor returns (the third item ``Traced.of`` takes): none, unless the kind registers
     them (a ``SharedState``'s prefix planes)."""
     return ()
 
@@ -347,7 +347,8 @@ class Traced:
     """One record inside a compiled step: ``proto`` (its kind and static
     fields), ``planes`` (``[B, H, C, *]``, traced) and ``positions`` (int32
     ``[B]`` arrays, traced, as ``host_positions`` orders them); ``same_end``
-    from the spec. ``written``: after a dense write of the last ``N`` columns,
+    from the spec; ``held``: the read-only planes (``held_planes``: read,
+    never written). ``written``: after a dense write of the last ``N`` columns,
     ``(planes before the write, the written tokens)``, so that a read may do
     the write itself (``kernels.write_and_read``); ``()`` otherwise."""
 
@@ -361,10 +362,10 @@ class Traced:
     @classmethod
     def of(cls, flat, key: tuple) -> "Traced":
         """The view of ``flat`` (``(planes, positions)``, or ``(planes, positions,
-        held)``) for a record whose ``Spec.key`` is ``key``."""
+        read_only)``) for a record whose ``Spec.key`` is ``key``."""
         kind, static, same_end = key
-        held = tuple(flat[2]) if len(flat) > 2 else ()
-        return cls(proto_of(kind, static), tuple(flat[0]), tuple(flat[1]), same_end, held)
+        read_only = tuple(flat[2]) if len(flat) > 2 else ()
+        return cls(proto_of(kind, static), tuple(flat[0]), tuple(flat[1]), same_end, read_only)
 
     @property
     def capacity(self) -> int:

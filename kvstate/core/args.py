@@ -36,10 +36,11 @@ def as_int(value, arg: str) -> int:
     return value
 
 
-def row_count(value, arg: str, *, held: int = 0) -> int:
-    """``value`` new rows for a record that holds ``held``: an int in ``[0, MAX_ROWS - held]``.
+def row_count(value, arg: str, *, existing: int = 0) -> int:
+    """``value`` new rows for a record that already has ``existing`` rows: an int in
+    ``[0, MAX_ROWS - existing]``.
 
-    Every constructor that takes a batch size and ``fork`` (``held``: the rows
+    Every constructor that takes a batch size and ``fork`` (``existing``: the rows
     forked from) check their count here, before anything is built, so a count
     too large to hold is refused by name, with the host bytes it would need,
     instead of exhausting memory or running for hours.
@@ -47,10 +48,10 @@ def row_count(value, arg: str, *, held: int = 0) -> int:
     n = as_int(value, arg)
     if n < 0:
         raise bad(arg, ">= 0", n)
-    if held + n > MAX_ROWS:
-        room = f"at most {MAX_ROWS - held} (MAX_ROWS = {MAX_ROWS} rows a record may have"
-        room += f", the record holds {held})" if held else ")"
-        need = f"{held + n} rows: at least {(held + n) * ROW_BYTES:,} bytes of host memory"
+    if existing + n > MAX_ROWS:
+        room = f"at most {MAX_ROWS - existing} (MAX_ROWS = {MAX_ROWS} rows a record may have"
+        room += f", the record holds {existing})" if existing else ")"
+        need = f"{existing + n} rows: at least {(existing + n) * ROW_BYTES:,} bytes of host memory"
         raise bad(arg, room, f"{n} ({need} for their bookkeeping alone)")
     return n
 

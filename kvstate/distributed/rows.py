@@ -130,17 +130,17 @@ def send_rows(
     peer = _peer(dst, "dst", g)  # no peer to tell: the receiver's timeout answers
     link = _transport(g, peer, transport, speaks_first=False)
     try:
-        layers, held = _parts(states)
+        layers, batch = _parts(states)
         B = layers[0].batch_size
         rows = row_list(rows, B)
         check(len(set(rows)) == len(rows), "rows", "distinct row indices", rows)
         stay = [r for r in range(B) if r not in set(rows)]
         # B = 0 when every row moves; a kv.Batch stays a kv.Batch
-        remaining = ops.filter_rows(layers if held is None else held, stay)
+        remaining = ops.filter_rows(layers if batch is None else batch, stay)
         desc, arrays = pack(layers, rows)
         for key, value in (
             ("note", note),
-            ("batch", None if held is None else batch_rows(held, rows)),
+            ("batch", None if batch is None else batch_rows(batch, rows)),
         ):
             try:
                 desc[key] = json.loads(json.dumps(value))

@@ -88,13 +88,13 @@ def signature(state: Any) -> dict:
     return sig
 
 
-def _fits(offered, held) -> bool:
+def _fits(offered, ready) -> bool:
     """Geometries agree where both are known (``None`` fits anything)."""
-    if offered is None or held is None:
+    if offered is None or ready is None:
         return True
-    if isinstance(offered, list) and isinstance(held, list):
-        return len(offered) == len(held) and all(map(_fits, offered, held))
-    return offered == held
+    if isinstance(offered, list) and isinstance(ready, list):
+        return len(offered) == len(ready) and all(map(_fits, offered, ready))
+    return offered == ready
 
 
 def _differ(o: dict, h: dict, where: str) -> str | None:
@@ -111,12 +111,12 @@ def _differ(o: dict, h: dict, where: str) -> str | None:
     return None
 
 
-def _differ_all(offered: Sequence[dict], held: Sequence[dict], where: str) -> str | None:
+def _differ_all(offered: Sequence[dict], ready: Sequence[dict], where: str) -> str | None:
     """The first difference between two lists of signatures (item ``j`` is
     named ``where[j]``), or ``None``."""
-    if len(offered) != len(held):
-        return f"{where}: expected {len(held)} (the receiver's), got {len(offered)}"
-    for j, (o, h) in enumerate(zip(offered, held)):
+    if len(offered) != len(ready):
+        return f"{where}: expected {len(ready)} (the receiver's), got {len(offered)}"
+    for j, (o, h) in enumerate(zip(offered, ready)):
         why = _differ(o, h, f"{where}[{j}]")
         if why:
             return why
@@ -124,8 +124,9 @@ def _differ_all(offered: Sequence[dict], held: Sequence[dict], where: str) -> st
 
 
 def mismatch(offered: Sequence[dict], held: Sequence[dict] | None) -> str | None:
-    """Why rows with layer signatures ``offered`` cannot join a batch with
-    ``held`` (``None``: the receiver has no batch yet), or ``None`` when they can.
+    """Why rows with layer signatures ``offered`` cannot join a batch whose
+    layers have the signatures ``held`` (the receiver's, ready for rows;
+    ``None``: the receiver has no batch yet), or ``None`` when they can.
 
     Both ends of a migration run this on the same two lists, so they agree.
     """

@@ -130,8 +130,8 @@ def chunk_mask(
 
 def _read_mask(n, left_pad, ends, offsets, chunk_size, memo):
     key = MaskKey("chunk", (n, tuple(left_pad), tuple(ends), tuple(offsets), chunk_size))
-    held = lease(memo, key, lambda: chunk_mask(n, left_pad, ends, offsets, chunk_size))
-    return held.mask, held
+    lease_ = lease(memo, key, lambda: chunk_mask(n, left_pad, ends, offsets, chunk_size))
+    return lease_.mask, lease_
 
 
 @ops.fetch.register(ChunkedState)

@@ -302,8 +302,8 @@ def rows_read_mask(n: int, left_pad: tuple, ends: tuple, memo, window, array=Fal
     ):
         return (None if n == 1 else "causal"), None  # aligned
     key = rows_key(n, left_pad, ends, window)
-    held = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends, default=0), window))
-    return held.mask, held
+    lease_ = lease(memo, key, lambda: rows_mask(n, left_pad, ends, max(ends, default=0), window))
+    return lease_.mask, lease_
 
 
 def next_count(n, memo) -> int:
@@ -332,12 +332,12 @@ def read_mask(state: _Rows, n: int, memo=None, window=None):
 
 def under_mask(mask_and_lease, read):
     """``read(mask)``, then release the mask's lease (if any) whatever happens."""
-    mask, held = mask_and_lease
+    mask, lease_ = mask_and_lease
     try:
         return read(mask)
     finally:
-        if held is not None:
-            held.release()
+        if lease_ is not None:
+            lease_.release()
 
 
 @singledispatch
@@ -773,10 +773,10 @@ def traced_update_rows(proto: _Rows, view: compiled.Traced, k, v, ctx: compiled.
     new = to_planes(proto, k, v)
     planes = tuple([write(p, x) for p, x in zip(view.planes, new)])
     after = ctx.shared(("rows-after", N), (ends,), lambda: ends + N)
-    held = with_planes(proto, planes)
+    written_record = with_planes(proto, planes)
     written = (view.planes, new) if len(planes) == 2 else ()  # (dense planes: a fusable write)
     after_view = compiled.Traced(proto, planes, (after, lp), view.same_end, written=written)
-    return after_view, held.keys, held.values
+    return after_view, written_record.keys, written_record.values
 
 
 @compiled.traced_mask.register

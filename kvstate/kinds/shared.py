@@ -112,7 +112,7 @@ class SharedState:
     @property
     def nbytes(self) -> int:
         """Bytes this record holds, each shared prefix counted once."""
-        return held_bytes([self])
+        return resident_bytes([self])
 
     def __attrs_post_init__(self):
         validate(self)
@@ -125,21 +125,21 @@ def with_suffix(state: SharedState, suffix) -> SharedState:
     return derived(state, suffix=suffix)
 
 
-def held_bytes(records) -> int:
-    """Bytes held by ``records`` (any kinds, e.g. every layer of every batch and
+def resident_bytes(records) -> int:
+    """Bytes resident in ``records`` (any kinds, e.g. every layer of every batch and
     cache entry alive), each record counted once however many rows or
     ``SharedState``s read it."""
     seen, total = set(), 0
     for r in records:
-        for x in held_records(r):
+        for x in resident_records(r):
             if id(x) not in seen:
                 seen.add(id(x))
                 total += x.nbytes
     return total
 
 
-def held_records(record) -> tuple:
-    """The records whose bytes ``record`` holds: a ``SharedState``'s prefixes
+def resident_records(record) -> tuple:
+    """The records whose bytes ``record`` keeps resident: a ``SharedState``'s prefixes
     and suffix (each counted once however many hold it), any other record itself."""
     return (*record.prefixes, record.suffix) if isinstance(record, SharedState) else (record,)
 
@@ -228,7 +228,7 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
 
 def _fork_args(state, row, n):
     row = row_index(row, state.batch_size)
-    return row, row_count(n, "n", held=state.batch_size)
+    return row, row_count(n, "n", existing=state.batch_size)
 
 
 def _empty_like(state: _Rows, batch_size: int, step: int | None = None) -> _Rows:
@@ -938,7 +938,7 @@ def dense_attend_reference(state: SharedState, q, *, scale: float):
     return ops.attend(materialize(state), q, scale=scale)
 
 
-# --- the compile boundary (kvstate.compiled): the suffix is written, the prefixes are held -----
+# --- the compile boundary (kvstate.compiled): the suffix is written, the prefixes read only ---
 
 
 @attrs.frozen
@@ -1016,7 +1016,7 @@ def host_positions_shared(state):
 
 
 @compiled.held_planes.register(SharedState)
-def held_planes_shared(state):
+def read_only_planes_shared(state):
     return prefix_planes(state)
 
 
@@ -1080,8 +1080,8 @@ def traced_mask_shared(proto, view, n: int, window, ctx):
 def traced_read_shared(proto, view: compiled.Traced, q, scale, ctx: compiled.TraceContext):
     ends, lp, source, rows, start, shared = view.positions  # (after the write)
     N, C = q.shape[2], view.capacity
-    held = view.held  # (keys, values) per record read: prefix_planes
-    pairs = [(held[i], held[i + 1]) for i in range(0, len(held), 2)]
+    read_only = view.held  # (keys, values) per record read: prefix_planes
+    pairs = [(read_only[i], read_only[i + 1]) for i in range(0, len(read_only), 2)]
     mask = ctx.shared(("shared-mask", N, C), (ends, lp), lambda: rows_mask(N, lp, ends, C))
     views = (source, rows, start, shared)
     out, planes = prefix_read(

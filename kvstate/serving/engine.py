@@ -175,7 +175,7 @@ def _job(request: Request, run: _Run) -> Job:
     )
 
 
-def _held_tokens(spec) -> int:
+def _kv_tokens(spec) -> int:
     """Tokens the rows' caches hold (each row's context less its pending token)."""
     return sum(len(c) - 1 for c in spec.context)
 
@@ -191,7 +191,7 @@ class KVStateEngine:
     prefills only the rest; rows then read the cached records without
     copying them. ``prompt_tokens``/``prefilled`` count the prompt tokens
     asked for and run in the last run; ``peak_bytes`` the most KV bytes
-    held (rows and cache, each shared record once). A model with
+    resident (rows and cache, each shared record once). A model with
     sliding-window layers runs without the cache (rings do not share
     prefixes). ``compiled``: each round's forward compiled.
     """
@@ -237,7 +237,7 @@ class KVStateEngine:
                 run.idle()
                 continue
             if sched.spec is not None:
-                run.per_token.append(sched.nbytes() / max(_held_tokens(sched.spec), 1))
+                run.per_token.append(sched.nbytes() / max(_kv_tokens(sched.spec), 1))
             run.stepped(sched.active_rows, sched.queued)
         self._took(sched)
         return run.result()
@@ -297,7 +297,7 @@ class MlxLmEngine:
     step); greedy rows sample with ``sample`` (the argmax), others with
     mlx-lm's ``make_sampler(temperature, top_p)`` (mlx-lm's random stream,
     so sampled tokens differ from kvstate's keyed ones). ``peak_bytes``:
-    the most bytes its caches held.
+    the most bytes resident in its caches.
     """
 
     name = "mlx-lm"
@@ -371,8 +371,8 @@ class MlxLmEngine:
                 del tracks[resp.uid]
 
     def _measure(self, gen, tracks: dict, run: _Run) -> None:
-        """Bytes its caches hold (mlx-lm's own count), and per token held."""
-        held = gen.prompt_cache_nbytes
-        self.peak_bytes = max(self.peak_bytes, held)
+        """Bytes resident in its caches (mlx-lm's own count), and per token."""
+        resident = gen.prompt_cache_nbytes
+        self.peak_bytes = max(self.peak_bytes, resident)
         tokens = sum(len(t.request.prompt) + len(t.tokens) for t in tracks.values())
-        run.per_token.append(held / max(tokens, 1))
+        run.per_token.append(resident / max(tokens, 1))

@@ -39,7 +39,7 @@ from ..core.args import as_int
 from ..core.masks import Releasable
 from ..core.records import CacheState, QuantizedState
 from ..errors import bad, check
-from ..kinds.shared import SharedState, fork, held_records, materialize
+from ..kinds.shared import SharedState, fork, materialize, resident_records
 from ..persist import files as persist
 
 __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
@@ -87,8 +87,8 @@ class _Entry:
 
 
 def _units(states) -> list:
-    """The records ``held_bytes`` counts once each for ``states``."""
-    return [x for s in states for x in held_records(s)]
+    """The records ``resident_bytes`` counts once each for ``states``."""
+    return [x for s in states for x in resident_records(s)]
 
 
 class PrefixLease(Releasable):
@@ -150,7 +150,7 @@ class PrefixCache:
 
     Args:
         max_bytes: the budget; inserts drop unpinned least recently used
-            entries until the bytes held fit (0: keep nothing unpinned).
+            entries until the resident bytes fit (0: keep nothing unpinned).
         identity: the model's identity (``model_identity``); ``save`` records
             it and ``load`` refuses a file made for another one.
     """
@@ -162,8 +162,8 @@ class PrefixCache:
             raise bad("identity", "a str (model_identity(path))", type(identity).__name__)
         self.max_bytes, self.identity = max_bytes, identity
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # oldest first
-        self._held: dict = {}  # id(record) -> [record, entries holding it]: bytes counted once
-        self._bytes = 0  # held_bytes(self.records()), kept as entries come and go
+        self._resident: dict = {}  # id(record) -> [record, entries holding it]: bytes counted once
+        self._bytes = 0  # resident_bytes(self.records()), kept as entries come and go
         self.peak_bytes = 0
         self.evictions = 0
 
@@ -171,7 +171,7 @@ class PrefixCache:
         return len(self._entries)
 
     def records(self) -> list:
-        """Every record the entries hold (for ``held_bytes`` over a batch and its cache)."""
+        """Every record the entries hold (for ``resident_bytes`` over a batch and its cache)."""
         return [s for e in self._entries.values() for s in e.states]
 
     def __contains__(self, tokens) -> bool:
@@ -180,16 +180,16 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Bytes the entries hold, each shared record counted once
-        (``held_bytes(self.records())``, counted as entries come and go: an
+        (``resident_bytes(self.records())``, counted as entries come and go: an
         insert costs its own records, not a walk over every entry)."""
         return self._bytes
 
     def _add(self, entry: _Entry) -> None:
         self._entries[entry.tokens] = entry
         for x in _units(entry.states):
-            got = self._held.get(id(x))
+            got = self._resident.get(id(x))
             if got is None:
-                self._held[id(x)] = [x, 1]
+                self._resident[id(x)] = [x, 1]
                 self._bytes += x.nbytes
             else:
                 got[1] += 1
@@ -197,10 +197,10 @@ class PrefixCache:
     def _drop(self, key: tuple) -> None:
         entry = self._entries.pop(key)
         for x in _units(entry.states):
-            got = self._held[id(x)]
+            got = self._resident[id(x)]
             got[1] -= 1
             if not got[1]:
-                del self._held[id(x)]
+                del self._resident[id(x)]
                 self._bytes -= x.nbytes
 
     @property
@@ -410,7 +410,7 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
     start = 0 if hit is None else hit.matched
     states = make_states(model, 1, **make) if hit is None else hit.states
     rest = p[start:]  # (lookup leaves at least the last token to run)
-    held = p[:-1]  # cached up to its last token: the batched step runs that
+    cached = p[:-1]  # cached up to its last token: the batched step runs that
     out = None
     if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
         chunk = prefill_step_size or len(rest)
@@ -419,9 +419,9 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
             logits, states = forward(
                 model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
             )
-        out, held = logits[:, -1, :], p
-    if held and cache is not None and cache.insert(held, states):
-        pinned = cache.pin(held)  # the row reads the entry (the same records when dense)
+        out, cached = logits[:, -1, :], p
+    if cached and cache is not None and cache.insert(cached, states):
+        pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
         assert pinned is not None  # inserted just above
         states = pinned.states
         if hit is not None:

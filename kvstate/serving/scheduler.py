@@ -42,7 +42,7 @@ from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
 from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
-from ..kinds.shared import fork, held_bytes
+from ..kinds.shared import fork, resident_bytes
 from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
@@ -185,14 +185,14 @@ class Scheduler:
         return True
 
     def nbytes(self) -> int:
-        """KV bytes held now: the rows (the draft model's too) and the prefix cache,
+        """KV bytes resident now: the rows (the draft model's too) and the prefix cache,
         each shared record counted once."""
         records: list = []
         if self.spec is not None:
             records += list(self.spec.states) + list(self.spec.draft_states or ())
         if self.prefix_cache is not None:
             records += self.prefix_cache.records()
-        return held_bytes(records)
+        return resident_bytes(records)
 
     # --- the thread (the HTTP server) ------------------------------------------------
 
