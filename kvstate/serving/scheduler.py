@@ -305,15 +305,15 @@ class Scheduler:
             job, choice = payload[b]
             self._hand(job, choice, toks)
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.nbytes())
-        keep = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
-        if len(keep) == len(payload):
+        stay = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
+        if len(stay) == len(payload):
             return
         for job in {job for job, _ in payload}:
             if len(job.cancelled) == job.n:
                 job.release()
-        if not keep:  # the batch empties: the rule keeps its last round's cost
+        if not stay:  # the batch empties: the rule keeps its last round's cost
             self.window = speculative.recorded(self.spec)
-        self.spec = speculative.leave(self.spec, keep) if keep else None
+        self.spec = speculative.leave(self.spec, stay) if stay else None
 
     def _hand(self, job: Job, choice: int, tokens) -> None:
         """``tokens`` to ``job``'s ``choice``, up to its end (a stop token or ``max_tokens``)."""

@@ -1171,9 +1171,9 @@ def _drafted_end(
     round held, under hysteresis, while the run goes on); this one's sample waits for
     the round after it (``_record_read``)."""
     hold = rule is not None and rule.hysteresis and not entry
-    keep = [not r.drafted or (hold and r.entry) for r in unrecorded]
-    rule = _flush(rule, tuple(r for r, k in zip(unrecorded, keep) if not k))
-    kept = tuple(r for r, k in zip(unrecorded, keep) if k)
+    deferred = [not r.drafted or (hold and r.entry) for r in unrecorded]
+    rule = _flush(rule, tuple(r for r, d in zip(unrecorded, deferred) if not d))
+    kept = tuple(r for r, d in zip(unrecorded, deferred) if d)
     elapsed = max(0.0, time.perf_counter() - t0)
     drafting = attrs.evolve(drafting, W=width, seconds=elapsed)
     return rule, kept + ((drafting,) if rule is not None else ())
