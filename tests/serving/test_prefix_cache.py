@@ -128,10 +128,10 @@ def test_a_lease_inside_the_prefix_holds_no_suffix_planes(rng):
 
 
 def test_byte_count_follows_inserts_and_evictions(rng):
-    """``nbytes`` (kept as entries come and go) always equals ``held_bytes``
+    """``nbytes`` (kept as entries come and go) always equals ``resident_bytes``
     over every record the entries hold, shared records counted once, through
     inserts of dense and shared entries, leases and budget evictions."""
-    from kvstate.kinds.shared import held_bytes
+    from kvstate.kinds.shared import resident_bytes
 
     sizes = [3, 8, 5, 12, 8, 2, 9, 6, 4, 10, 7, 11]
     one = sum(s.nbytes for s in entry(rng, 8)[0])
@@ -147,7 +147,7 @@ def test_byte_count_follows_inserts_and_evictions(rng):
             cache.insert(tokens, entry(rng, n)[0])
         if hit is not None:
             hit.release()
-        assert cache.nbytes == held_bytes(cache.records())
+        assert cache.nbytes == resident_bytes(cache.records())
         assert cache.nbytes <= cache.max_bytes or cache.pinned
     assert cache.evictions > 0 and shared > 0
 
