@@ -65,6 +65,10 @@ def _tok(messages=None, text=None):
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, "seed"),
+        # values that used to reach the scheduler's thread and stop it for good
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ""}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 98}, "messages"),
     ],
 )
