@@ -11,7 +11,7 @@ Where it runs: wherever numbers enter from outside — a record's constructor
 ``from_prompt_cache``, ``unflatten``, a hand-made ``Checkpoint`` — and never
 again for records that kvstate's pure functions derive from valid records:
 those are built by ``records.derived``, which skips the check (the hot path
-of every append). The hypothesis tests in ``tests/test_invariants.py`` check
+of every append). The hypothesis tests in ``tests/core/test_invariants.py`` check
 that every public call returns records that pass ``validate``.
 
 Row identities: every row of every record has an id (``row_ids``), drawn

@@ -406,7 +406,7 @@ MAX_QUERIES = 8
 #: cascade's ~35 uncompiled operations per layer (``notes/kinds.md``, session 4).
 #: Measured on the H200 (session 5, ``benchmarks/shared_prefix.py --part wide``): the
 #: kernel read such rests in 0.17-0.43x the cascade's time at every width to 512 (B=1, 4);
-#: tested there to 512 queries (session 6, ``tests/test_prefix_read.py``).
+#: tested there to 512 queries (session 6, ``tests/kernels/test_prefix_read.py``).
 PREFIX_QUERIES = 512
 #: Blocks a split read aims for (B * H * N * S): measured on the H200 (``notes/kernels.md``),
 #: about 512 blocks beat 4096: a split's merge costs more than the extra waves save.
