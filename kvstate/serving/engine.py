@@ -175,11 +175,6 @@ def _job(request: Request, run: _Run) -> Job:
     )
 
 
-def _kv_tokens(spec) -> int:
-    """Tokens the rows' caches hold (each row's context less its pending token)."""
-    return sum(len(c) - 1 for c in spec.context)
-
-
 # --- engines: configurations of the scheduler, and mlx-lm's BatchGenerator -----------
 
 
@@ -224,6 +219,7 @@ class KVStateEngine:
             prefix_cache=cache,
             compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
+            measure=True,
         )
 
     def serve(self, requests, batch_size, *, on_finish=None, progress: Progress = None) -> tuple:
@@ -236,9 +232,8 @@ class KVStateEngine:
             if not sched.step():
                 run.idle()
                 continue
-            if sched.spec is not None:
-                run.per_token.append(sched.nbytes() / max(_kv_tokens(sched.spec), 1))
             run.stepped(sched.active_rows, sched.queued)
+        run.per_token = sched.bytes_per_token
         self._took(sched)
         return run.result()
 
@@ -283,6 +278,7 @@ class SpeculativeEngine(KVStateEngine):
             window=self.window,
             compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
+            measure=True,
         )
 
     def _took(self, sched: Scheduler) -> None:

@@ -113,6 +113,9 @@ class Scheduler:
             measured cost pays, its measurements kept across batches
             (``self.window``); ``None``: every row drafts up to ``num_draft``.
         compiled: run each round's forward compiled (``speculative.compiled``).
+        measure: after each round, the KV bytes held (rows and prefix cache) into
+            ``stats["peak_bytes"]`` and, over the tokens the rows hold, into
+            ``bytes_per_token`` (one entry a round); off, a round measures nothing.
         prefill_step_size: prompt tokens per prefill forward (longer prompts are chunked).
     """
 
@@ -129,6 +132,7 @@ class Scheduler:
         window: Optional[speculative.Window] = None,
         compiled: bool = False,
         prefill_step_size: int = 512,
+        measure: bool = False,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.window = window if drafter is not None else None  # the rule and its costs
@@ -137,7 +141,8 @@ class Scheduler:
             prefix_cache = None  # rings, recurrent or chunked layers share no prefix (yet)
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
         self.forward = speculative.compiled(model) if compiled else None
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size, self.measure = prefill_step_size, measure
+        self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
         self._stop = threading.Event()
@@ -304,7 +309,8 @@ class Scheduler:
         for toks, b in zip(emitted, rows):
             job, choice = payload[b]
             self._hand(job, choice, toks)
-        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.nbytes())
+        if self.measure:
+            self._measure()
         stay = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
         if len(stay) == len(payload):
             return
@@ -314,6 +320,13 @@ class Scheduler:
         if not stay:  # the batch empties: the rule keeps its last round's cost
             self.window = speculative.recorded(self.spec)
         self.spec = speculative.leave(self.spec, stay) if stay else None
+
+    def _measure(self) -> None:
+        """The bytes held now (before finished rows leave): the peak, and per token held."""
+        resident = self.nbytes()
+        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], resident)
+        tokens = sum(len(c) - 1 for c in self.spec.context)  # (less each row's pending token)
+        self.bytes_per_token.append(resident / max(tokens, 1))
 
     def _hand(self, job: Job, choice: int, tokens) -> None:
         """``tokens`` to ``job``'s ``choice``, up to its end (a stop token or ``max_tokens``)."""
