@@ -40,6 +40,7 @@ from ..core.masks import Releasable
 from ..core.records import CacheState, QuantizedState
 from ..errors import bad, check
 from ..kinds.shared import SharedState, fork, materialize, resident_records
+from ..mlx_lm import forward, make_states, merge_rows, step
 from ..persist import files as persist
 
 __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
@@ -362,8 +363,6 @@ def prefill(
         each when its row finishes), and per row the tokens actually run
         through the model.
     """
-    from ..mlx_lm import merge_rows
-
     check(len(prompts) >= 1, "prompts", "at least one prompt", "none")
     if prefill_step_size is not None:
         prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
@@ -404,8 +403,6 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
         last logits ``[1, V]`` where the rest ran here (``None``: the last token
         waits for the batched step).
     """
-    from ..mlx_lm import forward, make_states
-
     hit = cache.lookup(p) if cache is not None else None
     start = 0 if hit is None else hit.matched
     states = make_states(model, 1, **make) if hit is None else hit.states
@@ -442,8 +439,6 @@ def _step_waiting(
     Returns:
         ``(logits [B, V], states)`` in prompt order.
     """
-    from ..mlx_lm import merge_rows, step
-
     ran = sorted(last)
     tokens = mx.array([prompts[b][-1] for b in wait])
     lg, stepped = step(model, tokens, merge_rows([rows[b] for b in wait]), memo=memo)

@@ -39,6 +39,7 @@ import mlx.core as mx
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sampling_arrays
+from ..bridge.decoder import Decoder
 from ..core import ops
 from ..core.args import PerRowInts, per_row, row_list
 from ..core.records import _tuple, derived, forwarded
@@ -334,8 +335,6 @@ def eager(model: Model) -> Forward:
 def compiled(model: Model) -> Forward:
     """The same through one ``kvstate.mlx_lm.Decoder`` (one trace per window width
     and capacity bucket)."""
-    from ..bridge.decoder import Decoder
-
     decoder = Decoder(model)
 
     def run(tokens, states):
