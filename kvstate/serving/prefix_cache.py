@@ -11,7 +11,7 @@ shortens its view). A request then prefills only ``tokens[matched:]``::
     cache = PrefixCache(max_bytes=1 << 30, identity=model_identity(path))
     with cache.lookup(prompt) as hit:          # None on a miss
         states = hit.states                    # rows reading the cached prefix
-        logits, states = forward(model, mx.array([prompt[hit.matched:]]), states)
+        logits, states = bridge.forward(model, mx.array([prompt[hit.matched:]]), states)
     cache.insert(prompt, states)               # the whole prompt, for the next request
 
 Bytes are counted once per record, however many entries or rows share it
@@ -34,13 +34,13 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from .. import mlx_lm as bridge
 from ..core import ops
 from ..core.args import as_int
 from ..core.masks import Releasable
 from ..core.records import CacheState, QuantizedState
 from ..errors import bad, check
 from ..kinds.shared import SharedState, fork, materialize, resident_records
-from ..mlx_lm import forward, make_states, merge_rows, step
 from ..persist import files as persist
 
 __all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
@@ -381,7 +381,12 @@ def prefill(
     ran = sorted(last)
     wait = [b for b in range(len(prompts)) if b not in last]
     if not wait:
-        return mx.concatenate([last[b] for b in ran], axis=0), merge_rows(rows), leases, prefilled
+        return (
+            mx.concatenate([last[b] for b in ran], axis=0),
+            bridge.merge_rows(rows),
+            leases,
+            prefilled,
+        )
     logits, states = _step_waiting(model, prompts, rows, last, wait, cache, memo)
     return logits, states, leases, prefilled
 
@@ -405,7 +410,7 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
     """
     hit = cache.lookup(p) if cache is not None else None
     start = 0 if hit is None else hit.matched
-    states = make_states(model, 1, **make) if hit is None else hit.states
+    states = bridge.make_states(model, 1, **make) if hit is None else hit.states
     rest = p[start:]  # (lookup leaves at least the last token to run)
     cached = p[:-1]  # cached up to its last token: the batched step runs that
     out = None
@@ -413,7 +418,7 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
         chunk = prefill_step_size or len(rest)
         for at in range(0, len(rest), chunk):
             end = at + chunk >= len(rest)
-            logits, states = forward(
+            logits, states = bridge.forward(
                 model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
             )
         out, cached = logits[:, -1, :], p
@@ -441,12 +446,12 @@ def _step_waiting(
     """
     ran = sorted(last)
     tokens = mx.array([prompts[b][-1] for b in wait])
-    lg, stepped = step(model, tokens, merge_rows([rows[b] for b in wait]), memo=memo)
+    lg, stepped = bridge.step(model, tokens, bridge.merge_rows([rows[b] for b in wait]), memo=memo)
     if cache is not None:  # the whole prompts too (a next turn reuses all of them)
         for j, b in enumerate(wait):
             cache.insert(prompts[b], [ops.extract_row(s, j) for s in stepped])
     logits = mx.concatenate([last[b] for b in ran] + [lg], axis=0)
-    states = merge_rows([rows[b] for b in ran] + [stepped])
+    states = bridge.merge_rows([rows[b] for b in ran] + [stepped])
     order = ran + wait  # (the rows as merged)
     if order != sorted(order):  # back in prompt order
         back = [order.index(b) for b in range(len(prompts))]
