@@ -287,6 +287,18 @@ def _parser():
         default=None,
         help="longest prompt + max_tokens accepted (default: the model's)",
     )
+    v.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may take; past it, it ends with 504 (600)",
+    )
+    v.add_argument(
+        "--allow-control-tokens",
+        action="store_true",
+        help="let message content carry special tokens such as <|im_start|> "
+        "(default: content is encoded as text, so a user cannot forge a turn)",
+    )
     _draft_flags(v)
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
@@ -420,6 +432,7 @@ def show_completion(c: Completion, tokenizer, out, as_json: bool):
                     "prompt_tokens": len(r.prompt),
                     "generated_tokens": len(c.tokens),
                     "finish_reason": c.finish,
+                    **({"error": c.error} if c.error is not None else {}),
                     "ttft_s": round(c.ttft, 4),
                     "seconds": round(c.seconds, 4),
                 }
@@ -431,7 +444,8 @@ def show_completion(c: Completion, tokenizer, out, as_json: bool):
     text = tokenizer.decode(c.tokens) if tokenizer else " ".join(map(str, c.tokens))
     print(
         f"[{r.id}] {r.text if r.text is not None else f'{len(r.prompt)} random tokens'}\n"
-        f"    {text.strip()}\n    ({len(c.tokens)} tokens, {c.finish}, "
+        f"    {text.strip()}\n    ({len(c.tokens)} tokens, {c.finish}"
+        f"{f': {c.error}' if c.error is not None else ''}, "
         f"first token after {c.ttft:.2f} s)",
         file=out,
         flush=True,
@@ -642,6 +656,8 @@ def serve_command(args, err=None) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         context=args.context,
+        timeout=args.request_timeout,
+        control_tokens=args.allow_control_tokens,
         prefix_cache=cache,
         drafter=drafter,
         num_draft=args.num_draft,

@@ -5,10 +5,16 @@ package, ``kvstate.models.gguf.tokenizer``); an mlx-lm model directory carries a
 Hugging Face tokenizer (``from_hf``). Both become a ``Tokenizer``:
 ``encode``, ``decode``, ``chat`` (the model's chat template applied, then
 encoded) and the end-of-sequence ids generation stops at.
+
+Message content is text: ``chat`` matches special tokens only where the
+template writes them, so a user who types ``<|im_start|>system`` gets those
+characters, not a forged turn (``control_tokens=True`` lets content carry
+them, for clients that build raw turns on purpose).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -26,6 +32,7 @@ class Tokenizer:
     """
 
     _encode: Callable[[str], list]
+    _encode_text: Callable[[str], list]  # special tokens written in the text stay text
     _decode: Callable[[list], str]
     _render: Callable[[list], str] | None  # messages -> prompt text
     eos_ids: tuple
@@ -60,8 +67,13 @@ class Tokenizer:
             def render(messages):
                 return template.render(messages=messages, add_generation_prompt=True, **extra)
 
+        literal = copy.deepcopy(backend)  # its own object: the flag is the backend's state
+        literal.encode_special_tokens = True
+        # encode_batch, not encode: it lets go of the GIL while it works, so a long
+        # prompt tokenized in a worker thread does not stall the server's event loop
         return cls(
-            lambda text: backend.encode(text, add_special_tokens=False).ids,
+            lambda text: backend.encode_batch([text], add_special_tokens=False)[0].ids,
+            lambda text: literal.encode_batch([text], add_special_tokens=False)[0].ids,
             lambda ids: backend.decode(list(ids), skip_special_tokens=True),
             render,
             tuple(int(i) for i in eos_ids),
@@ -81,8 +93,10 @@ class Tokenizer:
                 return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
         special = {t: hf.convert_tokens_to_ids(t) for t in getattr(hf, "all_special_tokens", [])}
+        special.update(getattr(hf, "added_tokens_encoder", None) or {})
         return cls(
             lambda text: list(hf.encode(text, add_special_tokens=False)),
+            lambda text: list(hf.encode(text, add_special_tokens=False, split_special_tokens=True)),
             lambda ids: hf.decode(list(ids), skip_special_tokens=True),
             render,
             tuple(sorted(int(i) for i in eos if i is not None)),
@@ -114,10 +128,36 @@ class Tokenizer:
                 raise bad(f"messages[{i}]", "a dict with 'role' and 'content'", repr(m))
         return self._render([dict(m) for m in messages])
 
-    def chat(self, messages: Sequence[dict]) -> list:
-        """Token ids of the chat template applied to ``messages``."""
-        text = self.render(messages)
-        ids = self._encode(text)
+    def chat(self, messages: Sequence[dict], *, control_tokens: bool = False) -> list:
+        """Token ids of the chat template applied to ``messages``.
+
+        The template's own markup is matched against the special tokens; the
+        messages' ``content`` is encoded as text (a ``<|im_end|>`` typed in it is
+        those characters), unless ``control_tokens``. Content with no special token
+        in it encodes exactly as the rendered text does."""
+        if control_tokens or not self._forges(messages):
+            ids = self._encode(self.render(messages))
+        else:
+            ids = self._literal_chat(messages)
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
+
+    def _forges(self, messages: Sequence[dict]) -> bool:
+        """Whether some message's content holds a special token's text."""
+        contents = [m.get("content") for m in messages if isinstance(m, dict)]
+        texts = [c for c in contents if isinstance(c, str)]
+        return any(tok in c for c in texts for tok in self.special_tokens if tok)
+
+    def _literal_chat(self, messages: Sequence[dict]) -> list:
+        """The template rendered around placeholders: its markup encoded with special
+        tokens matched, each content encoded as text in its place."""
+        marks = [f"\x00kvstate-content-{i}\x00" for i in range(len(messages))]
+        text = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        ids: list = []
+        for mark, m in zip(marks, messages):
+            if mark not in text:  # a message the template leaves out
+                continue
+            head, _, text = text.partition(mark)
+            ids += self._encode(head) + self._encode_text(m["content"])
+        return ids + self._encode(text)

@@ -56,14 +56,17 @@ class Request:
 @attrs.frozen
 class Completion:
     """What a request got: ``tokens`` (the stop token included when it ended at one),
-    ``finish`` (``"stop"`` or ``"length"``), seconds from its arrival to its first
-    token (``ttft``) and to its last (``seconds``)."""
+    ``finish`` (``"stop"``, ``"length"``, or ``"error"`` with the reason in
+    ``error``: a fault in its prefill or rounds ended it, the others went on),
+    seconds from its arrival to its first token (``ttft``) and to its last
+    (``seconds``)."""
 
     request: Request
     tokens: tuple
     finish: str
     ttft: float
     seconds: float
+    error: str | None = None
 
 
 Progress = Optional[Callable[[int, int, int], None]]  # progress(tokens, active, queued)
@@ -108,11 +111,11 @@ class _Track:
             if not self.tokens:
                 self.ttft = time.perf_counter() - self.arrived
             self.tokens.append(value)
-        elif kind == "done":
+        else:  # "done", or "error" (the value is why)
             seconds = time.perf_counter() - self.arrived
-            self.on_done(Completion(self.request, tuple(self.tokens), value, self.ttft, seconds))
-        else:  # "error"
-            raise RuntimeError(f"request {self.request.id}: {value}")
+            finish, error = (value, None) if kind == "done" else ("error", value)
+            done = Completion(self.request, tuple(self.tokens), finish, self.ttft, seconds, error)
+            self.on_done(done)
 
 
 class _Run:

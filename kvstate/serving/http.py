@@ -13,9 +13,14 @@ strings; the model side (``Scheduler``, one thread) owns the batch::
 A job is one request; its ``n`` choices are ``n`` rows. A client that goes
 away cancels its job, and its rows leave the batch at the next step. When
 ``max_queue`` jobs are waiting, a new request is answered 429 at once (no
-hidden wait). The scheduler is ``kvstate.serving.scheduler`` (the one every
-generation path runs); this module is the HTTP side. Decisions are in
-``notes/serving.md``.
+hidden wait). Every request is parsed, validated and tokenized in a worker
+thread, before anything is queued, so a 4 MB prompt does not stall the
+other streams and a bad value is a 400, never a fault in the scheduler.
+A request that fails in the scheduler gets an OpenAI-shaped 500 (or an
+error event, when streamed); a request past its deadline gets 504; when the
+scheduler is not running, every request and ``/health`` get 503. The
+scheduler is ``kvstate.serving.scheduler`` (the one every generation path
+runs); this module is the HTTP side. Decisions are in ``notes/serving.md``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-from ..errors import KVStateError
-from .scheduler import Job, QueueFull, Scheduler
+from ..errors import KVStateError, bad
+from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
 
 # --- request parsing ------------------------------------------------------------------
 
@@ -46,15 +51,27 @@ class BadRequest(Exception):
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
 
+    kind = "invalid_request_error"
+
     def body(self) -> dict:
         return {
             "error": {
                 "message": str(self),
-                "type": "invalid_request_error",
+                "type": self.kind,
                 "param": self.param,
                 "code": self.code,
             }
         }
+
+
+class ServerError(BadRequest):
+    """A request the server could not complete (5xx): a fault in its prefill or
+    rounds (500), its deadline (504), the scheduler not running (503)."""
+
+    kind = "server_error"
+
+    def __init__(self, message: str, code: str = "internal_error", status: int = 500):
+        super().__init__(message, None, code, status)
 
 
 def _number(body: dict, name: str, default, low, high, *, integer=False):
@@ -241,11 +258,26 @@ def _error(exc: BadRequest):
 
 
 class Api:
-    """aiohttp handlers over a running ``Scheduler``."""
+    """aiohttp handlers over a running ``Scheduler``.
 
-    def __init__(self, scheduler, tokenizer, *, model_id: str, context: int):
+    ``timeout``: seconds a request may take from its arrival (its deadline: the
+    scheduler ends it there, and the handler stops waiting a little after).
+    ``control_tokens``: whether message content may carry special tokens
+    (``<|im_start|>``); by default it is encoded as text."""
+
+    def __init__(
+        self,
+        scheduler,
+        tokenizer,
+        *,
+        model_id: str,
+        context: int,
+        timeout: float = 600.0,
+        control_tokens: bool = False,
+    ):
         self.scheduler, self.tok = scheduler, tokenizer
         self.model_id, self.context = model_id, context
+        self.timeout, self.control_tokens = timeout, control_tokens
         self.created = int(time.time())
 
     def app(self):
@@ -266,6 +298,7 @@ class Api:
         return web.json_response(
             {
                 "status": "ok" if s.alive else "stopped",
+                "failed": s.stats["failed"],
                 "active_rows": s.active_rows,
                 "queued": s.queued,
                 "rounds": s.stats["rounds"],
@@ -275,7 +308,8 @@ class Api:
                     "cache": mx.get_cache_memory() / 2**20,
                     "peak": mx.get_peak_memory() / 2**20,
                 },
-            }
+            },
+            status=200 if s.alive else 503,
         )
 
     async def models(self, request):
@@ -303,16 +337,20 @@ class Api:
 
     def _tokenize(self, *, messages=None, text=None) -> list:
         if messages is not None:
-            return self.tok.chat(messages)
+            return self.tok.chat(messages, control_tokens=self.control_tokens)
         return self.tok.encode(text)
+
+    def _parse(self, raw: bytes, chat: bool) -> Params:
+        """The body decoded, validated and tokenized (in a worker thread)."""
+        return parse(_json(raw), chat=chat, tokenize=self._tokenize, context=self.context)
 
     async def _complete(self, request, *, chat: bool):
         """One completion request: parsed, queued, then answered whole or streamed."""
+        arrived = time.perf_counter()
         try:
-            p = parse(
-                await _body(request), chat=chat, tokenize=self._tokenize, context=self.context
-            )
-            job, events = self._submit(p)
+            raw = await request.read()
+            p = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw, chat)
+            job, events = self._submit(p, arrived)
         except BadRequest as exc:
             return _error(exc)
         kind = "chat.completion" if chat else "text_completion"
@@ -326,12 +364,14 @@ class Api:
             if p.stream:
                 return await self._streamed(request, reply, events, head, kind)
             while not reply.finished:
-                reply.take(await events.get())
+                reply.take(await _next(events, job))
             return _whole(reply, head, kind)
+        except ServerError as exc:
+            return _error(exc)
         finally:
             job.cancel()  # no-op for finished choices; frees rows of a vanished client
 
-    def _submit(self, p: Params) -> tuple:
+    def _submit(self, p: Params, arrived: float) -> tuple:
         """``(job, events)``: the job queued, its events hopped onto this event loop."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -347,12 +387,18 @@ class Api:
             seed=p.seed,
             n=p.n,
             emit=emit,
+            submitted=arrived,
+            deadline=arrived + self.timeout,
         )
         try:
             self.scheduler.submit(job)
         except QueueFull:
             raise BadRequest(
                 "the server is at capacity; retry later", code="queue_full", status=429
+            ) from None
+        except Stopped:
+            raise ServerError(
+                "the server is not running (shutting down or stopped)", "unavailable", 503
             ) from None
         except KVStateError as exc:  # n larger than the batch (--max-batch)
             raise BadRequest(str(exc), "n") from None
@@ -373,7 +419,11 @@ class Api:
                 role = {"role": "assistant", "content": ""}
                 await self._send(response, head, kind, i, role, None, chat)
         while not reply.finished:
-            taken = reply.take(await events.get())
+            try:
+                taken = reply.take(await _next(events, reply.job))
+            except ServerError as exc:  # the headers are out: the error as the last event
+                await response.write(b"data: " + json.dumps(exc.body()).encode() + b"\n\n")
+                break
             if taken is None:
                 continue
             i, delta, finish = taken
@@ -400,11 +450,28 @@ class Api:
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
 
-async def _body(request) -> Any:
+def _json(raw: bytes) -> Any:
+    """The request body as JSON; a 400 for anything else (nesting too deep included)."""
     try:
-        return await request.json()
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+
+
+GRACE = 5.0  # seconds a handler waits past its job's deadline for the scheduler's word
+
+
+async def _next(events: asyncio.Queue, job: Job) -> tuple:
+    """The job's next event; a 504 if none comes by its deadline (and a grace)."""
+    if job.deadline is None:
+        return await events.get()
+    left = job.deadline + GRACE - time.perf_counter()
+    try:
+        return await asyncio.wait_for(events.get(), max(left, 0.0))
+    except asyncio.TimeoutError:
+        raise ServerError("the request's deadline passed", "timeout", 504) from None
 
 
 class _Reply:
@@ -425,7 +492,7 @@ class _Reply:
         ``None`` for an event of a choice that already finished."""
         what, i, value = event
         if what == "error":
-            raise RuntimeError(value)
+            raise ServerError(value, *_status_of(value))
         if self.finish[i] is not None:
             return None
         if what == "token":
@@ -437,6 +504,15 @@ class _Reply:
             delta = self.texts[i].flush()
             self.finish[i] = value
         return i, delta, self.finish[i]
+
+
+def _status_of(error: str) -> tuple:
+    """``(code, HTTP status)`` of a scheduler's error message."""
+    if error.startswith(DEADLINE):
+        return "timeout", 504
+    if error.startswith(SHUTDOWN):
+        return "unavailable", 503
+    return "internal_error", 500
 
 
 def _whole(reply: _Reply, head: dict, kind: str):
@@ -469,11 +545,21 @@ def context_of(model, default: int = 8192) -> int:
     return int(getattr(args, "max_position_embeddings", None) or default)
 
 
-def make_app(loaded, *, context: Optional[int] = None, **options):
+def make_app(
+    loaded,
+    *,
+    context: Optional[int] = None,
+    timeout: float = 600.0,
+    control_tokens: bool = False,
+    **options,
+):
     """``(aiohttp app, scheduler)`` for a loaded model; the scheduler stops with the app.
 
-    ``options`` go to ``Scheduler`` (``max_batch``, ``max_queue``, ``prefix_cache``,
-    ``drafter``, ``num_draft``, ``window``)."""
+    ``timeout`` and ``control_tokens`` are ``Api``'s; ``options`` go to ``Scheduler``
+    (``max_batch``, ``max_queue``, ``prefix_cache``, ``drafter``, ``num_draft``,
+    ``window``)."""
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise bad("timeout", "seconds > 0", repr(timeout))
     if loaded.tokenizer is None:
         raise KVStateError("kvstate serve needs a model with a tokenizer (not --model tiny)")
     scheduler = Scheduler(loaded.model, loaded.tokenizer.eos_ids, **options)
@@ -482,6 +568,8 @@ def make_app(loaded, *, context: Optional[int] = None, **options):
         loaded.tokenizer,
         model_id=loaded.name,
         context=context or context_of(loaded.model),
+        timeout=float(timeout),
+        control_tokens=control_tokens,
     )
     app = api.app()
 

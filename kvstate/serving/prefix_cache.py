@@ -368,15 +368,26 @@ def prefill(
         prefill_step_size = as_int(prefill_step_size, "prefill_step_size")
         check(prefill_step_size >= 1, "prefill_step_size", ">= 1", prefill_step_size)
     prompts = [list(p) for p in prompts]
-    rows, leases, prefilled = [], [], []
+    leases: list = []
+    try:
+        return _prefill_all(model, prompts, cache, memo, prefill_step_size, make, leases)
+    except BaseException:  # a failed prefill pins nothing: the leases it took go back
+        for lease in leases:
+            if lease is not None:
+                lease.release()
+        raise
+
+
+def _prefill_all(model, prompts, cache, memo, prefill_step_size, make, leases: list) -> tuple:
+    """``prefill``'s work; each lease taken goes into ``leases`` as it is taken."""
+    rows, prefilled = [], []
     last: dict[int, mx.array] = {}  # prompt -> its logits, where its rest ran alone
     for i, p in enumerate(prompts):
         check(len(p) >= 1, f"prompts[{i}]", "at least one token", "an empty prompt")
-        row, lease, ran, logits = _prefill_prompt(model, p, cache, memo, prefill_step_size, make)
+        row, ran, logits = _prefill_prompt(model, p, cache, memo, prefill_step_size, make, leases)
         if logits is not None:
             last[i] = logits
         prefilled.append(ran)
-        leases.append(lease)
         rows.append(row)
     ran = sorted(last)
     wait = [b for b in range(len(prompts)) if b not in last]
@@ -391,8 +402,13 @@ def prefill(
     return logits, states, leases, prefilled
 
 
-def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, make: dict) -> tuple:
+def _prefill_prompt(
+    model, p: Sequence[int], cache, memo, prefill_step_size, make: dict, leases: list
+) -> tuple:
     """Prefill one prompt past its cached prefix, caching it and pinning the entry it reads.
+
+    The lease the row holds (or ``None``) goes into ``leases`` as soon as it is
+    taken, so a forward that fails leaves no entry pinned (``prefill``).
 
     Args:
         model: an mlx-lm model.
@@ -401,14 +417,16 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
         memo: the forward's memo.
         prefill_step_size: most tokens per forward, or ``None``.
         make: ``make_states`` options.
+        leases: the prompts' leases so far; this prompt's is appended.
 
     Returns:
-        ``(row, lease, ran, logits)``: the row's states (``SharedState``s), the
-        lease it holds (or ``None``), the tokens run through the model, and the
+        ``(row, ran, logits)``: the row's states (``SharedState``s), the
+        tokens run through the model, and the
         last logits ``[1, V]`` where the rest ran here (``None``: the last token
         waits for the batched step).
     """
     hit = cache.lookup(p) if cache is not None else None
+    leases.append(hit)
     start = 0 if hit is None else hit.matched
     states = bridge.make_states(model, 1, **make) if hit is None else hit.states
     rest = p[start:]  # (lookup leaves at least the last token to run)
@@ -426,11 +444,11 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
         pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
         assert pinned is not None  # inserted just above
         states = pinned.states
+        leases[-1] = pinned
         if hit is not None:
             hit.release()
-        hit = pinned
     row = [fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states]
-    return row, hit, len(rest), out
+    return row, len(rest), out
 
 
 def _step_waiting(

@@ -20,13 +20,20 @@ round is a plain decode step (the same device work as ``kvstate.mlx_lm.step``);
 with ``Lookup()`` or ``DraftModel(m)`` it drafts and verifies per row.
 ``compiled`` runs each round's forward through ``kvstate.speculative.compiled``.
 A job talks back through ``emit(kind, choice, value)``: ``("token", i, id)``,
-``("done", i, "stop" | "length")``, ``("error", -1, message)``. Design:
-``notes/serving.md``.
+``("done", i, "stop" | "length")``, ``("error", -1, message)``.
+
+A fault ends only the requests it belongs to. Records are values, so a
+round that raises leaves the rows as they were: the scheduler runs each row
+alone to find the ones that fail, ends those jobs with an error, and runs
+the round again for the others (a drafter that fails is switched off and
+the rows go on plain). A prefill that fails is retried job by job. A job
+past its ``deadline`` ends with an error. Design: ``notes/serving.md``.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import queue
 import threading
@@ -48,11 +55,20 @@ from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import prefix_cache
 
-__all__ = ["Job", "QueueFull", "Scheduler"]
+__all__ = ["Job", "QueueFull", "Scheduler", "Stopped"]
+
+log = logging.getLogger("kvstate.serve")
+
+DEADLINE = "deadline exceeded"  # how the error of a job past its deadline begins
+SHUTDOWN = "the server is shutting down"  # the error of the jobs a stop() ends
 
 
 class QueueFull(Exception):
     """The scheduler's queue is full (the server answers 429)."""
+
+
+class Stopped(Exception):
+    """The scheduler is not running (the server answers 503)."""
 
 
 @attrs.define(eq=False)
@@ -61,8 +77,10 @@ class Job:
 
     ``emit(kind, choice, value)`` is called from the thread running ``step``
     with ``("token", i, token_id)``, ``("done", i, finish_reason)`` or
-    ``("error", -1, message)``. ``stop``: token ids that end a choice besides
-    the scheduler's ``eos``.
+    ``("error", -1, message)`` (at most one error, after which the job hears
+    nothing more). ``stop``: token ids that end a choice besides the
+    scheduler's ``eos``. ``deadline``: a ``time.perf_counter()`` instant past
+    which the job ends with an error (``None``: none).
     """
 
     prompt: list
@@ -76,6 +94,8 @@ class Job:
     cancelled: set = attrs.Factory(set)  # choices the client no longer wants
     id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
     submitted: float = attrs.Factory(time.perf_counter)
+    deadline: Optional[float] = None
+    error: Optional[str] = None  # why it failed, once it has
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
     leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
@@ -90,6 +110,24 @@ class Job:
     def cancel(self, choice: Optional[int] = None) -> None:
         """Stop one choice (a stop string matched) or all of them (client gone)."""
         self.cancelled.update(range(self.n) if choice is None else (choice,))
+
+    @property
+    def finished(self) -> bool:
+        return len(self.cancelled) == self.n
+
+    def fail(self, message: str) -> None:
+        """End every choice with ``("error", -1, message)`` (once; then nothing more)."""
+        if self.error is None and not self.finished:
+            self.error = message
+            self.tell("error", -1, message)
+        self.cancel()
+
+    def tell(self, kind: str, choice: int, value) -> None:
+        """``emit``, where a listener that raises ends the job, not the scheduler."""
+        try:
+            self.emit(kind, choice, value)
+        except Exception:  # the listener is gone (its loop closed): nobody to tell
+            self.cancel()
 
 
 class Scheduler:
@@ -146,6 +184,7 @@ class Scheduler:
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
         self._stop = threading.Event()
+        self._stopped = False  # no more jobs: stop() was called
         self._thread: Optional[threading.Thread] = None
         self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
         self.stats = {
@@ -155,13 +194,15 @@ class Scheduler:
             "drafted": 0,
             "accepted": 0,
             "peak_bytes": 0,
+            "failed": 0,  # jobs ended by a fault or their deadline
+            "drafter_failed": 0,  # 1 once the drafter failed and was switched off
         }
 
     # --- what callers see -----------------------------------------------------------
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._stopped and self._thread is not None and self._thread.is_alive()
 
     @property
     def active_rows(self) -> int:
@@ -176,6 +217,8 @@ class Scheduler:
         """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
         if job.n > self.max_batch:
             raise KVStateError(f"n: expected at most {self.max_batch} (the batch), got {job.n}")
+        if self._stopped or (self._thread is not None and not self._thread.is_alive()):
+            raise Stopped
         if self.queued >= self.max_queue:
             raise QueueFull
         self._queue.put(job)
@@ -183,6 +226,7 @@ class Scheduler:
     def step(self, block: bool = False) -> bool:
         """Admit what waits (waiting up to 50 ms for a job with ``block``), then run
         one round if any row is active. Returns whether a round ran."""
+        self._expire()
         self._admit(block=block)
         if not self.active_rows:
             return False
@@ -207,22 +251,57 @@ class Scheduler:
         return self
 
     def stop(self) -> None:
+        """Stop the thread; every job still queued or running hears an error."""
+        self._stopped = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._fail_all(SHUTDOWN)
 
     def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
+        """``step`` until stopped. A fault the isolation below did not place (a bug in
+        the scheduler itself) ends every job in flight, and the loop goes on empty."""
+        while not self._stop.is_set():
+            try:
                 self.step(block=not self.active_rows)
-        except Exception as exc:  # say why to every waiting client, then stop
-            for job in self._jobs():
-                job.emit("error", -1, f"{type(exc).__name__}: {exc}")
-            raise
+            except Exception as exc:
+                log.exception("scheduler fault; every job in flight ends")
+                self._fail_all(_describe(exc))
 
     def _jobs(self) -> list:
+        """Every job running, pending or queued, each once."""
         rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
+        while True:
+            try:
+                self._pending.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
         return list(dict.fromkeys(rows + list(self._pending)))
+
+    def _fail_all(self, message: str) -> None:
+        """End every job (running, pending, queued) with ``message``; no rows stay."""
+        jobs = self._jobs()
+        self.spec = None
+        self._pending.clear()
+        for job in jobs:
+            self._fail(job, message)
+
+    def _fail(self, job: Job, message: str) -> None:
+        """End ``job`` with an error and unpin what it read (its rows leave at the next
+        ``_emit``, being cancelled)."""
+        if job.error is None and not job.finished:
+            self.stats["failed"] += 1
+        job.fail(message)
+        job.release()
+
+    def _expire(self) -> None:
+        """End the jobs past their deadline (running or waiting)."""
+        now = time.perf_counter()
+        for job in self._jobs():
+            if job.deadline is not None and now > job.deadline and not job.finished:
+                self._fail(job, f"{DEADLINE}: the request ran {now - job.submitted:.1f} s")
+        if self.spec is not None:
+            self._drop_cancelled()
 
     # --- admission --------------------------------------------------------------------
 
@@ -243,7 +322,7 @@ class Scheduler:
             jobs.append(self._pending.popleft())
             room -= job.n
         if jobs:
-            self._start(jobs)
+            self._start_isolated(jobs)
 
     def _take(self, block: bool) -> bool:
         """Move one job from the queue to the pending line; whether there was one."""
@@ -255,29 +334,58 @@ class Scheduler:
             return False
         return True
 
+    def _start_isolated(self, jobs: list) -> None:
+        """``_start``; when it fails for several jobs, each alone, so a fault ends only
+        the job it belongs to."""
+        try:
+            self._start(jobs)
+        except Exception as exc:
+            if len(jobs) == 1:
+                log.warning("request %s failed in prefill: %s", jobs[0].id, _describe(exc))
+                self._fail(jobs[0], _describe(exc))
+                return
+            for job in jobs:
+                self._start_isolated([job])
+
     def _start(self, jobs: list) -> None:
         """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
-        step gives every first token), sample, fork each job's choices, join the rows."""
+        step gives every first token), sample, fork each job's choices, join the rows.
+        Nothing changes where it raises (the leases it took are given back)."""
         prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = self._prefill(prompts)
+        try:
+            new, first = self._rows_of(jobs, states, logits)
+        except BaseException:
+            for lease in leases:
+                if lease is not None:
+                    lease.release()
+            raise
         for job, lease in zip(jobs, leases):
             job.leases = [lease] if lease is not None else []
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(map(len, prompts))
+        self.spec = new if self.spec is None else speculative.join(self.spec, new)
+        B = self.spec.batch_size
+        self._emit([(t,) for t in first], range(B - len(first), B))
+
+    def _rows_of(self, jobs: list, states, logits) -> tuple:
+        """``(Speculation, first tokens)``: the prefilled jobs' rows, their first tokens
+        sampled and each job's choices forked."""
+        prompts = [job.prompt for job in jobs]
         batch = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
-            _, draft_states = bridge.prefill(
-                self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
-            )
+            try:
+                _, draft_states = bridge.prefill(
+                    self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+                )
+            except Exception as exc:
+                self._drop_drafter(exc)
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
         k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
-        new = speculative.Speculation(batch, context, k, k, draft_states, self.window)
-        self.spec = new if self.spec is None else speculative.join(self.spec, new)
-        B = self.spec.batch_size
-        self._emit([(t,) for t in first], range(B - len(origin), B))
+        return speculative.Speculation(batch, context, k, k, draft_states, self.window), first
 
     def _prefill(self, prompts: list) -> tuple:
         """``(logits, states, leases, prefilled)``: through the prefix cache when
@@ -294,14 +402,60 @@ class Scheduler:
     # --- rounds -----------------------------------------------------------------------
 
     def _round(self) -> None:
-        self.spec, r = speculative.step(
-            self.model, self.spec, drafter=self.drafter, forward=self.forward
-        )
-        self.window = self.spec.window  # what it measured outlives the rows
+        """One round over every row. Where building it raises, the rows are as they
+        were: the faulty ones are found and end, the others run the round again."""
+        try:
+            spec, r = self._try_round(self.spec, self.drafter)
+        except Exception as exc:
+            if not self._isolate(exc):
+                return
+            spec, r = self._try_round(self.spec, self.drafter)
+        self.spec = spec
+        self.window = spec.window  # what it measured outlives the rows
         self.stats["rounds"] += 1
         self.stats["drafted"] += sum(r.drafted)
         self.stats["accepted"] += sum(r.accepted)
-        self._emit(r.emitted, range(self.spec.batch_size))
+        try:  # reading the tokens runs the round on the device
+            emitted = r.emitted
+        except Exception as exc:  # the rows' records moved on: none can be kept
+            log.warning("a round failed on the device: %s", _describe(exc))
+            for job in {job for job, _ in spec.batch.payload}:
+                self._fail(job, _describe(exc))
+            self.spec = None
+            return
+        self._emit(emitted, range(spec.batch_size))
+
+    def _try_round(self, spec, drafter) -> tuple:
+        return speculative.step(self.model, spec, drafter=drafter, forward=self.forward)
+
+    def _drop_drafter(self, exc: Exception) -> None:
+        """The drafter failed: it is switched off, and the rows go on plain."""
+        log.warning("the drafter failed (%s); rounds go on plain", _describe(exc))
+        self.drafter = None
+        self.stats["drafter_failed"] = 1
+        if self.spec is not None:
+            self.spec = attrs.evolve(self.spec, draft_states=None)
+
+    def _row_runs(self, spec, b: int) -> bool:
+        """Whether row ``b`` alone runs a round."""
+        return _runs(lambda: self._try_round(speculative.leave(spec, [b]), self.drafter))
+
+    def _isolate(self, exc: Exception) -> bool:
+        """After a round raised: a drafter that fails where plain rounds run is switched
+        off; else each row runs alone, and the jobs of the rows that fail alone (every
+        row, when none does) end with the error. Whether rows remain to run."""
+        spec = self.spec
+        if self.drafter is not None:
+            plain = attrs.evolve(spec, draft_states=None)
+            if _runs(lambda: self._try_round(plain, None)):
+                self._drop_drafter(exc)
+                return True
+        faulty = [b for b in range(spec.batch_size) if not self._row_runs(spec, b)]
+        for job in {spec.batch.payload[b][0] for b in faulty or range(spec.batch_size)}:
+            log.warning("request %s failed in a round: %s", job.id, _describe(exc))
+            self._fail(job, _describe(exc))
+        self._drop_cancelled()
+        return self.spec is not None
 
     def _emit(self, emitted, rows) -> None:
         """Hand each row's new tokens to its job; finished or cancelled rows leave."""
@@ -311,6 +465,12 @@ class Scheduler:
             self._hand(job, choice, toks)
         if self.measure:
             self._measure()
+        self._drop_cancelled()
+
+    def _drop_cancelled(self) -> None:
+        """The rows of finished, cancelled or failed choices leave; a job whose every
+        choice ended unpins what it read."""
+        payload = self.spec.batch.payload
         stay = [b for b, (job, choice) in enumerate(payload) if choice not in job.cancelled]
         if len(stay) == len(payload):
             return
@@ -334,10 +494,10 @@ class Scheduler:
             if choice in job.cancelled:
                 return
             job.generated[choice] += 1
-            job.emit("token", choice, t)
+            job.tell("token", choice, t)
             stop = t in self.eos or t in job.stop
             if stop or job.generated[choice] >= job.max_tokens:
-                job.emit("done", choice, "stop" if stop else "length")
+                job.tell("done", choice, "stop" if stop else "length")
                 job.cancel(choice)
 
 
@@ -373,6 +533,20 @@ def _forked(jobs: list, batch: Batch, draft_states) -> tuple:
                 draft_states = fork(draft_states, b, job.n - 1)
             origin += [(b, c) for c in range(1, job.n)]
     return attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin]), draft_states, origin
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _runs(thunk: Callable[[], tuple]) -> bool:
+    """Whether a trial round builds and runs (its tokens read) without raising."""
+    try:
+        _, r = thunk()
+        r.emitted  # noqa: B018 (reading them runs the round)
+    except Exception:
+        return False
+    return True
 
 
 def _random_seed() -> int:

@@ -1,6 +1,5 @@
 """`kvstate serve` on the real model, called with the real `openai` client over localhost."""
 
-import asyncio
 import json
 import os
 import socket
@@ -15,50 +14,9 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests call the server with openai")
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
-from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
-from kvstate.serving.engine import serve as generate  # noqa: E402
-from kvstate.serving.http import make_app  # noqa: E402
+from _server import QUESTIONS, Server, greedy_reference, messages  # noqa: E402
+
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
-
-SYSTEM = "You are a helpful assistant. Answer in one short sentence."
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 + 2?",
-    "What color is the sky on a clear day?",
-]
-
-
-class Server:
-    """An aiohttp server for ``make_app`` on a free localhost port, in a thread."""
-
-    def __init__(self, loaded, **options):
-        from aiohttp import web
-
-        self.app, self.scheduler = make_app(loaded, **options)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        return openai.OpenAI(
-            base_url=self.url + "/v1",
-            api_key="none",
-            max_retries=0,
-            timeout=kw.pop("timeout", 120),
-            **kw,
-        )
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +24,6 @@ def server(smollm):
     s = Server(smollm, max_batch=16, max_queue=32, prefix_cache=PrefixCache(64 << 20))
     yield s
     s.close()
-
-
-def messages(q):
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
-
-
-def greedy_reference(smollm, questions, max_tokens):
-    """What `kvstate generate` (its engine) answers greedily, as text per question."""
-    tok = smollm.tokenizer
-    reqs = [
-        Request(i, tuple(tok.chat(messages(q))), max_tokens, stop=tok.eos_ids)
-        for i, q in enumerate(questions)
-    ]
-    done, _ = generate(KVStateEngine(smollm.model), reqs, batch_size=8)
-    return [tok.decode(list(c.tokens)) for c in done]
 
 
 def test_chat_and_completion_greedy_equal_kvstate_generate(server, smollm):
