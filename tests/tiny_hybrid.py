@@ -2,7 +2,8 @@
 random float32 weights (no downloads): lfm2 (short conv + attention),
 qwen3_next (gated delta net + attention), mamba2 (SSM only), falcon_h1 (a
 mamba mixer and attention in every layer: ``CacheList``) and llama4
-(chunked local attention + global attention)."""
+(chunked local attention + global attention). ``vocab``: the vocabulary size
+(a real tokenizer's, for the server tests)."""
 
 import json
 from pathlib import Path
@@ -22,12 +23,12 @@ def _built(module, args, seed):
     return model
 
 
-def lfm2_model(seed=10):
+def lfm2_model(seed=10, vocab=VOCAB):
     return _built(
         lfm2,
         dict(
             model_type="lfm2",
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             hidden_size=64,
             num_hidden_layers=4,
             num_attention_heads=4,
@@ -47,7 +48,7 @@ def lfm2_model(seed=10):
     )
 
 
-def qwen3_next_model(seed=11):
+def qwen3_next_model(seed=11, vocab=VOCAB):
     return _built(
         qwen3_next,
         dict(
@@ -70,7 +71,7 @@ def qwen3_next_model(seed=11):
             mlp_only_layers=[],
             moe_intermediate_size=32,
             rms_norm_eps=1e-6,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             rope_theta=10000.0,
             partial_rotary_factor=0.5,
             max_position_embeddings=512,
@@ -80,14 +81,14 @@ def qwen3_next_model(seed=11):
     )
 
 
-def mamba2_model(seed=12):
+def mamba2_model(seed=12, vocab=VOCAB):
     return _built(
         mamba2,
         dict(
             model_type="mamba2",
             num_heads=4,
             head_dim=16,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             hidden_size=32,
             intermediate_size=64,
             state_size=16,
@@ -105,7 +106,7 @@ def mamba2_model(seed=12):
     )
 
 
-def falcon_h1_model(seed=13):
+def falcon_h1_model(seed=13, vocab=VOCAB):
     return _built(
         falcon_h1,
         dict(
@@ -116,7 +117,7 @@ def falcon_h1_model(seed=13):
             num_attention_heads=4,
             num_key_value_heads=2,
             num_hidden_layers=2,
-            vocab_size=VOCAB,
+            vocab_size=vocab,
             mamba_d_conv=4,
             mamba_d_head=16,
             mamba_d_ssm=64,
@@ -130,7 +131,7 @@ def falcon_h1_model(seed=13):
     )
 
 
-def llama4_model(seed=14, chunk=8):
+def llama4_model(seed=14, chunk=8, vocab=VOCAB):
     text = dict(
         model_type="llama4_text",
         attention_bias=False,
@@ -150,7 +151,7 @@ def llama4_model(seed=14, chunk=8):
         rope_scaling=None,
         rope_theta=10000.0,
         use_qk_norm=True,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
     )
     return _built(llama4, dict(model_type="llama4", text_config=text), seed)
 

@@ -6,7 +6,7 @@ from mlx_lm.models import gemma3_text, llama, qwen3
 VOCAB = 128
 
 
-def llama_model(seed=0, layers=3, sliding_window=None):
+def llama_model(seed=0, layers=3, sliding_window=None, vocab=VOCAB):
     mx.random.seed(seed)
     types = None
     if sliding_window is not None:
@@ -21,7 +21,7 @@ def llama_model(seed=0, layers=3, sliding_window=None):
         num_key_value_heads=2,
         head_dim=32,
         rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         tie_word_embeddings=False,
         layer_types=types,
         sliding_window=sliding_window,
@@ -31,7 +31,7 @@ def llama_model(seed=0, layers=3, sliding_window=None):
     return model
 
 
-def qwen3_model(seed=1, layers=3):
+def qwen3_model(seed=1, layers=3, vocab=VOCAB):
     mx.random.seed(seed)
     args = qwen3.ModelArgs(
         model_type="qwen3",
@@ -42,7 +42,7 @@ def qwen3_model(seed=1, layers=3):
         num_key_value_heads=2,
         head_dim=32,
         rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=512,
         tie_word_embeddings=True,
         rope_theta=10000.0,
@@ -52,7 +52,7 @@ def qwen3_model(seed=1, layers=3):
     return model
 
 
-def gemma3_model(seed=2, layers=4, sliding_window=8):
+def gemma3_model(seed=2, layers=4, sliding_window=8, vocab=VOCAB):
     mx.random.seed(seed)
     args = gemma3_text.ModelArgs(
         model_type="gemma3_text",
@@ -62,7 +62,7 @@ def gemma3_model(seed=2, layers=4, sliding_window=8):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         sliding_window=sliding_window,
         sliding_window_pattern=2,
         query_pre_attn_scalar=32,

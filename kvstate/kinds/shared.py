@@ -50,7 +50,11 @@ from ..core.masks import rows_mask
 from ..core.records import (
     CacheState,
     Checkpoint,
+    ChunkedState,
+    CompositeState,
     QuantizedState,
+    RecurrentState,
+    RotatingState,
     _Rows,
     _tuple,
     _tuple_of_ints,
@@ -207,9 +211,12 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
     forked rows). A list or tuple of records (one per layer) gives the same
     container. The input is left unchanged.
 
+    Rows of the other kinds (``RotatingState``, ``ChunkedState``,
+    ``RecurrentState``, ``CompositeState``) share nothing: their new rows are
+    copies of ``row`` (``fork_copied``), and ``n = 0`` gives ``state`` itself.
+
     Args:
-        state: a ``CacheState``, ``QuantizedState`` or ``SharedState``, or a
-            list of them.
+        state: a record of any kind, or a list of them.
         row: the row to copy, in ``[0, B)``.
         n: how many copies, ``>= 0``; ``B + n`` at most
             ``kvstate.core.invariants.MAX_ROWS``.
@@ -219,11 +226,7 @@ def fork(state: Any, row: int, n: int, *, step: int | None = None) -> Any:
     """
     if isinstance(state, (list, tuple)):  # (one model's layers: one set of row ids)
         return type(state)(share_row_ids([fork(s, row, n, step=step) for s in state]))
-    raise bad(
-        "state",
-        "a CacheState, QuantizedState or SharedState (or a list of them)",
-        type(state).__name__,
-    )
+    raise bad("state", "a kvstate record (or a list of them)", type(state).__name__)
 
 
 def _fork_args(state, row, n):
@@ -259,6 +262,22 @@ def fork_rows(state: _Rows, row, n, *, step=None):
         tuple(state.lengths[r] for r in rows),
         _empty_like(state, B + n, step),
     )
+
+
+def fork_copied(state, row, n, *, step=None):
+    """``fork`` of a kind no row can share (a ring evicts what a prefix record
+    would have to keep, a recurrent row folds its tokens into one state, a
+    chunked row drops its front): ``row`` copied ``n`` times (``extract_row``,
+    then ``merge_rows``), O(the row's state) each. ``step`` is not used."""
+    row, n = _fork_args(state, row, n)
+    if n == 0:
+        return state
+    copy = ops.extract_row(state, row)
+    return ops.merge_rows([state] + [copy] * n)
+
+
+for _kind in (RotatingState, ChunkedState, RecurrentState, CompositeState):
+    fork.register(_kind, fork_copied)
 
 
 @fork.register
@@ -367,6 +386,18 @@ def rollback_shared(state: SharedState, checkpoint, keep=0):
     for b, (t, have) in enumerate(zip(target, state.lengths)):
         check(t <= have, f"checkpoint + keep for row {b}", f"<= {have} (tokens the row holds)", t)
     return _cut(state, target)
+
+
+@ops.anchor.register
+def anchor_shared(state: SharedState):
+    """A checkpoint, as for dense rows: a shared row's rollback is free (the
+    suffix is dense and the prefix is never written)."""
+    return checkpoint_shared(state)
+
+
+@ops.commit.register
+def commit_shared(state: SharedState, anchor, keep=0):
+    return rollback_shared(state, anchor, keep)
 
 
 # --- rows: filter, extract, merge ---------------------------------------------------------

@@ -27,9 +27,11 @@ another model identity. Decisions: ``notes/kinds.md``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import singledispatch
 
 import mlx.core as mx
 import numpy as np
@@ -38,7 +40,14 @@ from .. import mlx_lm as bridge
 from ..core import ops
 from ..core.args import as_int
 from ..core.masks import Releasable
-from ..core.records import CacheState, QuantizedState
+from ..core.records import (
+    CacheState,
+    ChunkedState,
+    CompositeState,
+    QuantizedState,
+    RecurrentState,
+    RotatingState,
+)
 from ..errors import bad, check
 from ..kinds.shared import SharedState, fork, materialize, resident_records
 from ..persist import files as persist
@@ -80,11 +89,77 @@ def _common(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class _Entry:
-    __slots__ = ("array", "pins", "states", "tokens")
+    __slots__ = ("array", "cuts", "pins", "reach", "states", "tokens")
 
     def __init__(self, tokens: tuple, states: list):
         self.tokens, self.states, self.pins = tokens, states, 0
         self.array = _ids(tokens)  # (lookup compares vectorised)
+        self.cuts = all(map(cuts_freely, states))  # else only a match of all its tokens
+        self.reach = min(map(reach, states))  # the longest prompt it may serve
+
+    def usable(self, matched: int, prompt: int) -> int:
+        """``matched`` if a prompt of ``prompt`` tokens sharing ``matched`` with
+        this entry may read it, else 0."""
+        if prompt > self.reach or not (self.cuts or matched == len(self.tokens)):
+            return 0
+        return matched
+
+
+@singledispatch
+def cuts_freely(state) -> bool:
+    """Whether a one-row record cut to any shorter length reads exactly as that
+    prefix prefilled alone: dense rows (``trim``), a ring that evicted nothing,
+    a chunked row that dropped no front. A recurrent row is a snapshot at its
+    last token (no earlier state can be recovered from it): only a prompt
+    matching all of its tokens reads it."""
+    return False
+
+
+@cuts_freely.register(CacheState)
+@cuts_freely.register(QuantizedState)
+@cuts_freely.register(SharedState)
+def _cuts_dense(state) -> bool:
+    return True
+
+
+@cuts_freely.register(RotatingState)
+def _cuts_ring(state: RotatingState) -> bool:
+    return state.held == state.lengths
+
+
+@cuts_freely.register(ChunkedState)
+def _cuts_chunked(state: ChunkedState) -> bool:
+    return state.start == (0,)
+
+
+@cuts_freely.register(CompositeState)
+def _cuts_composite(state: CompositeState) -> bool:
+    return all(map(cuts_freely, state.parts))
+
+
+@singledispatch
+def reach(state) -> float:
+    """The longest prompt whose prefill may start from this record and end as
+    the whole prompt prefilled in one forward: any (``inf``), except for a ring,
+    whose whole-prompt block reads a sliding window that a split prompt reads
+    otherwise once the prompt outgrows the ring (``max_size``)."""
+    return math.inf
+
+
+@reach.register(RotatingState)
+def _reach_ring(state: RotatingState) -> float:
+    return state.max_size
+
+
+@reach.register(CompositeState)
+def _reach_composite(state: CompositeState) -> float:
+    return min(map(reach, state.parts))
+
+
+def _seen(state) -> int:
+    """The tokens a one-row record has seen (a chunked row's ``offsets``: its
+    ``lengths`` count the tokens it holds)."""
+    return (state.offsets if isinstance(state, ChunkedState) else state.lengths)[0]
 
 
 def _units(states) -> list:
@@ -107,10 +182,9 @@ class PrefixLease(Releasable):
         self._cache, self._entry = cache, entry
         self.tokens, self.matched = entry.tokens, matched
         cut = len(entry.tokens) - matched
-        self.states = [
-            ops.trim(fork(s, 0, 0) if not isinstance(s, SharedState) else s, cut)
-            for s in entry.states
-        ]
+        self.states = [fork(s, 0, 0) for s in entry.states]  # (dense rows shared)
+        if cut:  # (only entries that cut freely are cut: _Entry.usable)
+            self.states = [ops.trim(s, cut) for s in self.states]
         self.released = False
         entry.pins += 1
 
@@ -129,19 +203,28 @@ def _check_states(states, arg="states") -> list:
     states = list(states)
     check(len(states) >= 1, arg, "at least one record", "none")
     for i, s in enumerate(states):
-        if not isinstance(s, (CacheState, QuantizedState, SharedState)):
-            raise bad(
-                f"{arg}[{i}]", "a CacheState, QuantizedState or SharedState", type(s).__name__
-            )
+        if not isinstance(s, _KINDS):
+            raise bad(f"{arg}[{i}]", "a kvstate record", type(s).__name__)
     return states
+
+
+_KINDS = (
+    CacheState,
+    QuantizedState,
+    SharedState,
+    RotatingState,
+    ChunkedState,
+    RecurrentState,
+    CompositeState,
+)
 
 
 def _compact(state):
     """What an entry stores of a one-row record: the record itself when it is
     a dense row without padding (the running row and the entry then share
     it), else ``extract_row`` (the row's own tokens copied; a shared prefix
-    stays shared)."""
-    if type(state) is not SharedState and state.left_pad == (0,):
+    stays shared; a ring, chunked, recurrent or composite row copied whole)."""
+    if type(state) in (CacheState, QuantizedState) and state.left_pad == (0,):
         return state
     return ops.extract_row(state, 0)
 
@@ -223,10 +306,7 @@ class PrefixCache:
                 s.batch_size == 1, f"states[{i}] batch size", "1 (one row per entry)", s.batch_size
             )
             check(
-                s.lengths[0] == len(key),
-                f"states[{i}] tokens",
-                f"{len(key)} (len(tokens))",
-                s.lengths[0],
+                _seen(s) == len(key), f"states[{i}] tokens", f"{len(key)} (len(tokens))", _seen(s)
             )
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -250,7 +330,7 @@ class PrefixCache:
         limit = len(query) - 1
         best, best_n = None, 0
         for e in self._entries.values():
-            n = min(_common(e.array, query), limit)
+            n = e.usable(min(_common(e.array, query), limit), len(query))
             if n > best_n or (
                 n == best_n and best is not None and n and len(e.tokens) < len(best.tokens)
             ):
@@ -434,6 +514,8 @@ def _prefill_prompt(
     out = None
     if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
         chunk = prefill_step_size or len(rest)
+        if min(map(reach, states)) < math.inf:  # a ring: the rest whole, as bridge.prefill
+            chunk = len(rest)
         for at in range(0, len(rest), chunk):
             end = at + chunk >= len(rest)
             logits, states = bridge.forward(
@@ -447,8 +529,7 @@ def _prefill_prompt(
         leases[-1] = pinned
         if hit is not None:
             hit.release()
-    row = [fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states]
-    return row, len(rest), out
+    return fork(states, 0, 0), len(rest), out
 
 
 def _step_waiting(

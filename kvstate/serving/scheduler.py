@@ -47,7 +47,6 @@ import mlx.core as mx
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
-from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
 from ..kinds.shared import fork, resident_bytes
 from ..sampling import Sampling, row_keys
@@ -175,8 +174,6 @@ class Scheduler:
         self.model, self.eos = model, frozenset(eos)
         self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
-        if prefix_cache is not None and not _shares_prefixes(model):
-            prefix_cache = None  # rings, recurrent or chunked layers share no prefix (yet)
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
         self.forward = speculative.compiled(model) if compiled else None
         self.prefill_step_size, self.measure = prefill_step_size, measure
@@ -379,6 +376,7 @@ class Scheduler:
                 _, draft_states = bridge.prefill(
                     self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
                 )
+                draft_states = fork(draft_states, 0, 0)  # (dense layers shared, as forked rows are)
             except Exception as exc:
                 self._drop_drafter(exc)
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
@@ -389,7 +387,9 @@ class Scheduler:
 
     def _prefill(self, prompts: list) -> tuple:
         """``(logits, states, leases, prefilled)``: through the prefix cache when
-        there is one, else each prompt's own records (every family)."""
+        there is one, else each prompt's own records (every family). Dense layers
+        come back as ``SharedState`` either way (``kv.fork(states, 0, 0)``), the
+        kind forked rows have, so every admission joins the rows in flight."""
         if self.prefix_cache is not None:
             return prefix_cache.prefill(
                 self.model, prompts, self.prefix_cache, prefill_step_size=self.prefill_step_size
@@ -397,7 +397,7 @@ class Scheduler:
         logits, states = bridge.prefill(
             self.model, prompts, prefill_step_size=self.prefill_step_size
         )
-        return logits, states, [None] * len(prompts), [len(p) for p in prompts]
+        return logits, fork(states, 0, 0), [None] * len(prompts), [len(p) for p in prompts]
 
     # --- rounds -----------------------------------------------------------------------
 
@@ -499,12 +499,6 @@ class Scheduler:
             if stop or job.generated[choice] >= job.max_tokens:
                 job.tell("done", choice, "stop" if stop else "length")
                 job.cancel(choice)
-
-
-def _shares_prefixes(model) -> bool:
-    """Whether the prefix cache can hold the model's records (dense and quantized
-    layers: ``kvstate.kinds.shared``)."""
-    return all(type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1))
 
 
 def _first_tokens(jobs: list, states, logits) -> Batch:

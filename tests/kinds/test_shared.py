@@ -216,8 +216,8 @@ def test_fork_refuses_bad_arguments():
     for row, n, arg in ((2, 1, "row"), (-1, 1, "row"), (0, -1, "n"), (0, 1.5, "n")):
         with pytest.raises(kv.KVStateError, match=arg):
             kv.fork(base, row, n)
-    with pytest.raises(kv.KVStateError, match="state"):
-        kv.fork(kv.rotating(1, max_size=4), 0, 1)
+    with pytest.raises(kv.KVStateError, match="state"):  # (rings fork by copy: test_fork_kinds)
+        kv.fork("not a record", 0, 1)
     s = kv.fork(base, 0, 1)
     with pytest.raises(kv.KVStateError, match="q tokens"):
         kv.attend(s, mx.zeros((3, H, 1, D)), scale=1.0)  # no suffix token yet
