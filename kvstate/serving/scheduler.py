@@ -48,7 +48,7 @@ from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import prefix_cache
 
-__all__ = ["Job", "QueueFull", "Scheduler"]
+__all__ = ["Job", "QueueFull", "Scheduler", "shares_prefixes"]
 
 
 class QueueFull(Exception):
@@ -79,6 +79,7 @@ class Job:
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
     leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
+    cached: Optional[int] = None  # prompt tokens read from the prefix cache (set at admission)
 
     def release(self) -> None:
         """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
@@ -117,6 +118,9 @@ class Scheduler:
             ``stats["peak_bytes"]`` and, over the tokens the rows hold, into
             ``bytes_per_token`` (one entry a round); off, a round measures nothing.
         prefill_step_size: prompt tokens per prefill forward (longer prompts are chunked).
+        make: ``kvstate.mlx_lm.make_states`` options for the rows' records
+            (``max_kv_size``: rings; ``kv_bits``, ``kv_group_size``: quantized), the
+            draft model's too. Rings share no prefix: with them the prefix cache is off.
     """
 
     def __init__(
@@ -133,11 +137,13 @@ class Scheduler:
         compiled: bool = False,
         prefill_step_size: int = 512,
         measure: bool = False,
+        make: Optional[dict] = None,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
+        self.make = dict(make or {})
         self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
-        if prefix_cache is not None and not _shares_prefixes(model):
+        if not shares_prefixes(model, self.make) and prefix_cache is not None:
             prefix_cache = None  # rings, recurrent or chunked layers share no prefix (yet)
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
         self.forward = speculative.compiled(model) if compiled else None
@@ -260,15 +266,19 @@ class Scheduler:
         step gives every first token), sample, fork each job's choices, join the rows."""
         prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = self._prefill(prompts)
-        for job, lease in zip(jobs, leases):
+        for job, lease, ran in zip(jobs, leases, prefilled):
             job.leases = [lease] if lease is not None else []
+            job.cached = len(job.prompt) - ran
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(map(len, prompts))
         batch = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
             _, draft_states = bridge.prefill(
-                self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+                self.drafter.model,
+                prompts,
+                prefill_step_size=self.prefill_step_size,
+                **{**self.make, **self.drafter.make},
             )
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
         first = cast(list, batch.tokens.tolist())  # [B]
@@ -284,10 +294,14 @@ class Scheduler:
         there is one, else each prompt's own records (every family)."""
         if self.prefix_cache is not None:
             return prefix_cache.prefill(
-                self.model, prompts, self.prefix_cache, prefill_step_size=self.prefill_step_size
+                self.model,
+                prompts,
+                self.prefix_cache,
+                prefill_step_size=self.prefill_step_size,
+                **self.make,
             )
         logits, states = bridge.prefill(
-            self.model, prompts, prefill_step_size=self.prefill_step_size
+            self.model, prompts, prefill_step_size=self.prefill_step_size, **self.make
         )
         return logits, states, [None] * len(prompts), [len(p) for p in prompts]
 
@@ -341,10 +355,11 @@ class Scheduler:
                 job.cancel(choice)
 
 
-def _shares_prefixes(model) -> bool:
+def shares_prefixes(model, make: Optional[dict] = None) -> bool:
     """Whether the prefix cache can hold the model's records (dense and quantized
-    layers: ``kvstate.kinds.shared``)."""
-    return all(type(s) in (CacheState, QuantizedState) for s in bridge.make_states(model, 1))
+    layers: ``kvstate.kinds.shared``), made with ``make_states`` options ``make``."""
+    states = bridge.make_states(model, 1, **(make or {}))
+    return all(type(s) in (CacheState, QuantizedState) for s in states)
 
 
 def _first_tokens(jobs: list, states, logits) -> Batch:

@@ -1,6 +1,5 @@
 """`kvstate serve` on the real model, called with the real `openai` client over localhost."""
 
-import asyncio
 import json
 import os
 import socket
@@ -15,9 +14,10 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve tests call the server with openai")
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
+from _http import Server  # noqa: E402
+
 from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
 from kvstate.serving.engine import serve as generate  # noqa: E402
-from kvstate.serving.http import make_app  # noqa: E402
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -27,38 +27,6 @@ QUESTIONS = [
     "What is 2 + 2?",
     "What color is the sky on a clear day?",
 ]
-
-
-class Server:
-    """An aiohttp server for ``make_app`` on a free localhost port, in a thread."""
-
-    def __init__(self, loaded, **options):
-        from aiohttp import web
-
-        self.app, self.scheduler = make_app(loaded, **options)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kw):
-        return openai.OpenAI(
-            base_url=self.url + "/v1",
-            api_key="none",
-            max_retries=0,
-            timeout=kw.pop("timeout", 120),
-            **kw,
-        )
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,41 @@
+"""A real aiohttp server for ``kvstate.serving.http.make_app`` on a free localhost port,
+in a thread, and the real ``openai`` client for it (the serve tests share it)."""
+
+import asyncio
+import threading
+
+import openai
+
+from kvstate.serving.http import make_app
+
+
+class Server:
+    """An aiohttp server for ``make_app`` on a free localhost port, in a thread."""
+
+    def __init__(self, loaded, **options):
+        from aiohttp import web
+
+        self.app, self.scheduler = make_app(loaded, **options)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(self.app, handler_cancellation=True)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=kw.pop("api_key", "none"),
+            max_retries=0,
+            timeout=kw.pop("timeout", 120),
+            **kw,
+        )
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
