@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -266,6 +268,7 @@ def _parser():
     )
     _int_flag(g, "--prefix-cache-mb", 1024, "byte budget of the prefix cache, MiB")
     _draft_flags(g)
+    _kv_flags(g)
     _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser(
@@ -280,7 +283,13 @@ def _parser():
     _model_flags(v)
     _int_flag(v, "--max-batch", 32, "most rows decoding at once")
     _int_flag(v, "--max-queue", 64, "most requests waiting; more are answered 429")
-    _int_flag(v, "--prefix-cache-mb", 256, "byte budget of the prefix cache in MiB; 0 turns it off")
+    v.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=None,
+        help="byte budget of the prefix cache in MiB; 0 turns it off (256, or off where "
+        "the records are rings: --max-kv-size, sliding-window layers)",
+    )
     v.add_argument(
         "--context",
         type=int,
@@ -300,6 +309,14 @@ def _parser():
         "(default: content is encoded as text, so a user cannot forge a turn)",
     )
     _draft_flags(v)
+    _kv_flags(v)
+    v.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSTATE_API_KEY"),
+        metavar="KEY",
+        help="every /v1 route needs 'Authorization: Bearer KEY' (default: $KVSTATE_API_KEY; "
+        "unset: no key); /health and /metrics stay open",
+    )
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     t = g.add_argument_group("tiny model workload (--model tiny)")
     _int_flag(t, "--requests", 16, "number of requests")
@@ -375,6 +392,48 @@ def _draft_flags(g) -> None:
         help="cost: each round only as wide as its measured cost pays (rows with poor "
         "acceptance take plain steps); fixed: every row drafts up to --num-draft (cost)",
     )
+
+
+def _kv_flags(g) -> None:
+    """``--kv-bits``, ``--kv-group-size``, ``--max-kv-size`` (``generate`` and ``serve``;
+    mlx-lm's names): the rows' records, as ``kv_options`` reads them."""
+    g.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        help="quantized KV records: keys and values in 4 or 8 bits, per group "
+        "(default: full precision)",
+    )
+    g.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=(32, 64, 128),
+        help="values per quantization group, with --kv-bits (64)",
+    )
+    g.add_argument(
+        "--max-kv-size",
+        type=int,
+        metavar="N",
+        help="ring records: each row keeps its first 4 and its last N - 4 tokens, in every "
+        "full-attention layer (sliding-window layers keep their own window)",
+    )
+
+
+def kv_options(args) -> dict:
+    """``make_states`` options of ``--kv-bits``/``--kv-group-size``/``--max-kv-size``;
+    a combination that cannot work exits with a message naming the flags."""
+    command = f"kvstate {args.command}"
+    if args.kv_group_size is not None and args.kv_bits is None:
+        raise SystemExit(f"{command}: --kv-group-size needs --kv-bits")
+    if args.max_kv_size is not None:
+        if args.max_kv_size < 5:
+            raise SystemExit(f"{command}: --max-kv-size must be >= 5 (4 kept tokens and a window)")
+        if args.kv_bits is not None:
+            raise SystemExit(f"{command}: --kv-bits and --max-kv-size: rings are not quantized")
+        return {"max_kv_size": args.max_kv_size, "ring_full_layers": True}
+    if args.kv_bits is not None:
+        return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size or 64}
+    return {}
 
 
 def _window(args):
@@ -570,6 +629,12 @@ def _check_generate(args) -> None:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
         raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+    if args.compare and kv_options(args):
+        raise SystemExit(
+            "kvstate generate: --compare runs mlx-lm's BatchGenerator, which makes neither "
+            "quantized nor (for a model with its own make_cache) ring caches: drop --kv-bits "
+            "and --max-kv-size"
+        )
 
 
 def _generate_requests(args, loaded) -> list:
@@ -604,6 +669,7 @@ def _engines(args, model, err) -> list:
                 args.prefill_step_size,
                 compiled=args.compile,
                 window=_window(args),
+                make=kv_options(args),
             )
         ]
     else:
@@ -614,6 +680,7 @@ def _engines(args, model, err) -> list:
                 compiled=args.compile,
                 prefill_step_size=args.prefill_step_size,
                 prefix_cache=cache,
+                make=kv_options(args),
             )
         ]
     if args.compare:
@@ -637,16 +704,23 @@ def _parity(results, n: int, out) -> int:
 
 
 def serve_command(args, err=None) -> int:
-    """``kvstate serve``: load the model, then serve until interrupted."""
+    """``kvstate serve``: load the model, then serve until interrupted (SIGINT or
+    SIGTERM: in-flight requests finish first)."""
     from .serving import http as server
-    from .serving.prefix_cache import PrefixCache
 
     err = err or sys.stderr
+    make = kv_options(args)
+    api_key = _api_key(args)
+    server.check_port(args.host, args.port)  # before the model loads: fail fast
     loaded = load(args, err)
     drafter = _drafter(args, err)
-    cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
+    cache = _serve_prefix_cache(args, loaded.model, make)
+    _serve_log(err)
     print(
-        f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err, flush=True
+        f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1"
+        f"{_records_note(make, cache)}{'; API key required' if api_key else ''}",
+        file=err,
+        flush=True,
     )
     server.run(
         loaded,
@@ -662,8 +736,63 @@ def serve_command(args, err=None) -> int:
         drafter=drafter,
         num_draft=args.num_draft,
         window=_window(args),
+        make=make,
+        api_key=api_key,
     )
     return 0
+
+
+def _api_key(args):
+    """``--api-key`` (or ``$KVSTATE_API_KEY``): a key, or ``None`` for an open server;
+    an empty one is refused (it would look set and let everyone in)."""
+    if args.api_key is None:
+        return None
+    if not args.api_key.strip():
+        raise SystemExit("kvstate serve: --api-key (or $KVSTATE_API_KEY) is set but empty")
+    return args.api_key
+
+
+def _serve_prefix_cache(args, model, make):
+    """``--prefix-cache-mb``: the cache, or ``None``; asked for where the records are
+    rings (which share no prefix), it is refused rather than dropped."""
+    from .serving.scheduler import shares_prefixes
+
+    mb, shares = args.prefix_cache_mb, shares_prefixes(model, make)
+    if mb is None:
+        mb = 256 if shares else 0
+    if mb < 0:
+        raise SystemExit("kvstate serve: --prefix-cache-mb must be >= 0")
+    if mb and not shares:
+        raise SystemExit(
+            f"kvstate serve: --prefix-cache-mb {mb}: this model's records are rings "
+            "(--max-kv-size, or sliding-window layers), which the prefix cache cannot "
+            "share; pass --prefix-cache-mb 0"
+        )
+    return PrefixCache(mb << 20) if mb else None
+
+
+def _records_note(make: dict, cache) -> str:
+    """The startup line's account of the records and the prefix cache."""
+    kind = (
+        f"; {make['kv_bits']}-bit KV records (groups of {make['kv_group_size']})"
+        if "kv_bits" in make
+        else f"; ring KV records of {make['max_kv_size']} tokens"
+        if "max_kv_size" in make
+        else ""
+    )
+    mb = "off" if cache is None else f"{cache.max_bytes >> 20} MiB"
+    return f"{kind}; prefix cache {mb}"
+
+
+def _serve_log(err) -> None:
+    """The ``kvstate.serve`` logger (one line per request) to ``err``, once."""
+    log = logging.getLogger("kvstate.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(err)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def main(argv=None) -> int:

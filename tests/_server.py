@@ -38,7 +38,7 @@ class Server:
     def client(self, **kw):
         return openai.OpenAI(
             base_url=self.url + "/v1",
-            api_key="none",
+            api_key=kw.pop("api_key", "none"),
             max_retries=0,
             timeout=kw.pop("timeout", 120),
             **kw,

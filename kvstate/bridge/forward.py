@@ -300,6 +300,7 @@ def make_states(
     max_kv_size: Optional[int] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
+    ring_full_layers: bool = False,
 ) -> list:
     """One empty record per layer, as ``make_prompt_cache(model, max_kv_size)`` lays out.
 
@@ -308,18 +309,24 @@ def make_states(
     ``kv.rotating``, ``QuantizedKVCache`` ``kv.quantized``. Without one, every
     layer is ``kv.empty``, or ``kv.rotating(max_size=max_kv_size, keep=4)``.
     ``kv_bits`` turns the full-attention (non-ring) layers into
-    ``kv.quantized(group_size=kv_group_size, bits=kv_bits)``.
+    ``kv.quantized(group_size=kv_group_size, bits=kv_bits)``; with
+    ``max_kv_size`` it is refused (rings are not quantized: mlx-lm's
+    ``RotatingKVCache.to_quantized`` refuses too).
+
+    ``ring_full_layers`` (with ``max_kv_size``): the ``KVCache`` layers of a
+    model's own ``make_cache()`` become ``kv.rotating(max_size=max_kv_size,
+    keep=4)`` too, where mlx-lm would ignore ``max_kv_size`` (``kvstate serve``
+    and ``kvstate generate`` ``--max-kv-size``: an operator's memory bound holds
+    for every model).
     """
     batch_size = row_count(batch_size, "batch_size")
     if max_kv_size is not None:
         max_kv_size = as_int(max_kv_size, "max_kv_size")
         check(max_kv_size >= 1, "max_kv_size", ">= 1", max_kv_size)
-
-    def dense():
-        if kv_bits is None:
-            return empty(batch_size)
-        return quantized(batch_size, group_size=kv_group_size, bits=kv_bits)
-
+        check(kv_bits is None, "kv_bits", "None with max_kv_size (rings: not quantized)", kv_bits)
+    dense = _full_layer(
+        batch_size, max_kv_size if ring_full_layers else None, kv_bits, kv_group_size
+    )
     if not hasattr(model, "make_cache"):
         n = len(model.layers)
         if max_kv_size is not None:
@@ -338,6 +345,20 @@ def make_states(
         else:
             states.append(_hybrid.record_for(c, batch_size, dense, f"model.make_cache()[{i}]"))
     return share_row_ids(states)
+
+
+def _full_layer(batch_size: int, ring: Optional[int], kv_bits, kv_group_size):
+    """The maker of a full-attention layer's record: a ring of ``ring`` tokens, else
+    quantized with ``kv_bits``, else dense."""
+
+    def make():
+        if ring is not None:
+            return rotating(batch_size, max_size=ring, keep=4)
+        if kv_bits is None:
+            return empty(batch_size)
+        return quantized(batch_size, group_size=kv_group_size, bits=kv_bits)
+
+    return make
 
 
 def forward(

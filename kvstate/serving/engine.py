@@ -191,15 +191,22 @@ class KVStateEngine:
     asked for and run in the last run; ``peak_bytes`` the most KV bytes
     resident (rows and cache, each shared record once). A model with
     sliding-window layers runs without the cache (rings do not share
-    prefixes). ``compiled``: each round's forward compiled.
+    prefixes). ``compiled``: each round's forward compiled. ``make``:
+    ``make_states`` options for the rows' records (``Scheduler``'s).
     """
 
     name = "kvstate"
 
     def __init__(
-        self, model, compiled: bool = False, prefill_step_size: int = 512, prefix_cache=None
+        self,
+        model,
+        compiled: bool = False,
+        prefill_step_size: int = 512,
+        prefix_cache=None,
+        make: Optional[dict] = None,
     ):
         self.model, self.compiled, self.prefill_step_size = model, compiled, prefill_step_size
+        self.make = dict(make or {})
         if compiled:
             self.name = "kvstate (compiled)"
         self.budget = None if prefix_cache is None else prefix_cache.max_bytes
@@ -223,6 +230,7 @@ class KVStateEngine:
             compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
             measure=True,
+            make=self.make,
         )
 
     def serve(self, requests, batch_size, *, on_finish=None, progress: Progress = None) -> tuple:
@@ -265,8 +273,9 @@ class SpeculativeEngine(KVStateEngine):
         prefill_step_size: int = 512,
         compiled: bool = False,
         window=None,
+        make: Optional[dict] = None,
     ):
-        super().__init__(model, compiled=compiled, prefill_step_size=prefill_step_size)
+        super().__init__(model, compiled=compiled, prefill_step_size=prefill_step_size, make=make)
         self.name = "kvstate (speculative, compiled)" if compiled else "kvstate (speculative)"
         self.drafter, self.num_draft, self.window = drafter, num_draft, window
 
@@ -282,6 +291,7 @@ class SpeculativeEngine(KVStateEngine):
             compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
             measure=True,
+            make=self.make,
         )
 
     def _took(self, sched: Scheduler) -> None:

@@ -26,13 +26,17 @@ runs); this module is the HTTP side. Decisions are in ``notes/serving.md``.
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import json
 import time
 from typing import Any, Callable, Optional
 
 import attrs
 
+from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
+from .metrics import Metrics
 from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
 
 # --- request parsing ------------------------------------------------------------------
@@ -274,11 +278,13 @@ class Api:
         context: int,
         timeout: float = 600.0,
         control_tokens: bool = False,
+        watch: Optional[Callable[[Job, Params], None]] = None,
     ):
         self.scheduler, self.tok = scheduler, tokenizer
         self.model_id, self.context = model_id, context
         self.timeout, self.control_tokens = timeout, control_tokens
         self.created = int(time.time())
+        self.watch = watch or (lambda job, params: None)  # sees each job before it is queued
 
     def app(self):
         from aiohttp import web
@@ -390,6 +396,7 @@ class Api:
             submitted=arrived,
             deadline=arrived + self.timeout,
         )
+        self.watch(job, p)
         try:
             self.scheduler.submit(job)
         except QueueFull:
@@ -549,20 +556,28 @@ def make_app(
     loaded,
     *,
     context: Optional[int] = None,
+    api_key: Optional[str] = None,
     timeout: float = 600.0,
     control_tokens: bool = False,
     **options,
 ):
     """``(aiohttp app, scheduler)`` for a loaded model; the scheduler stops with the app.
 
-    ``timeout`` and ``control_tokens`` are ``Api``'s; ``options`` go to ``Scheduler``
+    ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``
+    (``require_key``). ``GET /metrics`` serves Prometheus metrics and each
+    request is logged (``kvstate.serving.metrics``). ``timeout`` and
+    ``control_tokens`` are ``Api``'s; ``options`` go to ``Scheduler``
     (``max_batch``, ``max_queue``, ``prefix_cache``, ``drafter``, ``num_draft``,
-    ``window``)."""
+    ``window``, ``make``)."""
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise bad("timeout", "seconds > 0", repr(timeout))
     if loaded.tokenizer is None:
         raise KVStateError("kvstate serve needs a model with a tokenizer (not --model tiny)")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise KVStateError(f"api_key: expected None or a non-empty str, got {api_key!r}")
+    _probe(loaded.model, options.get("make"))
     scheduler = Scheduler(loaded.model, loaded.tokenizer.eos_ids, **options)
+    metrics = Metrics(scheduler)
     api = Api(
         scheduler,
         loaded.tokenizer,
@@ -570,8 +585,13 @@ def make_app(
         context=context or context_of(loaded.model),
         timeout=float(timeout),
         control_tokens=control_tokens,
+        watch=metrics.watch,
     )
     app = api.app()
+    app.router.add_get("/metrics", metrics.scrape)
+    app.middlewares.append(metrics.middleware)
+    if api_key is not None:
+        app.middlewares.append(require_key(api_key))
 
     async def start(app):
         scheduler.start()
@@ -584,15 +604,86 @@ def make_app(
     return app, scheduler
 
 
+def _probe(model, make: Optional[dict]) -> None:
+    """Records the model cannot write (a quantization group wider than its head
+    dim, ...) are refused here, with ``make`` named, not by the scheduler's thread
+    at the first request: one token is prefilled into them."""
+    if not make:
+        return
+    try:
+        bridge.prefill(model, [[0]], **make)
+    except KVStateError as e:
+        raise KVStateError(f"make={make}: {e}") from None
+
+
+def require_key(key: str):
+    """aiohttp middleware: a ``/v1`` request without ``Authorization: Bearer <key>``
+    gets 401 with OpenAI's error body (``code: "invalid_api_key"``); the header is
+    compared in constant time. ``/health`` and ``/metrics`` stay open."""
+    from aiohttp import web
+
+    want = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def check(request, handler):
+        if not request.path.startswith("/v1"):
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(given, want):
+            return await handler(request)
+        exc = BadRequest(
+            "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            status=401,
+        )
+        return web.json_response(exc.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def check_port(host: str, port: int) -> None:
+    """Exit with one line (no traceback) when ``host:port`` cannot be listened on."""
+    import socket
+
+    if not 1 <= port <= 65535:
+        raise SystemExit(f"kvstate serve: --port must be in [1, 65535], got {port}")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        if e.errno not in _LISTEN_ERRORS:
+            raise
+        raise SystemExit(_listen_error(host, port, e)) from None
+
+
+_LISTEN_ERRORS = (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+
+
+def _listen_error(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"kvstate serve: port {port} on {host} is in use"
+    return f"kvstate serve: cannot listen on {host}:{port}: {e.strerror or e}"
+
+
 def run(loaded, *, host: str = "127.0.0.1", port: int = 8080, log=None, **options) -> None:
-    """Serve until interrupted; ``options`` as ``make_app``'s."""
+    """Serve until SIGINT or SIGTERM; ``options`` as ``make_app``'s.
+
+    aiohttp's ``run_app`` turns either signal into a graceful exit: it stops
+    listening, lets the requests in flight finish (up to 60 s), then stops the
+    scheduler. A port that cannot be listened on exits with one line."""
     from aiohttp import web
 
     app, _ = make_app(loaded, **options)
-    web.run_app(
-        app,
-        host=host,
-        port=port,
-        handler_cancellation=True,
-        print=(lambda msg: print(msg, file=log, flush=True)) if log else None,
-    )
+    try:
+        web.run_app(
+            app,
+            host=host,
+            port=port,
+            handler_cancellation=True,
+            shutdown_timeout=60.0,
+            print=(lambda msg: print(msg, file=log, flush=True)) if log else None,
+        )
+    except OSError as e:
+        if e.errno not in _LISTEN_ERRORS:
+            raise
+        raise SystemExit(_listen_error(host, port, e)) from None

@@ -47,6 +47,7 @@ import mlx.core as mx
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
+from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
 from ..kinds.shared import fork, resident_bytes
 from ..sampling import Sampling, row_keys
@@ -54,7 +55,7 @@ from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import prefix_cache
 
-__all__ = ["Job", "QueueFull", "Scheduler", "Stopped"]
+__all__ = ["Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
 
 log = logging.getLogger("kvstate.serve")
 
@@ -98,6 +99,7 @@ class Job:
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
     leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
+    cached: Optional[int] = None  # prompt tokens read from the prefix cache (set at admission)
 
     def release(self) -> None:
         """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
@@ -154,6 +156,9 @@ class Scheduler:
             ``stats["peak_bytes"]`` and, over the tokens the rows hold, into
             ``bytes_per_token`` (one entry a round); off, a round measures nothing.
         prefill_step_size: prompt tokens per prefill forward (longer prompts are chunked).
+        make: ``kvstate.mlx_lm.make_states`` options for the rows' records
+            (``max_kv_size``: rings; ``kv_bits``, ``kv_group_size``: quantized), the
+            draft model's too. Rings share no prefix: with them the prefix cache is off.
     """
 
     def __init__(
@@ -170,8 +175,10 @@ class Scheduler:
         compiled: bool = False,
         prefill_step_size: int = 512,
         measure: bool = False,
+        make: Optional[dict] = None,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
+        self.make = dict(make or {})
         self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
@@ -357,8 +364,9 @@ class Scheduler:
                 if lease is not None:
                     lease.release()
             raise
-        for job, lease in zip(jobs, leases):
+        for job, lease, ran in zip(jobs, leases, prefilled):
             job.leases = [lease] if lease is not None else []
+            job.cached = len(job.prompt) - ran
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(map(len, prompts))
         self.spec = new if self.spec is None else speculative.join(self.spec, new)
@@ -374,7 +382,10 @@ class Scheduler:
         if isinstance(self.drafter, DraftModel):
             try:
                 _, draft_states = bridge.prefill(
-                    self.drafter.model, prompts, prefill_step_size=self.prefill_step_size
+                    self.drafter.model,
+                    prompts,
+                    prefill_step_size=self.prefill_step_size,
+                    **{**self.make, **self.drafter.make},
                 )
                 draft_states = fork(draft_states, 0, 0)  # (dense layers shared, as forked rows are)
             except Exception as exc:
@@ -392,10 +403,14 @@ class Scheduler:
         kind forked rows have, so every admission joins the rows in flight."""
         if self.prefix_cache is not None:
             return prefix_cache.prefill(
-                self.model, prompts, self.prefix_cache, prefill_step_size=self.prefill_step_size
+                self.model,
+                prompts,
+                self.prefix_cache,
+                prefill_step_size=self.prefill_step_size,
+                **self.make,
             )
         logits, states = bridge.prefill(
-            self.model, prompts, prefill_step_size=self.prefill_step_size
+            self.model, prompts, prefill_step_size=self.prefill_step_size, **self.make
         )
         return logits, fork(states, 0, 0), [None] * len(prompts), [len(p) for p in prompts]
 
@@ -499,6 +514,14 @@ class Scheduler:
             if stop or job.generated[choice] >= job.max_tokens:
                 job.tell("done", choice, "stop" if stop else "length")
                 job.cancel(choice)
+
+
+def shares_prefixes(model, make: Optional[dict] = None) -> bool:
+    """Whether the model's records (made with ``make_states`` options ``make``) are
+    dense or quantized: their prefixes share with no copy (``kvstate.kinds.shared``);
+    other kinds' cache entries are copies with narrower reuse (``notes/serving.md``)."""
+    states = bridge.make_states(model, 1, **(make or {}))
+    return all(type(s) in (CacheState, QuantizedState) for s in states)
 
 
 def _first_tokens(jobs: list, states, logits) -> Batch:
