@@ -19,6 +19,7 @@ in ``notes/cli.md``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ import mlx.core as mx
 
 import kvstate as kv
 
+from .models.load import fetch as fetch_model
 from .models.load import tiny_llama
 from .serving.engine import (
     Completion,
@@ -38,7 +40,7 @@ from .serving.engine import (
     SpeculativeEngine,
     serve,
 )
-from .serving.prefix_cache import PrefixCache
+from .serving.prefix_cache import PrefixCache, model_identity
 
 PROMPTS = (
     "What is the capital of France?",
@@ -281,6 +283,13 @@ def _parser():
     _int_flag(v, "--max-batch", 32, "most rows decoding at once")
     _int_flag(v, "--max-queue", 64, "most requests waiting; more are answered 429")
     _int_flag(v, "--prefix-cache-mb", 256, "byte budget of the prefix cache in MiB; 0 turns it off")
+    v.add_argument(
+        "--prefix-cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the prefix cache across restarts: loaded from DIR at start (a file per "
+        "model), saved there on shutdown (Ctrl-C, SIGTERM)",
+    )
     v.add_argument(
         "--context",
         type=int,
@@ -625,12 +634,11 @@ def _parity(results, n: int, out) -> int:
 def serve_command(args, err=None) -> int:
     """``kvstate serve``: load the model, then serve until interrupted."""
     from .serving import http as server
-    from .serving.prefix_cache import PrefixCache
 
     err = err or sys.stderr
     loaded = load(args, err)
     drafter = _drafter(args, err)
-    cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb > 0 else None
+    cache, on_stop = _serve_cache(args, err)
     print(
         f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1", file=err, flush=True
     )
@@ -646,8 +654,60 @@ def serve_command(args, err=None) -> int:
         drafter=drafter,
         num_draft=args.num_draft,
         window=_window(args),
+        on_stop=on_stop,
     )
     return 0
+
+
+def _serve_cache(args, err) -> tuple:
+    """``kvstate serve``'s prefix cache and what saves it at shutdown: ``(cache,
+    on_stop)``. With ``--prefix-cache-dir``, the file of this model (named by its
+    identity) is loaded when there is one; a file that is not this model's (or not
+    a cache) is refused with a message and the server starts with an empty cache."""
+    mb = args.prefix_cache_mb
+    if args.prefix_cache_dir is None:
+        return (PrefixCache(mb << 20) if mb > 0 else None), None
+    if mb <= 0:
+        raise SystemExit(
+            "kvstate serve: --prefix-cache-dir needs the prefix cache on (--prefix-cache-mb > 0)"
+        )
+    identity = _serve_identity(args, err)
+    path = prefix_cache_file(args.prefix_cache_dir, identity)
+    cache = PrefixCache(mb << 20, identity=identity)
+    if path.is_file():
+        try:
+            cache = PrefixCache.load(path, mb << 20, identity=identity)
+            print(f"kvstate serve: {len(cache)} prefix cache entries from {path}", file=err)
+        except kv.KVStateError as e:
+            print(
+                f"kvstate serve: --prefix-cache-dir: {path} not loaded ({e}); "
+                "starting with an empty prefix cache",
+                file=err,
+            )
+
+    def save(scheduler) -> None:
+        if scheduler.prefix_cache is not None and len(scheduler.prefix_cache):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scheduler.prefix_cache.save(path)
+            n = len(scheduler.prefix_cache)
+            print(f"kvstate serve: {n} prefix cache entries saved to {path}", file=err, flush=True)
+
+    return cache, save
+
+
+def prefix_cache_file(directory: Path, identity: str) -> Path:
+    """The prefix cache file of one model identity in ``directory``."""
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return Path(directory) / f"prefix-cache-{digest}.safetensors"
+
+
+def _serve_identity(args, err) -> str:
+    """What a saved prefix cache is bound to: the weights' digest and how they were
+    loaded (``--float32`` changes the keys and values a prompt gives)."""
+    if args.model == "tiny":
+        return f"tiny llama seed {args.seed}"
+    path = fetch_model(log=err) if args.model is None else Path(args.model).expanduser()
+    return f"{model_identity(path)}; {'float32' if args.float32 else 'as shipped'}"
 
 
 def main(argv=None) -> int:
