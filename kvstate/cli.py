@@ -19,6 +19,7 @@ in ``notes/cli.md``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import mlx.core as mx
 
 import kvstate as kv
 
+from .models.load import fetch as fetch_model
 from .models.load import tiny_llama
 from .serving.engine import (
     Completion,
@@ -40,7 +42,7 @@ from .serving.engine import (
     SpeculativeEngine,
     serve,
 )
-from .serving.prefix_cache import PrefixCache
+from .serving.prefix_cache import PrefixCache, model_identity
 
 PROMPTS = (
     "What is the capital of France?",
@@ -289,6 +291,13 @@ def _parser():
         default=None,
         help="byte budget of the prefix cache in MiB; 0 turns it off (256, or off where "
         "the records are rings: --max-kv-size, sliding-window layers)",
+    )
+    v.add_argument(
+        "--prefix-cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep the prefix cache across restarts: loaded from DIR at start (a file per "
+        "model), saved there on shutdown (Ctrl-C, SIGTERM)",
     )
     v.add_argument(
         "--context",
@@ -714,7 +723,7 @@ def serve_command(args, err=None) -> int:
     server.check_port(args.host, args.port)  # before the model loads: fail fast
     loaded = load(args, err)
     drafter = _drafter(args, err)
-    cache = _serve_prefix_cache(args, loaded.model, make)
+    cache, on_stop = _serve_cache_dir(args, _serve_prefix_cache(args, loaded.model, make), err)
     _serve_log(err)
     print(
         f"kvstate serve: {loaded.name} on http://{args.host}:{args.port}/v1"
@@ -738,6 +747,7 @@ def serve_command(args, err=None) -> int:
         window=_window(args),
         make=make,
         api_key=api_key,
+        on_stop=on_stop,
     )
     return 0
 
@@ -793,6 +803,57 @@ def _serve_log(err) -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
+
+
+def _serve_cache_dir(args, cache, err) -> tuple:
+    """The prefix cache ``cache`` with ``--prefix-cache-dir``, and what saves it at
+    shutdown: ``(cache, on_stop)``. The file of this model (named by its identity) is
+    loaded when there is one; a file that is not this model's (or not a cache) is
+    refused with a message and the server starts with an empty cache."""
+    if args.prefix_cache_dir is None:
+        return cache, None
+    if cache is None:
+        raise SystemExit(
+            "kvstate serve: --prefix-cache-dir needs the prefix cache on (--prefix-cache-mb > 0)"
+        )
+    mb = cache.max_bytes >> 20
+    identity = _serve_identity(args, err)
+    path = prefix_cache_file(args.prefix_cache_dir, identity)
+    cache = PrefixCache(mb << 20, identity=identity)
+    if path.is_file():
+        try:
+            cache = PrefixCache.load(path, mb << 20, identity=identity)
+            print(f"kvstate serve: {len(cache)} prefix cache entries from {path}", file=err)
+        except kv.KVStateError as e:
+            print(
+                f"kvstate serve: --prefix-cache-dir: {path} not loaded ({e}); "
+                "starting with an empty prefix cache",
+                file=err,
+            )
+
+    def save(scheduler) -> None:
+        if scheduler.prefix_cache is not None and len(scheduler.prefix_cache):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scheduler.prefix_cache.save(path)
+            n = len(scheduler.prefix_cache)
+            print(f"kvstate serve: {n} prefix cache entries saved to {path}", file=err, flush=True)
+
+    return cache, save
+
+
+def prefix_cache_file(directory: Path, identity: str) -> Path:
+    """The prefix cache file of one model identity in ``directory``."""
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return Path(directory) / f"prefix-cache-{digest}.safetensors"
+
+
+def _serve_identity(args, err) -> str:
+    """What a saved prefix cache is bound to: the weights' digest and how they were
+    loaded (``--float32`` changes the keys and values a prompt gives)."""
+    if args.model == "tiny":
+        return f"tiny llama seed {args.seed}"
+    path = fetch_model(log=err) if args.model is None else Path(args.model).expanduser()
+    return f"{model_identity(path)}; {'float32' if args.float32 else 'as shipped'}"
 
 
 def main(argv=None) -> int:

@@ -105,6 +105,7 @@ class Params:
     stop: tuple
     stream: bool
     chat: bool
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
 
 
 def parse(
@@ -135,6 +136,7 @@ def parse(
         stop=_stop(body),
         stream=_stream(body),
         chat=chat,
+        include_usage=_include_usage(body),
     )
 
 
@@ -198,6 +200,21 @@ def _stream(body: dict) -> bool:
     if not isinstance(stream, bool):
         raise BadRequest(f"'stream' must be a boolean, got {stream!r}", "stream")
     return stream
+
+
+def _include_usage(body: dict) -> bool:
+    """``stream_options``: ``{"include_usage": bool}``, only with ``stream`` (as OpenAI)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if body.get("stream") is not True:
+        raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    usage = options.get("include_usage", False) if isinstance(options, dict) else None
+    if not isinstance(usage, bool) or set(options) - {"include_usage"}:
+        raise BadRequest(
+            f"'stream_options' must be {{'include_usage': bool}}, got {options!r}", "stream_options"
+        )
+    return usage
 
 
 def _seed(body: dict) -> Optional[int]:
@@ -438,6 +455,9 @@ class Api:
                 await self._send(response, head, kind, i, delta, None, chat)
             if finish is not None:
                 await self._send(response, head, kind, i, "", finish, chat)
+        if reply.params.include_usage:  # OpenAI's last chunk: no choices, the usage
+            chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": []}
+            await _event(response, {**chunk, "usage": _usage(reply)})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -454,7 +474,11 @@ class Api:
         else:
             choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": None}
         chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": [choice]}
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await _event(response, chunk)
+
+
+async def _event(response, chunk: dict) -> None:
+    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
 
 def _json(raw: bytes) -> Any:
@@ -527,11 +551,6 @@ def _whole(reply: _Reply, head: dict, kind: str):
     from aiohttp import web
 
     p = reply.params
-    usage = {
-        "prompt_tokens": len(p.prompt),
-        "completion_tokens": sum(len(t.tokens) for t in reply.texts),
-    }
-    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     choices = []
     for i, t in enumerate(reply.texts):
         c: dict = {"index": i, "finish_reason": reply.finish[i]}
@@ -540,7 +559,20 @@ def _whole(reply: _Reply, head: dict, kind: str):
         else:
             c["text"], c["logprobs"] = t.text, None
         choices.append(c)
-    return web.json_response({**head, "object": kind, "choices": choices, "usage": usage})
+    return web.json_response({**head, "object": kind, "choices": choices, "usage": _usage(reply)})
+
+
+def _usage(reply: _Reply) -> dict:
+    """OpenAI's usage: prompt and completion tokens, and the prompt tokens the prefix
+    cache served (``prompt_tokens_details.cached_tokens``)."""
+    prompt = len(reply.params.prompt)
+    completion = sum(len(t.tokens) for t in reply.texts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": reply.job.cached},
+    }
 
 
 # --- running it -----------------------------------------------------------------------
@@ -559,9 +591,12 @@ def make_app(
     api_key: Optional[str] = None,
     timeout: float = 600.0,
     control_tokens: bool = False,
+    on_stop: Optional[Callable[[Scheduler], None]] = None,
     **options,
 ):
-    """``(aiohttp app, scheduler)`` for a loaded model; the scheduler stops with the app.
+    """``(aiohttp app, scheduler)`` for a loaded model; the scheduler stops with the app,
+    then ``on_stop(scheduler)`` runs in its thread (``kvstate serve --prefix-cache-dir``
+    saves the prefix cache there: no round runs any more).
 
     ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <api_key>``
     (``require_key``). ``GET /metrics`` serves Prometheus metrics and each
@@ -597,7 +632,7 @@ def make_app(
         scheduler.start()
 
     async def stop(app):
-        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop)
+        await asyncio.get_running_loop().run_in_executor(None, scheduler.stop, on_stop)
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)

@@ -162,6 +162,13 @@ def _seen(state) -> int:
     return (state.offsets if isinstance(state, ChunkedState) else state.lengths)[0]
 
 
+def _supersedes(key: tuple, entry: _Entry) -> bool:
+    """Whether an entry for ``key`` makes ``entry`` redundant: it holds a strict
+    prefix of ``key`` and no lease pins it."""
+    n = len(entry.tokens)
+    return not entry.pins and n < len(key) and entry.tokens == key[:n]
+
+
 def _units(states) -> list:
     """The records ``resident_bytes`` counts once each for ``states``."""
     return [x for s in states for x in resident_records(s)]
@@ -312,6 +319,38 @@ class PrefixCache:
             self._entries.move_to_end(key)
             return True
         self._add(_Entry(key, [_compact(s) for s in states]))
+        self._fit()
+        return key in self._entries
+
+    def insert_row(self, tokens: Sequence[int], states: Sequence, row: int) -> bool:
+        """Cache the first ``len(tokens)`` tokens that row ``row`` of ``states`` (one
+        record per layer, a batch) holds: a finished request's prompt and completion.
+
+        The row's own tokens are copied once (``extract_row``; a prefix it reads
+        stays shared), then cut to ``tokens``. Where the row's records cut freely
+        (dense, quantized), entries no lease pins whose tokens are a strict prefix
+        of ``tokens`` are dropped first (the new entry serves every prompt they
+        served: a conversation keeps one entry, not one a turn); a recurrent or
+        composite entry serves only a match of all its tokens, so its prefixes stay.
+        Returns whether the entry is kept once the budget is enforced."""
+        key = tuple(as_int(t, f"tokens[{i}]") for i, t in enumerate(tokens))
+        check(len(key) >= 1, "tokens", "at least one token", "none")
+        states = _check_states(states)
+        row = as_int(row, "row")
+        check(0 <= row < states[0].batch_size, "row", f"in [0, {states[0].batch_size})", row)
+        held = states[0].lengths[row]
+        check(len(key) <= held, "tokens", f"at most {held} (the tokens row {row} holds)", len(key))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return True
+        layers = [ops.extract_row(s, row) for s in states]
+        if held > len(key):
+            layers = [ops.trim(s, held - len(key)) for s in layers]
+        entry = _Entry(key, layers)
+        if entry.cuts:  # it serves every prompt a prefix of it served (rows that cut freely)
+            for old in [k for k, e in self._entries.items() if _supersedes(key, e)]:
+                self._drop(old)
+        self._add(entry)
         self._fit()
         return key in self._entries
 

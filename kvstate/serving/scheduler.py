@@ -98,8 +98,8 @@ class Job:
     error: Optional[str] = None  # why it failed, once it has
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
+    cached: int = 0  # prompt tokens read from the prefix cache, not prefilled (set on admission)
     leases: list = attrs.Factory(list)  # prefix-cache entries the rows read
-    cached: Optional[int] = None  # prompt tokens read from the prefix cache (set at admission)
 
     def release(self) -> None:
         """Unpin the prefix-cache entries (the scheduler, when the last row left)."""
@@ -137,8 +137,10 @@ class Scheduler:
     A job of ``n`` choices prefills once and forks its row ``n - 1`` times
     (``kv.fork``: the copies share the prompt's keys and values). Prompts go
     through the prefix cache when there is one, so a prompt whose start was
-    seen before prefills only the rest. Each row's ``payload`` is
-    ``(job, choice)``.
+    seen before prefills only the rest; a finished row's prompt and completion
+    join it (the next turn of a conversation prefills only its new message),
+    and ``job.cached`` tells how many prompt tokens it served. Each row's
+    ``payload`` is ``(job, choice)``.
 
     Args:
         model: an mlx-lm model.
@@ -146,6 +148,9 @@ class Scheduler:
         max_batch: most rows decoding at once (a job of ``n`` choices is ``n`` rows).
         max_queue: most jobs waiting to be admitted; ``submit`` raises ``QueueFull`` past it.
         prefix_cache: a ``PrefixCache`` (``None``: prompts are prefilled whole).
+        cache_completions: a finished row's prompt and completion join the prefix
+            cache (the next turn of a conversation prefills only its new part);
+            off, only prompts do.
         drafter: ``None``, ``Lookup()`` or ``DraftModel(model)``.
         num_draft: most drafted tokens per row per round.
         window: ``kvstate.speculative.Window()``: each round only as wide as its
@@ -169,6 +174,7 @@ class Scheduler:
         max_batch: int = 32,
         max_queue: int = 64,
         prefix_cache: Optional[prefix_cache.PrefixCache] = None,
+        cache_completions: bool = True,
         drafter: Any = None,
         num_draft: int = 4,
         window: Optional[speculative.Window] = None,
@@ -182,6 +188,7 @@ class Scheduler:
         self.window = window if drafter is not None else None  # the rule and its costs
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
+        self.cache_completions = cache_completions
         self.forward = speculative.compiled(model) if compiled else None
         self.prefill_step_size, self.measure = prefill_step_size, measure
         self.bytes_per_token: list = []
@@ -189,6 +196,7 @@ class Scheduler:
         self._pending: collections.deque = collections.deque()
         self._stop = threading.Event()
         self._stopped = False  # no more jobs: stop() was called
+        self._then: Optional[Callable[[Scheduler], None]] = None
         self._thread: Optional[threading.Thread] = None
         self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
         self.stats = {
@@ -254,12 +262,17 @@ class Scheduler:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop the thread; every job still queued or running hears an error."""
+    def stop(self, then: Optional[Callable[[Scheduler], None]] = None) -> None:
+        """Stop the thread; every job still queued or running hears an error.
+        ``then(self)`` runs in the thread after its last round (MLX arrays made in a
+        thread are evaluated in that thread: a prefix cache is saved there)."""
         self._stopped = True
+        self._then = then
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        elif then is not None:
+            then(self)
         self._fail_all(SHUTDOWN)
 
     def _run(self) -> None:
@@ -271,6 +284,8 @@ class Scheduler:
             except Exception as exc:
                 log.exception("scheduler fault; every job in flight ends")
                 self._fail_all(_describe(exc))
+        if self._then is not None:
+            self._then(self)
 
     def _jobs(self) -> list:
         """Every job running, pending or queued, each once."""
@@ -492,9 +507,23 @@ class Scheduler:
         for job in {job for job, _ in payload}:
             if len(job.cancelled) == job.n:
                 job.release()
+        if self.cache_completions and self.prefix_cache is not None:
+            self._cache_finished(sorted(set(range(len(payload))) - set(stay)))
         if not stay:  # the batch empties: the rule keeps its last round's cost
             self.window = speculative.recorded(self.spec)
         self.spec = speculative.leave(self.spec, stay) if stay else None
+
+    def _cache_finished(self, rows: list) -> None:
+        """Each leaving row's prompt and completion join the prefix cache, up to its
+        end and only as far as its records hold (its last token, pending, was never
+        fed): the next turn of its conversation reads them."""
+        spec, cache = self.spec, cast(prefix_cache.PrefixCache, self.prefix_cache)
+        context, held = spec.context, spec.states[0].lengths
+        for b in rows:
+            job, choice = spec.batch.payload[b]
+            n = min(len(job.prompt) + job.generated[choice], held[b])
+            if n > 0:
+                cache.insert_row(context[b][:n], spec.states, b)
 
     def _measure(self) -> None:
         """The bytes held now (before finished rows leave): the peak, and per token held."""

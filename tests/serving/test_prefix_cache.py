@@ -191,3 +191,37 @@ def test_model_identity_of_a_file_and_refusals(tmp_path):
     with pytest.raises(kv.KVStateError, match="max_bytes"):
         PrefixCache(-1)
     assert len(cache) == 0
+
+
+def test_insert_row_copies_one_row_cut_to_its_tokens_and_replaces_its_prefixes(rng):
+    """A finished request's row: ``insert_row`` stores the row's first ``len(tokens)``
+    tokens (a compact copy of its own tokens, its prefix still shared) and drops the
+    unpinned entries whose tokens are a strict prefix of them; a pinned one stays."""
+    base, rows = entry(rng, 6)
+    cache = PrefixCache(1 << 20)
+    cache.insert([1, 2, 3, 4, 5, 6], base)
+    cache.insert([1, 2], entry(rng, 2)[0])
+    cache.insert([1, 9], entry(rng, 2)[0])  # not a prefix of what follows
+    with cache.lookup([1, 2, 3, 4, 5, 6, 7]) as hit:
+        assert hit.matched == 6
+        own = [rand(rng, 1, H, 3, D) for _ in range(LAYERS)]
+        batch = [  # row 1 reads the entry's 6 tokens, then writes 3 of its own
+            kv.merge_rows([kv.fork(o, 0, 0), kv.append(s, mx.array(x), mx.array(x))])
+            for o, s, x in zip(entry(rng, 2)[0], hit.states, own)
+        ]
+        assert batch[0].lengths == (2, 9)
+        pinned = cache.pin([1, 2])
+        with pytest.raises(kv.KVStateError, match="at most 9"):
+            cache.insert_row(list(range(10)), batch, 1)
+        with pytest.raises(kv.KVStateError, match="row"):
+            cache.insert_row([1], batch, 2)
+        assert len(cache) == 3  # refused calls change nothing
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]  # the row's first 8 tokens (its last one left out)
+    assert cache.insert_row(tokens, batch, 1)  # (the row left: [1..6] no longer pinned)
+    pinned.release()
+    assert set(cache._entries) == {(1, 2), (1, 9), tuple(tokens)}  # [1..6] gave way
+    for s, r, (k, v), x in zip(cache._entries[tuple(tokens)].states, base, rows, own):
+        assert s.prefixes == (r,) and s.suffix.lengths == (2,)  # the prefix shared, not copied
+        got = visible(kv.materialize(s))[0]
+        np.testing.assert_array_equal(got[0], np.concatenate([k, x[0, :, :2]], axis=1))
+        np.testing.assert_array_equal(got[1], np.concatenate([v, x[0, :, :2]], axis=1))

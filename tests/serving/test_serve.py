@@ -16,6 +16,8 @@ pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
 from _server import QUESTIONS, Server, greedy_reference, messages  # noqa: E402
 
+from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
+from kvstate.serving.engine import serve as generate  # noqa: E402
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -253,47 +255,140 @@ def test_serve_command_passes_the_draft_window(monkeypatch, flags, cost):
     assert isinstance(got["window"], Window) == cost and (cost or got["window"] is None)
 
 
-def test_the_kvstate_serve_command(smollm):
-    """The command, with --draft ngram: greedy text equals kvstate generate's (no draft)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    want = greedy_reference(smollm, QUESTIONS[:1], 12)[0]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstate",
-            "serve",
-            "--port",
-            str(port),
-            "--float32",
-            "--draft",
-            "ngram",
-            "--num-draft",
-            "3",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
+class ServeProcess:
+    """``python -m kvstate serve --float32 FLAGS`` on a free port, until ``stop``
+    (SIGTERM: a graceful shutdown); ``err`` is its stderr once stopped."""
+
+    def __init__(self, *flags):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "kvstate", "serve", "--port", str(self.port), "--float32"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([*cmd, *flags], stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.time() + 180
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as h:
+                url = f"http://127.0.0.1:{self.port}/health"
+                with urllib.request.urlopen(url, timeout=2) as h:
                     assert json.load(h)["status"] == "ok"
                     break
             except OSError:
-                assert proc.poll() is None and time.time() < deadline
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    raise AssertionError(f"kvstate serve did not start: {self.err}") from None
                 time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        r = client.chat.completions.create(
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
+
+    def stop(self):
+        self.proc.terminate()
+        _, self.err = self.proc.communicate(timeout=60)
+        return self.proc.returncode
+
+
+def test_the_kvstate_serve_command(smollm):
+    """The command, with --draft ngram: greedy text equals kvstate generate's (no draft)."""
+    want = greedy_reference(smollm, QUESTIONS[:1], 12)[0]
+    server = ServeProcess("--draft", "ngram", "--num-draft", "3")
+    try:
+        r = server.client.chat.completions.create(
             model="x", max_tokens=12, temperature=0, messages=messages(QUESTIONS[0])
         )
         assert r.choices[0].message.content == want
         assert "Paris" in want
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
+
+
+def reference(smollm, conversation, max_tokens):
+    """The greedy reply to ``conversation`` with no prefix cache (`kvstate generate`'s engine)."""
+    tok = smollm.tokenizer
+    reqs = [Request(0, tuple(tok.chat(conversation)), max_tokens, stop=tok.eos_ids)]
+    done, _ = generate(KVStateEngine(smollm.model), reqs, batch_size=1)
+    return tok.decode(list(done[0].tokens))
+
+
+def test_a_second_turn_reads_the_first_reply_from_the_cache(server, smollm):
+    """The reply of turn 1 joins the prefix cache: turn 2 (its prompt renders that reply
+    through the chat template) is served its whole history but a few tokens from the
+    cache, reports them in usage (whole, and streamed with include_usage), and answers
+    what it answers with no cache."""
+    client = server.client()
+    chat = [
+        {"role": "system", "content": "You are a tour guide. Answer briefly."},
+        {"role": "user", "content": "Which city should I visit in Spain?"},
+    ]
+    r1 = client.chat.completions.create(model="x", messages=chat, max_tokens=24, temperature=0)
+    before = r1.usage.prompt_tokens + r1.usage.completion_tokens
+    chat += [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "What should I eat there?"},
+    ]
+    kw = dict(model="x", messages=chat, max_tokens=16, temperature=0)
+    r2 = client.chat.completions.create(**kw)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    # the whole history but the reply's last token or two (never fed, or rendered
+    # differently by the template): a prompt-only cache would serve about half
+    assert 0.9 * before <= cached < r2.usage.prompt_tokens
+    assert r2.choices[0].message.content == reference(smollm, chat, 16)
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == r2.usage.prompt_tokens
+    assert usage.completion_tokens == r2.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens - 1  # a repeat
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == r2.choices[0].message.content
+
+
+@pytest.mark.slow(reason="starts the real-model server twice (about 20 s here)")
+def test_prefix_cache_dir_keeps_the_cache_across_a_restart(tmp_path):
+    ask = dict(model="x", messages=messages(QUESTIONS[2]), max_tokens=4, temperature=0)
+    first = ServeProcess("--prefix-cache-dir", str(tmp_path))
+    try:
+        r = first.client.chat.completions.create(**ask)
+        assert r.usage.prompt_tokens_details.cached_tokens == 0  # a fresh, empty cache
+    finally:
+        first.stop()
+    assert "entries saved to" in first.err
+    (saved,) = tmp_path.iterdir()
+    second = ServeProcess("--prefix-cache-dir", str(tmp_path))
+    try:
+        r = second.client.chat.completions.create(**ask)
+        assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
+    finally:
+        second.stop()
+    assert f"entries from {saved}" in second.err
+
+
+def test_a_prefix_cache_file_of_another_model_is_refused_with_a_message(tmp_path, rng):
+    """``--prefix-cache-dir``: the file at this model's name holds another model's cache
+    (or is no cache at all): the server says so and starts with an empty cache."""
+    import io
+
+    import mlx.core as mx
+
+    import kvstate as kv
+    from kvstate import cli
+
+    args = cli._parser().parse_args(
+        ["serve", "--model", "tiny", "--prefix-cache-dir", str(tmp_path)]
+    )
+    identity = cli._serve_identity(args, None)
+    path = cli.prefix_cache_file(tmp_path, identity)
+    k = mx.array(rng.standard_normal((1, 2, 3, 4)).astype("float32"))
+    for made_for in ("another model", identity):
+        other = PrefixCache(1 << 20, identity=made_for)
+        other.insert([1, 2, 3], [kv.append(kv.empty(1), k, k)])
+        other.save(path)
+        err = io.StringIO()
+        cache, _ = cli._serve_cache_dir(args, PrefixCache(1 << 20), err)
+        assert len(cache) == (made_for == identity) and cache.identity == identity
+        assert ("not loaded" in err.getvalue()) == (made_for != identity)
+    assert "another model" not in err.getvalue() and "1 prefix cache entries" in err.getvalue()
+    path.write_bytes(b"not a safetensors file")
+    err = io.StringIO()
+    cache, save = cli._serve_cache_dir(args, PrefixCache(1 << 20), err)
+    assert len(cache) == 0 and "not loaded" in err.getvalue()

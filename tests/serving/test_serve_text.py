@@ -70,6 +70,27 @@ def _tok(messages=None, text=None):
         ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ""}, "stop"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 98}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, "stream_options"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": 1},
+            "stream_options",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": True, "x": 1},
+            },
+            "stream_options",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": "yes"},
+            },
+            "stream_options",
+        ),
     ],
 )
 def test_bad_chat_requests_name_the_field(body, param):
@@ -97,11 +118,13 @@ def test_a_good_request_parses():
             "n": 2,
             "seed": 7,
             "stream": True,
+            "stream_options": {"include_usage": True},
         },
         chat=True,
         tokenize=_tok,
         context=100,
     )
+    assert p.include_usage
     assert (p.prompt, p.max_tokens, p.temperature, p.stop, p.n, p.seed, p.stream) == (
         [1, 2, 3],
         5,
