@@ -131,7 +131,7 @@ class _cascade:
     """While the model runs, its attention reads of shared dense rows take the
     cascade (``kvstate.kinds.shared.read``: each shared prefix read once for all the
     rows reading it) instead of materialized columns; where
-    ``_decoder.routes_reads``, every other read goes to
+    ``routing.routes_reads``, every other read goes to
     ``_decoder.routed_read`` (the compiled decoder's routed read: kernels for
     ragged and quantized rows on CUDA).
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 from prometheus_client import (
@@ -31,6 +31,9 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
 
 __all__ = ["Metrics", "kv_bytes"]
 
@@ -64,7 +67,7 @@ class Metrics:
         log: the logger of the per-request lines (``kvstate.serve``).
     """
 
-    def __init__(self, scheduler, log: Optional[logging.Logger] = None) -> None:
+    def __init__(self, scheduler: Scheduler, log: Optional[logging.Logger] = None) -> None:
         self.scheduler = scheduler
         self.log = log or logging.getLogger("kvstate.serve")
         self.registry = r = CollectorRegistry()
@@ -243,7 +246,7 @@ def _route(request) -> str:
     return "unmatched" if resource is None else resource.canonical
 
 
-def kv_bytes(scheduler) -> int:
+def kv_bytes(scheduler: Scheduler) -> int:
     """``scheduler.nbytes()`` from another thread: the walk over the prefix cache's
     entries is retried if the scheduler's thread changed them meanwhile."""
     for _ in range(3):
@@ -257,7 +260,7 @@ def kv_bytes(scheduler) -> int:
 class _SchedulerCollector:
     """The scheduler's state, read when Prometheus scrapes (not every round)."""
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
 
     def describe(self) -> list:

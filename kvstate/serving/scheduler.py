@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional, cast
 
 import attrs
 import mlx.core as mx
+import mlx.nn as nn
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
@@ -545,7 +546,7 @@ class Scheduler:
                 job.cancel(choice)
 
 
-def shares_prefixes(model, make: Optional[dict] = None) -> bool:
+def shares_prefixes(model: nn.Module, make: Optional[dict] = None) -> bool:
     """Whether the model's records (made with ``make_states`` options ``make``) are
     dense or quantized: their prefixes share with no copy (``kvstate.kinds.shared``);
     other kinds' cache entries are copies with narrower reuse (``notes/serving.md``)."""

@@ -19,7 +19,7 @@ from test_bridge_routes import record_routes
 
 import kvstate as kv
 from kvstate import mlx_lm as bridge
-from kvstate.bridge import decoder as _decoder
+from kvstate.bridge import routing
 from kvstate.kernels import cuda as kernels
 from kvstate.kinds import quantized as _quantized
 
@@ -100,7 +100,7 @@ def test_ragged_dense_rows_read_by_the_kernel(monkeypatch, geometry):
     monkeypatch.setattr(kernels, "ragged_attention", counted)
     got, toks = run(model, ps)
     assert calls and set(calls) == {1}  # every ragged decode read, one query each
-    monkeypatch.setattr(_decoder, "routes_reads", lambda: False)  # the masked stock SDPA
+    monkeypatch.setattr(routing, "routes_reads", lambda: False)  # the masked stock SDPA
     want = replay(model, ps, toks)
     for t, (g, w) in enumerate(zip(got, want, strict=True)):
         assert rel(g, w) < TOL, f"step {t}: {rel(g, w)}"
