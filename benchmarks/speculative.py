@@ -40,7 +40,7 @@ cycled), B rows at a time; a row with ``T`` tokens leaves and the next prompt
 joins (``speculative.leave``/``join``; the plain loop ``filter_rows``/
 ``merge_rows``), prefills done before the clock; tokens/s counts ``T`` per
 prompt over the whole stream, against the plain loop doing the same
-(``notes/speculative.md``, session 5: why both).
+(``notes/speculative.md``: why both).
 
     python -m benchmarks speculative --rounds 5 --tokens 64
     python -m benchmarks speculative --batch 8 --kinds "code edit" --stream 2

@@ -24,7 +24,7 @@ WORKER = Path(__file__).with_name("_dist_worker.py")
 
 # A rank's deadline: past it the test fails as a hang. On MLX's CUDA backend a
 # rank compiles its kernels at first use (NVRTC, cached on disk per machine):
-# on the H200 (session 6) a migration pair ran 38.7 s with kernels already
+# on the H200 a migration pair ran 38.7 s with kernels already
 # cached by earlier tests and was cut at 60 s as the run's first test.
 DEADLINE = 240.0 if kernels.kernel_available() else 60.0
 

@@ -21,7 +21,7 @@ from kvstate.kinds import quantized as _quantized
 # through a model, quantized_scaled_dot_product_attention, or kvstate's stock
 # read forced): that read is mx.quantized_matmul, which MLX 0.32.4's CUDA
 # backend lacks for KV shapes ("No implementation for problem shape", the
-# H200, sessions 3-4), so there is no reference to compare with there.
+# H200), so there is no reference to compare with there.
 # kvstate's own quantized reads on CUDA: tests/bridge/test_bridge_cuda.py,
 # tests/kernels/test_quantized_read.py.
 needs_stock_quantized_read = pytest.mark.skipif(

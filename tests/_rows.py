@@ -152,7 +152,7 @@ def append_peak(state, k, steps: int, keep_old: bool):
     only when nothing else holds its buffer, and on its CUDA backend a
     finished command's buffers are let go by a worker thread after
     ``mx.eval`` may have returned, so the next append can find the plane
-    still held and copy it (``notes/kernels.md``, session 5; the H200 measured
+    still held and copy it (``notes/kernels.md``; the H200 measured
     one or two plane copies in 16 appends without the wait). With the wait
     the contract is the same on every backend: a dropped record's planes
     are written in place.

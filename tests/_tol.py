@@ -7,7 +7,7 @@ their sums. The test session runs float32 at full precision on every backend
 otherwise run float32 matmuls and attention in TF32), so a float32 tolerance
 is one number everywhere: the largest gap measured between such logits is
 about 5e-6 on the CPU and 1.4e-5 on the H200 (test_compiled's gemma3 rings,
-14 steps, logits up to ~5; session 4). A wrong or missing column moves them
+14 steps, logits up to ~5). A wrong or missing column moves them
 by 1e-2 and more.
 """
 

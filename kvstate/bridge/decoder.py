@@ -81,7 +81,7 @@ class Decoder:
     result so the writes happen in place. The decode loop's call, given back
     the records the last call returned (with room in their bucket, unpadded),
     runs no per-layer host work beyond building the new records (the steady
-    path; ``notes/kernels.md``, session 8).
+    path; ``notes/compiled.md``).
 
     Args:
         model: an mlx-lm model whose layers read their caches through the
@@ -320,8 +320,7 @@ class Decoder:
         thread sees that kernel finish, and a buffer with another holder is
         copied, not written in place. ``mx.eval`` returns when the step's
         event fires, which can be before that worker has let go of its
-        buffers; ``mx.synchronize`` returns after it has (``notes/kernels.md``,
-        session 5)."""
+        buffers; ``mx.synchronize`` returns after it has (``notes/kernels.md``)."""
         if self._pending is not None:
             mx.eval(self._pending)
             mx.synchronize()

@@ -132,7 +132,7 @@ class _cascade:
     cascade (``kvstate.kinds.shared.read``: each shared prefix read once for all the
     rows reading it) instead of materialized columns; where
     ``routing.routes_reads``, every other read goes to
-    ``_decoder.routed_read`` (the compiled decoder's routed read: kernels for
+    ``routing.routed_read`` (the routed read the compiled decoder uses too: kernels for
     ragged and quantized rows on CUDA).
 
     mlx-lm's attention calls its module's ``scaled_dot_product_attention(q, k,

@@ -197,7 +197,7 @@ class Shell:
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         return self._ctx.mask(self.content, N, window_size, return_array)
 
-    # --- for a routed attention read (kvstate.bridge.decoder.routed_read) ---
+    # --- for a routed attention read (kvstate.bridge.routing.routed_read) ---
 
     @property
     def proto(self):

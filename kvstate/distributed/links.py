@@ -185,7 +185,7 @@ class _Waiter:
     communication ops take the group's backend's own choice
     (``mx.distributed``: the CPU for ring and MPI, the GPU for NCCL); a GPU
     stream given to a ring collective fails on MLX's CUDA backend ("There is
-    no Stream(cpu, i) in current thread", session 5's H200 run). A waiter
+    no Stream(cpu, i) in current thread", on the H200). A waiter
     whose handshake timed out stays blocked; it is dropped and the next
     handshake makes a new one.
     """

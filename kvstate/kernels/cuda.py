@@ -403,10 +403,10 @@ MAX_QUERIES = 8
 #: Most queries per row the kernel takes for rows with a shared prefix (``prefix=``):
 #: a cached request's rest (the tokens after its cached prefix, and its last) is read
 #: over the prefix in one launch, one block per query, where the alternative is the
-#: cascade's ~35 uncompiled operations per layer (``notes/kinds.md``, session 4).
-#: Measured on the H200 (session 5, ``benchmarks/shared_prefix.py --part wide``): the
+#: cascade's ~35 uncompiled operations per layer (``notes/kinds.md``).
+#: Measured on the H200 (``benchmarks/shared_prefix.py --part wide``): the
 #: kernel read such rests in 0.17-0.43x the cascade's time at every width to 512 (B=1, 4);
-#: tested there to 512 queries (session 6, ``tests/kernels/test_prefix_read.py``).
+#: tested there to 512 queries (``tests/kernels/test_prefix_read.py``).
 PREFIX_QUERIES = 512
 #: Blocks a split read aims for (B * H * N * S): measured on the H200 (``notes/kernels.md``),
 #: about 512 blocks beat 4096: a split's merge costs more than the extra waves save.
@@ -420,20 +420,20 @@ SINGLE_ROWS = 128
 SINGLE_SPAN = 2560
 #: Fewest columns a split reads (below this the merge costs more than the split saves).
 MIN_SPLIT = 64
-#: Most splits per (row, KV head, query). Measured on the H200 (``notes/kernels.md``,
-#: session 6): B=1 8K aligned whole steps, 32 splits 2.16 ms [2.15-2.22], 16 splits 2.19,
+#: Most splits per (row, KV head, query). Measured on the H200 (``notes/kernels.md``):
+#: B=1 8K aligned whole steps, 32 splits 2.16 ms [2.15-2.22], 16 splits 2.19,
 #: 64 (the ``TARGET_BLOCKS`` count) 2.58 [2.22-2.69], one run; at 32K, 16 and 64 splits
-#: read alike (session 5: 59.7 vs 60.0 us a layer).
+#: read alike (59.7 vs 60.0 us a layer).
 MAX_SPLITS = 32
 #: Threads per block of the split pass (measured: 256 beat 128 at every shape swept).
 THREADS = 256
 #: Key-group steps loaded before any is used, dense planes (bytes in flight per thread:
-#: 2 * 16 * UNROLL, twice that with PREFETCH). Measured on the H200 (``notes/kernels.md``,
-#: session 4): B=32 x 32K aligned columns per layer, one split, 256 threads: U=2 750 us,
+#: 2 * 16 * UNROLL, twice that with PREFETCH). Measured on the H200 (``notes/kernels.md``):
+#: B=32 x 32K aligned columns per layer, one split, 256 threads: U=2 750 us,
 #: U=4 592 us, U=4 with PREFETCH 537 us (4.0 TB/s; MLX's cuDNN read of the exact width
-#: 520 us in the same run). Session 2 had U=2 over 1 and 8.
+#: 520 us in the same run); U=2 beat 1 and 8 in an earlier sweep.
 UNROLL = 4
-#: Key-group steps of the packed-plane (quantized) pass: session 2's value, not re-measured.
+#: Key-group steps of the packed-plane (quantized) pass: from the first sweep, not re-measured.
 UNROLL_PACKED = 2
 #: Whether the split pass issues the next group step's loads before this step's compute
 #: (dense planes; same measurement: U=2 750 -> 609 us, U=4 592 -> 537 us).

@@ -99,7 +99,7 @@ def quantize(x, group_size: int, bits: int) -> tuple:
     scales, biases [..., D // group_size])``, scales and biases in ``x``'s dtype.
     An empty ``x`` (no rows or no tokens) gets its empty planes from these
     shapes: MLX 0.32.4's CUDA ``mx.quantize`` of an empty array kills the
-    process (SIGFPE, the H200, session 5)."""
+    process (SIGFPE, on the H200)."""
     if x.size == 0:
         lead, D = x.shape[:-1], x.shape[-1]
         return (

@@ -933,7 +933,7 @@ def read(state: SharedState, q, *, scale: float, layouts: Layouts | None = None)
     suffix = state.suffix
     scale = float(scale)
     # (compiled even where the read is one kernel launch: replaying the trace costs
-    # less host time than the launch's Python, measured: notes/kinds.md, session 4)
+    # less host time than the launch's Python, measured: notes/kinds.md)
     fn = _compiled_read(scale) if q.shape[2] <= kernels.MAX_QUERIES else _read_fn(scale)
     return fn(q, suffix.keys, suffix.values, *layouts.arrays(state), *prefix_planes(state))
 

@@ -174,7 +174,7 @@ def test_masked_quantized_rows_read_dequantized_where_the_stock_read_cannot_run(
     cannot run (MLX's CUDA backend; forced here, with ``mx.quantized_matmul``
     failing as it does there): each layer reads its columns dequantized under
     the step's mask, and the loop equals the eager stock read's, logits and
-    greedy tokens. (Session 5's code handed them to the failing stock read.)"""
+    greedy tokens (not the failing stock read)."""
     model = tm.llama_model()
     _, logits, states = prefill(model, [5, 9, 3], kv_bits=8, kv_group_size=32)
     tok, want = mx.argmax(logits, axis=-1), []

@@ -376,7 +376,7 @@ def test_a_shared_spec_holds_no_record_and_rebuilds_around_like():
 def test_the_row_map_arrays_are_built_once_not_per_step():
     """Decoding never changes the row map (which prefix row each row reads, from
     which column, how many tokens): every step of the compiled decoder takes
-    the very same four row-map arrays (session 5 built them again each step);
+    the very same four row-map arrays (not ones built again each step);
     only the suffix's positions are new. The logits equal the eager bridge's."""
     model = llama_model(layers=3)
     _, states = bridge.forward(model, mx.array([[1, 2, 3, 4, 5]]), bridge.make_states(model, 1))

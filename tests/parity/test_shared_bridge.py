@@ -164,7 +164,7 @@ class _NoRoute:
 def test_bridge_builds_the_row_map_once_per_map_not_per_step(monkeypatch):
     """Host work that does not change between layers or decode steps is done
     once: the row map's arrays (decoding never changes the map: every layer
-    of every step reads the very same four arrays; session 5 built them once
+    of every step reads the very same four arrays, not ones built once
     per forward) and the walk for the model's attention modules (once per
     model)."""
     from kvstate.kinds import shared

@@ -371,7 +371,7 @@ def _vocab6(seed, layers):
     # head_dim 32, not 16: MLX 0.32.4's CUDA rope launches (8, 1, 128)-thread blocks for
     # head_dim 16 at one token per row once B * ceil(H / 4) >= 128 (block z > 64: an
     # invalid launch, cudaGraphAddKernelNode ... invalid argument); this test's 3000 rows
-    # hit it in the draft model's steps (notes/bridge.md, "Tests on CUDA", session 5).
+    # hit it in the draft model's steps (notes/bridge.md, "Tests on CUDA").
     mx.random.seed(seed)
     args = lm_llama.ModelArgs(
         model_type="llama",
@@ -1469,7 +1469,7 @@ def test_stale_widths_are_modelled_again_and_remeasured():
 
 
 def test_a_price_from_another_mix_of_rounds_does_not_keep_a_width_out():
-    """A fake clock, from the H200 (session 8, third batch): after low-acceptance
+    """A fake clock, from the H200: after low-acceptance
     kinds the table held W=2 at 1.42 and W=4 at 2.71 plain rounds (isolated
     drafting rounds, each paying for the plain rounds it broke), and a kind that
     drafts every round (a drafting round then ~1.1-1.2 plain rounds, whatever its
