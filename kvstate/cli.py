@@ -30,6 +30,7 @@ import mlx.core as mx
 import kvstate as kv
 
 from .models.load import tiny_llama
+from .serving.budget import DEFAULT_PREFILL_BUDGET
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -188,6 +189,18 @@ def _int_flag(p, flag: str, default: int, what: str, **kwargs) -> None:
     p.add_argument(flag, type=int, default=default, help=f"{what} ({default})", **kwargs)
 
 
+def _budget_flag(p) -> None:
+    """``--prefill-budget`` (``generate`` and ``serve``)."""
+    _int_flag(
+        p,
+        "--prefill-budget",
+        DEFAULT_PREFILL_BUDGET,
+        "most prompt tokens run per round, so a long prompt does not stall the "
+        "decoding rows; 0 prefills every admitted prompt whole",
+        metavar="N",
+    )
+
+
 def _model_flags(p) -> None:
     """``--model`` and ``--float32`` (``generate`` and ``serve``: both load with ``load``)."""
     p.add_argument(
@@ -240,6 +253,7 @@ def _parser():
     _int_flag(g, "--seed", 0, "request i: SEED + i; tiny: weights too")
     _int_flag(g, "--batch-size", 8, "most rows decoded at once")
     _int_flag(g, "--prefill-step-size", 512, "most prompt tokens per prefill forward", metavar="N")
+    _budget_flag(g)
     g.add_argument(
         "--json",
         action="store_true",
@@ -281,6 +295,7 @@ def _parser():
     _int_flag(v, "--max-batch", 32, "most rows decoding at once")
     _int_flag(v, "--max-queue", 64, "most requests waiting; more are answered 429")
     _int_flag(v, "--prefix-cache-mb", 256, "byte budget of the prefix cache in MiB; 0 turns it off")
+    _budget_flag(v)
     v.add_argument(
         "--context",
         type=int,
@@ -554,6 +569,8 @@ def _check_generate(args) -> None:
     ):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
+    if args.prefill_budget < 0:
+        raise SystemExit("kvstate generate: --prefill-budget must be >= 0 (0: off)")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
         raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
 
@@ -600,6 +617,7 @@ def _engines(args, model, err) -> list:
                 compiled=args.compile,
                 prefill_step_size=args.prefill_step_size,
                 prefix_cache=cache,
+                prefill_budget=args.prefill_budget or None,
             )
         ]
     if args.compare:
@@ -641,6 +659,7 @@ def serve_command(args, err=None) -> int:
         log=err,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        prefill_budget=args.prefill_budget or None,
         context=args.context,
         prefix_cache=cache,
         drafter=drafter,

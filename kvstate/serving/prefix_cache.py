@@ -30,7 +30,9 @@ import json
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Optional
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -43,7 +45,16 @@ from ..errors import bad, check
 from ..kinds.shared import SharedState, fork, materialize, resident_records
 from ..persist import files as persist
 
-__all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
+__all__ = [
+    "Partial",
+    "PrefixCache",
+    "PrefixLease",
+    "advance",
+    "begin",
+    "common_prefix",
+    "model_identity",
+    "settle",
+]
 
 ENTRIES_KEY = "prefix_cache.entries"
 
@@ -391,6 +402,99 @@ def prefill(
     return logits, states, leases, prefilled
 
 
+@attrs.frozen(eq=False)
+class Partial:
+    """A prompt on its way through the model: a value the scheduler holds between rounds.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        states: one record per layer, one row, holding ``prompt[:done]``.
+        done: prompt tokens the states hold (the cached prefix, then the chunks run).
+        ran: tokens run through the model so far (``done`` less the cached prefix).
+        lease: the prefix-cache entry the states read (``None``: none).
+        logits: the last prompt token's logits ``[1, V]`` once ``done == len(prompt)``.
+    """
+
+    prompt: tuple
+    states: tuple
+    done: int
+    ran: int = 0
+    lease: Optional[PrefixLease] = None
+    logits: Optional[mx.array] = None
+
+    @property
+    def rest(self) -> int:
+        """Prompt tokens still to run."""
+        return len(self.prompt) - self.done
+
+
+def begin(model, prompt: Sequence[int], cache: PrefixCache | None = None, **make) -> Partial:
+    """A ``Partial`` of ``prompt``: its longest cached prefix leased (at most all but
+    the last token), nothing run yet.
+
+    Args:
+        model: an mlx-lm model.
+        prompt: the prompt's token ids (at least one).
+        cache: the prefix cache, or ``None``.
+        make: ``make_states`` options.
+    """
+    prompt = tuple(prompt)
+    check(len(prompt) >= 1, "prompt", "at least one token", "an empty prompt")
+    hit = cache.lookup(prompt) if cache is not None else None
+    if hit is None:
+        return Partial(prompt, tuple(bridge.make_states(model, 1, **make)), 0)
+    return Partial(prompt, tuple(hit.states), hit.matched, lease=hit)
+
+
+def advance(model, part: Partial, n: int, *, step_size: int | None = None, memo=None) -> Partial:
+    """``part`` with up to ``n`` more prompt tokens run (in forwards of at most
+    ``step_size``, cut where a whole-prompt prefill cuts, at multiples of
+    ``step_size`` past the cached prefix); each forward runs the output layer
+    on its last position only (``forward(..., last=True)``), and the one that
+    reaches the prompt's end gives its logits. The input is unchanged."""
+    n = min(as_int(n, "n"), part.rest)
+    check(n >= 0, "n", ">= 0", n)
+    states: Sequence = part.states
+    done, ran, logits = part.done, part.ran, part.logits
+    target = done + n
+    while done < target:
+        take = target - done
+        if step_size is not None:
+            take = min(take, step_size - ran % step_size)
+        end = done + take == len(part.prompt)
+        logits, states = bridge.forward(  # (the output layer on the last position only)
+            model, mx.array([part.prompt[done : done + take]]), states, memo=memo, last=True
+        )
+        done, ran = done + take, ran + take
+        if not end:  # bound the graph, as a whole-prompt prefill does between chunks
+            mx.eval([p for s in states for p in s.planes])
+    out = part.logits
+    if n and done == len(part.prompt):
+        assert logits is not None  # (a forward ran)
+        out = logits[:, -1, :]
+    return attrs.evolve(part, states=tuple(states), done=done, ran=ran, logits=out)
+
+
+def settle(part: Partial, cache: PrefixCache | None) -> tuple:
+    """A ``Partial``'s row once its run is over: ``prompt[:done]`` cached (when
+    there is a cache) and the row re-pinned to that entry.
+
+    Returns:
+        ``(states, lease)``: the row's records (the cache entry's, when cached)
+        and the lease it holds (``None``: none; release it when the row leaves).
+    """
+    states, hit = list(part.states), part.lease
+    cached = part.prompt[: part.done]
+    if cached and cache is not None and cache.insert(cached, states):
+        pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
+        assert pinned is not None  # inserted just above
+        states = pinned.states
+        if hit is not None:
+            hit.release()
+        hit = pinned
+    return states, hit
+
+
 def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, make: dict) -> tuple:
     """Prefill one prompt past its cached prefix, caching it and pinning the entry it reads.
 
@@ -408,29 +512,15 @@ def _prefill_prompt(model, p: Sequence[int], cache, memo, prefill_step_size, mak
         last logits ``[1, V]`` where the rest ran here (``None``: the last token
         waits for the batched step).
     """
-    hit = cache.lookup(p) if cache is not None else None
-    start = 0 if hit is None else hit.matched
-    states = bridge.make_states(model, 1, **make) if hit is None else hit.states
-    rest = p[start:]  # (lookup leaves at least the last token to run)
-    cached = p[:-1]  # cached up to its last token: the batched step runs that
-    out = None
-    if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
-        chunk = prefill_step_size or len(rest)
-        for at in range(0, len(rest), chunk):
-            end = at + chunk >= len(rest)
-            logits, states = bridge.forward(
-                model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
-            )
-        out, cached = logits[:, -1, :], p
-    if cached and cache is not None and cache.insert(cached, states):
-        pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
-        assert pinned is not None  # inserted just above
-        states = pinned.states
-        if hit is not None:
-            hit.release()
-        hit = pinned
+    part = begin(model, p, cache, **make)
+    rest = part.rest  # (lookup leaves at least the last token to run)
+    if rest > 1:  # the rest and the last token in one forward (chunks: the last)
+        part = advance(model, part, rest, step_size=prefill_step_size, memo=memo)
+    else:  # cached up to its last token: the batched step runs that
+        part = attrs.evolve(part, done=len(part.prompt) - 1)
+    states, hit = settle(part, cache)
     row = [fork(s, 0, 0) if not isinstance(s, SharedState) else s for s in states]
-    return row, hit, len(rest), out
+    return row, hit, rest, part.logits
 
 
 def _step_waiting(

@@ -42,13 +42,15 @@ from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
 from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
-from ..kinds.shared import fork, resident_bytes
+from ..kinds.shared import SharedState, fork, resident_bytes
 from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
-from . import prefix_cache
+from . import budget, prefix_cache
 
-__all__ = ["Job", "QueueFull", "Scheduler"]
+__all__ = ["DEFAULT_PREFILL_BUDGET", "Job", "QueueFull", "Scheduler"]
+
+DEFAULT_PREFILL_BUDGET = budget.DEFAULT_PREFILL_BUDGET
 
 
 class QueueFull(Exception):
@@ -117,6 +119,11 @@ class Scheduler:
             ``stats["peak_bytes"]`` and, over the tokens the rows hold, into
             ``bytes_per_token`` (one entry a round); off, a round measures nothing.
         prefill_step_size: prompt tokens per prefill forward (longer prompts are chunked).
+        prefill_budget: most prompt tokens run per round (chunked prefill interleaved
+            with decode: a longer prompt continues over the next rounds while the rows
+            decode; ``None``: every admitted prompt is prefilled whole before the next
+            round). Models with ring layers prefill whole prompts (a ring cannot be
+            split).
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class Scheduler:
         window: Optional[speculative.Window] = None,
         compiled: bool = False,
         prefill_step_size: int = 512,
+        prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
         measure: bool = False,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
@@ -142,6 +150,8 @@ class Scheduler:
         self.prefix_cache, self.drafter, self.num_draft = prefix_cache, drafter, num_draft
         self.forward = speculative.compiled(model) if compiled else None
         self.prefill_step_size, self.measure = prefill_step_size, measure
+        self.prefill_budget = budget.prefill_budget(model, prefill_budget)
+        self._prefilling: list = []  # [(job, prefix_cache.Partial)], oldest first
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -170,7 +180,8 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() + len(self._pending)
+        """Jobs admitted by no round yet: waiting, or with their prompts in progress."""
+        return self._queue.qsize() + len(self._pending) + len(self._prefilling)
 
     def submit(self, job: Job) -> None:
         """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
@@ -222,28 +233,47 @@ class Scheduler:
 
     def _jobs(self) -> list:
         rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
+        rows += [job for job, _ in self._prefilling]
         return list(dict.fromkeys(rows + list(self._pending)))
 
     # --- admission --------------------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
-        """Take waiting jobs, oldest first, while their rows fit; prefill them together."""
-        room = self.max_batch - self.active_rows
+        """Take waiting jobs, oldest first, while their rows fit; prefill them together.
+
+        With a prefill budget, the prompts in progress continue first; then
+        whole prompts are taken while they fit in what is left of the budget,
+        and the next longer one starts with the rest of it.
+        """
+        left = self._continue_prefills()
+        room = self.max_batch - self.active_rows - sum(job.n for job, _ in self._prefilling)
+        block = block and not self._prefilling
         jobs = []
         while room > 0:
-            if not self._pending and not self._take(block):
-                break
+            job = self._head(block)
+            if job is None or job.n > room:
+                break  # (a job whose n does not fit waits at the head for rows to leave)
             block = False
-            job = self._pending[0]
-            if len(job.cancelled) == job.n:
-                self._pending.popleft()
-                continue
-            if job.n > room:
-                break  # it waits at the head for rows to leave
+            if self.prefill_budget is not None and len(job.prompt) > left:
+                if left > 0:
+                    self._begin_prefill(self._pending.popleft(), int(left))
+                break
             jobs.append(self._pending.popleft())
             room -= job.n
+            left -= len(job.prompt)
         if jobs:
             self._start(jobs)
+
+    def _head(self, block: bool) -> Optional[Job]:
+        """The oldest waiting job that is still wanted (jobs cancelled while waiting are
+        dropped), or ``None``."""
+        while self._pending or self._take(block):
+            block = False
+            job = self._pending[0]
+            if len(job.cancelled) < job.n:
+                return job
+            self._pending.popleft()
+        return None
 
     def _take(self, block: bool) -> bool:
         """Move one job from the queue to the pending line; whether there was one."""
@@ -257,13 +287,18 @@ class Scheduler:
 
     def _start(self, jobs: list) -> None:
         """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
-        step gives every first token), sample, fork each job's choices, join the rows."""
+        step gives every first token), then start their rows (``_join``)."""
         prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = self._prefill(prompts)
         for job, lease in zip(jobs, leases):
             job.leases = [lease] if lease is not None else []
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(map(len, prompts))
+        self._join(jobs, logits, states)
+
+    def _join(self, jobs: list, logits, states) -> None:
+        """Sample the jobs' first tokens, fork each job's choices, join the rows."""
+        prompts = [job.prompt for job in jobs]
         batch = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
@@ -275,9 +310,56 @@ class Scheduler:
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
         k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
         new = speculative.Speculation(batch, context, k, k, draft_states, self.window)
-        self.spec = new if self.spec is None else speculative.join(self.spec, new)
+        self.spec = new if self.spec is None else speculative.join(*_one_kind(self.spec, new))
         B = self.spec.batch_size
         self._emit([(t,) for t in first], range(B - len(origin), B))
+
+    # --- chunked prefill (a prefill budget) -------------------------------------------
+
+    def _begin_prefill(self, job: Job, tokens: int) -> None:
+        """Start ``job``'s prompt (its cached prefix leased) and run ``tokens`` of it."""
+        part = prefix_cache.begin(self.model, job.prompt, self.prefix_cache)
+        self._prefilling.append((job, part))
+        self._advance_prefills(tokens)
+
+    def _continue_prefills(self) -> float:
+        """Run the budget's tokens of the prompts in progress, oldest first; returns
+        what is left of the budget (``inf`` without one)."""
+        if self.prefill_budget is None:
+            return float("inf")
+        return self._advance_prefills(self.prefill_budget)
+
+    def _advance_prefills(self, left: int) -> int:
+        """Spend up to ``left`` prompt tokens on the prompts in progress; start the rows
+        of those that complete. Returns the tokens left."""
+        going: list = []
+        done: list = []
+        for job, part in self._prefilling:
+            if len(job.cancelled) == job.n:  # the client went away mid-prompt
+                if part.lease is not None:
+                    part.lease.release()
+                continue
+            n = min(left, part.rest)
+            part = prefix_cache.advance(self.model, part, n, step_size=self.prefill_step_size)
+            left -= n
+            (done if not part.rest else going).append((job, part))
+        self._prefilling = going
+        if done:
+            self._start_prefilled(done)
+        return left
+
+    def _start_prefilled(self, done: list) -> None:
+        """The rows of prompts whose last chunk ran: cached, then started (``_join``)."""
+        jobs, rows = [], []
+        for job, part in done:
+            states, lease = prefix_cache.settle(part, self.prefix_cache)
+            job.leases = [lease] if lease is not None else []
+            jobs.append(job)
+            rows.append(states)
+            self.stats["prefilled"] += part.ran
+            self.stats["prompt_tokens"] += len(part.prompt)
+        logits = mx.concatenate([part.logits for _, part in done], axis=0)
+        self._join(jobs, logits, bridge.merge_rows(rows))
 
     def _prefill(self, prompts: list) -> tuple:
         """``(logits, states, leases, prefilled)``: through the prefix cache when
@@ -373,6 +455,20 @@ def _forked(jobs: list, batch: Batch, draft_states) -> tuple:
                 draft_states = fork(draft_states, b, job.n - 1)
             origin += [(b, c) for c in range(1, job.n)]
     return attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin]), draft_states, origin
+
+
+def _one_kind(*specs) -> tuple:
+    """``specs`` with their rows of one kind: where a fork made some shared
+    (``SharedState``) and others are dense, the dense ones read as shared rows too."""
+    if len({type(s.states[0]) for s in specs}) == 1:
+        return specs
+    return tuple(
+        attrs.evolve(s, batch=attrs.evolve(s.batch, states=_as_shared(s.states))) for s in specs
+    )
+
+
+def _as_shared(states) -> list:
+    return [s if isinstance(s, SharedState) else fork(s, 0, 0) for s in states]
 
 
 def _random_seed() -> int:

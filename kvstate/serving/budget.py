@@ -1,0 +1,205 @@
+"""The scheduler's budgets: prompt tokens per round, and KV bytes.
+
+**Prompt tokens per round** (``prefill_budget``, vLLM's ``max_num_batched_tokens``
+for prompts): each round runs the decode rows and at most this many prompt
+tokens, so a long prompt is prefilled over several rounds
+(``prefix_cache.Partial``) instead of stalling every running row for its
+whole prefill.
+
+**KV bytes** (``kv_budget``): a job is admitted when the bytes its rows could
+reach (``prompt + max_tokens`` tokens per row, at ``bytes_per_token``) fit
+beside what the running rows could reach; before each round the bytes the
+rows will hold after it (their records' planes, plus the columns the round's
+appends will grow) must fit, with the prefix cache's unpinned entries evicted
+first and the newest rows parked (``Parked``: their records copied to host
+memory) until they do. A parked row rejoins, bit for bit, when it fits again.
+Decisions: ``notes/serving.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from .. import mlx_lm as bridge
+from ..compiled import boundary
+from ..core.args import as_int
+from ..errors import bad, check
+from ..kinds.shared import SharedState
+
+__all__ = [
+    "DEFAULT_PREFILL_BUDGET",
+    "Parked",
+    "bytes_per_token",
+    "default_kv_budget",
+    "grown_bytes",
+    "park",
+    "prefill_budget",
+    "unpark",
+]
+
+#: Prompt tokens per round by default: one prefill forward's worth at the default
+#: ``prefill_step_size``, so a round costs at most a decode step and one such forward.
+DEFAULT_PREFILL_BUDGET = 512
+
+#: The share of the device's memory (the machine's RAM on the CPU) that the default
+#: KV budget takes, less the model's weights.
+DEFAULT_KV_SHARE = 0.6
+
+
+def prefill_budget(model: Any, tokens: Optional[int]) -> Optional[int]:
+    """``tokens`` checked (``None``: off), and ``None`` for a model whose records cannot
+    be prefilled in chunks (ring layers: ``kvstate.mlx_lm.paddable``)."""
+    if tokens is None:
+        return None
+    tokens = as_int(tokens, "prefill_budget")
+    check(tokens >= 1, "prefill_budget", ">= 1 (or None: off)", tokens)
+    if not all(map(bridge.paddable, bridge.make_states(model, 1))):
+        return None
+    return tokens
+
+
+# --- KV bytes ---------------------------------------------------------------------------
+
+
+def bytes_per_token(model: Any) -> int:
+    """KV bytes one token of one row costs in ``model``'s records: every layer's
+    planes of a one-row record over its capacity (shapes and dtypes: one probe
+    forward of one token, once)."""
+    _, states = bridge.forward(model, mx.zeros((1, 1), mx.int32), bridge.make_states(model, 1))
+    return sum(math.ceil(s.nbytes / max(s.capacity, 1)) for s in states)
+
+
+def memory_size() -> int:
+    """Bytes of the default device's memory: ``mx.device_info()["memory_size"]`` on a
+    GPU, the machine's RAM on the CPU."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    size = info.get("memory_size") if mx.default_device().type != mx.cpu else None
+    if size:
+        return int(size)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_kv_budget(model: Any) -> int:
+    """``DEFAULT_KV_SHARE`` of ``memory_size()`` less the model's weights (at least 0)."""
+    weights = sum(v.nbytes for _, v in _leaves(model.parameters()))
+    return max(int(DEFAULT_KV_SHARE * memory_size()) - weights, 0)
+
+
+def _leaves(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}{i}.")
+    elif isinstance(tree, mx.array):
+        yield prefix, tree
+
+
+def kv_budget(value: Optional[int]) -> Optional[int]:
+    """``value`` checked: bytes >= 1, or ``None`` (no budget)."""
+    if value is None:
+        return None
+    value = as_int(value, "kv_budget")
+    check(value >= 1, "kv_budget", ">= 1 byte (or None: no budget)", value)
+    return value
+
+
+def grown_bytes(states, n: int) -> int:
+    """Bytes the records grow by when every row appends ``n`` more tokens: the whole
+    growth steps each layer adds past its capacity (zero while the columns fit)."""
+    total = 0
+    for s in states:
+        rows = getattr(s, "suffix", s)  # (a shared row appends to its suffix)
+        if rows.capacity == 0 or not rows.planes:
+            continue
+        need = max(rows.ends) + n - rows.capacity
+        if need > 0:
+            per_column = s.nbytes and rows.nbytes // (rows.batch_size * rows.capacity)
+            total += math.ceil(need / rows.step) * rows.step * rows.batch_size * per_column
+    return total
+
+
+# --- parked rows ------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class Parked:
+    """A row taken out of the batch, its records' planes in host memory.
+
+    Attributes:
+        spec: the row as a one-row ``Speculation`` whose records are empty
+            placeholders (``unpark`` puts the row's records back).
+        layers: per layer, ``(outer, spec, host)``: the boundary ``Spec`` of the
+            record that holds the row's planes, those planes as host bytes, and
+            for a shared row its other fields (its prefix records stay on the
+            device, read by the cache entry the row's lease pins).
+        nbytes: the device bytes the row's own planes held.
+        order: the row's admission order (parked rows rejoin oldest first).
+    """
+
+    spec: Any
+    layers: tuple
+    nbytes: int
+    order: int
+
+
+def _to_host(x) -> tuple:
+    return np.array(x.view(mx.uint8)), x.dtype, x.shape
+
+
+def _to_device(h) -> mx.array:
+    raw, dtype, shape = h
+    return mx.array(raw).view(dtype).reshape(shape)
+
+
+def _park_record(s) -> tuple:
+    """``(outer, spec, host)`` of one layer's record (``spec`` ``None``: no planes; the
+    record, holding nothing, is ``outer``)."""
+    rows = s.suffix if isinstance(s, SharedState) else s
+    if not rows.planes:
+        return s, None, ()
+    host = tuple(_to_host(p) for p in rows.planes)
+    outer = None
+    if rows is not s:
+        outer = {
+            f.name: getattr(s, f.name) for f in attrs.fields(SharedState) if f.name != "suffix"
+        }
+    return outer, boundary.spec_of(rows), host
+
+
+def _unpark_record(layer: tuple):
+    outer, spec, host = layer
+    if spec is None:
+        return outer
+    rows = boundary.unflatten(spec, tuple(_to_device(h) for h in host))
+    return rows if outer is None else SharedState(**outer, suffix=rows)
+
+
+def park(spec: Any, placeholder: list, order: int) -> Parked:
+    """``spec`` (one row; compact records, ``extract_row``'s) with its records'
+    planes copied to host memory; ``placeholder``: empty one-row records standing
+    in for them (``make_states(model, 1)``)."""
+    check(spec.batch_size == 1, "spec batch size", "1 (one row)", spec.batch_size)
+    states = spec.batch.states
+    layers = tuple(_park_record(s) for s in states)
+    nbytes = sum(h[0].nbytes for _, _, host in layers for h in host)
+    held = attrs.evolve(spec, batch=attrs.evolve(spec.batch, states=list(placeholder)))
+    return Parked(held, layers, nbytes, order)
+
+
+def unpark(parked: Parked) -> Any:
+    """The parked row's ``Speculation``, its records back on the device, as they were."""
+    states = [_unpark_record(layer) for layer in parked.layers]
+    return attrs.evolve(parked.spec, batch=attrs.evolve(parked.spec.batch, states=states))
+
+
+def refuse(what: str, need: int, limit: int) -> None:
+    """Raise: a request that can never fit the KV budget."""
+    raise bad(what, f"at most {limit} KV bytes (kv_budget)", f"{need} bytes")
