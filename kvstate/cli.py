@@ -30,7 +30,7 @@ import mlx.core as mx
 import kvstate as kv
 
 from .models.load import tiny_llama
-from .serving.budget import DEFAULT_PREFILL_BUDGET
+from .serving.budget import DEFAULT_PREFILL_BUDGET, default_kv_budget
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -296,6 +296,14 @@ def _parser():
     _int_flag(v, "--max-queue", 64, "most requests waiting; more are answered 429")
     _int_flag(v, "--prefix-cache-mb", 256, "byte budget of the prefix cache in MiB; 0 turns it off")
     _budget_flag(v)
+    v.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=None,
+        help="most KV bytes (GB) the rows and prefix cache hold; rows past it are parked in "
+        "host memory and resume exactly (default: 0.6 of the device's memory, or of the "
+        "machine's RAM on the CPU, less the weights; 0: no budget)",
+    )
     v.add_argument(
         "--context",
         type=int,
@@ -640,6 +648,13 @@ def _parity(results, n: int, out) -> int:
     return 0 if same == n else 1
 
 
+def _kv_budget(args, model):
+    """``--kv-budget-gb`` in bytes (``None``: 0, no budget; default: ``default_kv_budget``)."""
+    if args.kv_budget_gb is None:
+        return default_kv_budget(model) or None
+    return int(args.kv_budget_gb * 1e9) or None
+
+
 def serve_command(args, err=None) -> int:
     """``kvstate serve``: load the model, then serve until interrupted."""
     from .serving import http as server
@@ -660,6 +675,7 @@ def serve_command(args, err=None) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prefill_budget=args.prefill_budget or None,
+        kv_budget=_kv_budget(args, loaded.model),
         context=args.context,
         prefix_cache=cache,
         drafter=drafter,

@@ -147,7 +147,7 @@ class Parked:
     spec: Any
     layers: tuple
     nbytes: int
-    order: int
+    order: tuple
 
 
 def _to_host(x) -> tuple:
@@ -182,7 +182,7 @@ def _unpark_record(layer: tuple):
     return rows if outer is None else SharedState(**outer, suffix=rows)
 
 
-def park(spec: Any, placeholder: list, order: int) -> Parked:
+def park(spec: Any, placeholder: list, order: tuple) -> Parked:
     """``spec`` (one row; compact records, ``extract_row``'s) with its records'
     planes copied to host memory; ``placeholder``: empty one-row records standing
     in for them (``make_states(model, 1)``)."""
@@ -200,6 +200,26 @@ def unpark(parked: Parked) -> Any:
     return attrs.evolve(parked.spec, batch=attrs.evolve(parked.spec.batch, states=states))
 
 
-def refuse(what: str, need: int, limit: int) -> None:
-    """Raise: a request that can never fit the KV budget."""
-    raise bad(what, f"at most {limit} KV bytes (kv_budget)", f"{need} bytes")
+#: The growth step of a dense record (``kv.empty``): a row holds whole steps of columns.
+STEP = 256
+
+
+def projected(tokens: int, token_bytes: int) -> int:
+    """The KV bytes a row of ``tokens`` tokens can hold: whole growth steps of them."""
+    return -(-tokens // STEP) * STEP * token_bytes
+
+
+def newest(payload) -> int:
+    """The row of the most recently submitted job (its last choice): parked first."""
+    order = [(job.submitted, choice) for job, choice in payload]
+    return max(range(len(order)), key=order.__getitem__)
+
+
+def refuse(need: int, limit: int, n: int, token_bytes: int) -> None:
+    """Raise: a request whose rows could never fit the KV budget."""
+    raise bad(
+        "max_tokens",
+        f"prompt + max_tokens within kv_budget ({limit} bytes at {token_bytes} bytes "
+        f"per token, {n} row(s))",
+        f"{need} bytes projected",
+    )

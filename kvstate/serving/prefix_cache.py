@@ -272,15 +272,22 @@ class PrefixCache:
         return PrefixLease(self, best, best_n)
 
     def _fit(self) -> None:
-        total = self.nbytes
-        self.peak_bytes = max(self.peak_bytes, total)
-        while total > self.max_bytes:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self.shrink(self.max_bytes)
+
+    def shrink(self, max_bytes: int) -> int:
+        """Drop unpinned entries, least recently used first, until the entries hold at
+        most ``max_bytes`` (or only pinned ones are left: rows read them); the budget
+        ``max_bytes`` of later inserts is unchanged. Returns the entries dropped."""
+        dropped = 0
+        while self.nbytes > max_bytes:
             victim = next((k for k, e in self._entries.items() if not e.pins), None)
             if victim is None:
-                return  # everything left is pinned: rows read it
+                break  # everything left is pinned: rows read it
             self._drop(victim)
             self.evictions += 1
-            total = self.nbytes
+            dropped += 1
+        return dropped
 
     # --- persistence -------------------------------------------------------------
 

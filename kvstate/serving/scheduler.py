@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
+from ..core import ops
 from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
 from ..kinds.shared import SharedState, fork, resident_bytes
@@ -124,6 +125,12 @@ class Scheduler:
             decode; ``None``: every admitted prompt is prefilled whole before the next
             round). Models with ring layers prefill whole prompts (a ring cannot be
             split).
+        kv_budget: most KV bytes the rows and the prefix cache hold (``None``: no
+            bound). A job is admitted when its rows' projected bytes (prompt plus
+            ``max_tokens`` per row) fit beside the running ones'; before a round the
+            prefix cache's unpinned entries, then the newest rows (parked in host
+            memory, resumed exactly) make room. A job that could never fit is refused
+            by ``submit``. Not with a draft model.
     """
 
     def __init__(
@@ -140,6 +147,7 @@ class Scheduler:
         compiled: bool = False,
         prefill_step_size: int = 512,
         prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
+        kv_budget: Optional[int] = None,
         measure: bool = False,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
@@ -152,6 +160,11 @@ class Scheduler:
         self.prefill_step_size, self.measure = prefill_step_size, measure
         self.prefill_budget = budget.prefill_budget(model, prefill_budget)
         self._prefilling: list = []  # [(job, prefix_cache.Partial)], oldest first
+        self.kv_budget = budget.kv_budget(kv_budget)
+        if self.kv_budget is not None and isinstance(drafter, DraftModel):
+            raise KVStateError("kv_budget: expected None with a draft model, got a byte budget")
+        self.token_bytes = budget.bytes_per_token(model) if self.kv_budget is not None else 0
+        self._parked: list = []  # budget.Parked rows, oldest first
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -165,6 +178,7 @@ class Scheduler:
             "drafted": 0,
             "accepted": 0,
             "peak_bytes": 0,
+            "parked": 0,
         }
 
     # --- what callers see -----------------------------------------------------------
@@ -181,12 +195,14 @@ class Scheduler:
     @property
     def queued(self) -> int:
         """Jobs admitted by no round yet: waiting, or with their prompts in progress."""
-        return self._queue.qsize() + len(self._pending) + len(self._prefilling)
+        return self._queue.qsize() + len(self._pending) + len(self._prefilling) + len(self._parked)
 
     def submit(self, job: Job) -> None:
         """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
         if job.n > self.max_batch:
             raise KVStateError(f"n: expected at most {self.max_batch} (the batch), got {job.n}")
+        if self.kv_budget is not None and self._projected(job) > self.kv_budget:
+            budget.refuse(self._projected(job), self.kv_budget, job.n, self.token_bytes)
         if self.queued >= self.max_queue:
             raise QueueFull
         self._queue.put(job)
@@ -234,6 +250,7 @@ class Scheduler:
     def _jobs(self) -> list:
         rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
         rows += [job for job, _ in self._prefilling]
+        rows += [p.spec.batch.payload[0][0] for p in self._parked]
         return list(dict.fromkeys(rows + list(self._pending)))
 
     # --- admission --------------------------------------------------------------------
@@ -245,14 +262,15 @@ class Scheduler:
         whole prompts are taken while they fit in what is left of the budget,
         and the next longer one starts with the rest of it.
         """
+        self._resume()
         left = self._continue_prefills()
         room = self.max_batch - self.active_rows - sum(job.n for job, _ in self._prefilling)
         block = block and not self._prefilling
         jobs = []
         while room > 0:
             job = self._head(block)
-            if job is None or job.n > room:
-                break  # (a job whose n does not fit waits at the head for rows to leave)
+            if job is None or job.n > room or not self._fits(job):
+                break  # (a job that does not fit waits at the head for rows to leave)
             block = False
             if self.prefill_budget is not None and len(job.prompt) > left:
                 if left > 0:
@@ -263,6 +281,7 @@ class Scheduler:
             left -= len(job.prompt)
         if jobs:
             self._start(jobs)
+        self._make_room()
 
     def _head(self, block: bool) -> Optional[Job]:
         """The oldest waiting job that is still wanted (jobs cancelled while waiting are
@@ -372,6 +391,80 @@ class Scheduler:
             self.model, prompts, prefill_step_size=self.prefill_step_size
         )
         return logits, states, [None] * len(prompts), [len(p) for p in prompts]
+
+    # --- the KV byte budget ------------------------------------------------------------
+
+    def _projected(self, job: Job) -> int:
+        """The most KV bytes ``job``'s rows can hold: prompt and ``max_tokens`` per row,
+        in whole growth steps."""
+        return job.n * budget.projected(len(job.prompt) + job.max_tokens, self.token_bytes)
+
+    def _fits(self, job: Job) -> bool:
+        """Whether ``job``'s projected bytes fit beside the running, starting and parked
+        rows' (parked rows resume first); the prefix cache yields what it must."""
+        if self.kv_budget is None:
+            return True
+        if self._parked:
+            return False
+        running = {p[0] for p in self.spec.batch.payload} if self.spec is not None else set()
+        running.update(job for job, _ in self._prefilling)
+        need = sum(map(self._projected, running | {job}))
+        if self.prefix_cache is not None:
+            self.prefix_cache.shrink(max(self.kv_budget - need, 0))
+            need += self.prefix_cache.nbytes
+        return need <= self.kv_budget
+
+    def _need(self, spec) -> int:
+        """KV bytes held once ``spec``'s next round appended: its records and the
+        prefix cache's (each record once), plus the columns the round grows."""
+        records = list(spec.states) if spec is not None else []
+        if self.prefix_cache is not None:
+            records += self.prefix_cache.records()
+        grow = 0 if spec is None else budget.grown_bytes(spec.states, 1 + max(spec.num_draft))
+        return resident_bytes(records) + grow
+
+    def _make_room(self) -> None:
+        """Before a round: unpinned prefix-cache entries, then the newest rows (parked),
+        until what the round will hold fits the KV budget."""
+        if self.kv_budget is None or self.spec is None:
+            return
+        while self._need(self.spec) > self.kv_budget:
+            over = self._need(self.spec) - self.kv_budget
+            cache = self.prefix_cache
+            if cache is not None and cache.shrink(max(cache.nbytes - over, 0)):
+                continue
+            if self.spec.batch_size == 1:
+                return  # the last row runs (admitted within the budget alone)
+            self._park(budget.newest(self.spec.batch.payload))
+
+    def _park(self, b: int) -> None:
+        """Row ``b`` out of the batch, its records in host memory (``budget.Parked``)."""
+        one = speculative.leave(self.spec, [b])
+        states = [ops.extract_row(s, 0) for s in one.batch.states]  # (compact copies)
+        one = attrs.evolve(one, batch=attrs.evolve(one.batch, states=states))
+        job, choice = one.batch.payload[0]
+        placeholder = bridge.make_states(self.model, 1)
+        self._parked.append(budget.park(one, placeholder, (job.submitted, choice)))
+        self._parked.sort(key=lambda p: p.order)
+        stay = [r for r in range(self.spec.batch_size) if r != b]
+        self.spec = speculative.leave(self.spec, stay)
+        self.stats["parked"] += 1
+
+    def _resume(self) -> None:
+        """Parked rows back, oldest first, while the batch with them fits the budget
+        (their records as they were: the tokens are those of a run never parked)."""
+        while self._parked:
+            parked = self._parked[0]
+            job, choice = parked.spec.batch.payload[0]
+            if choice in job.cancelled:
+                self._parked.pop(0)
+                continue
+            row = budget.unpark(parked)
+            spec = row if self.spec is None else speculative.join(*_one_kind(self.spec, row))
+            if self.spec is not None and self._need(spec) > cast(int, self.kv_budget):
+                return
+            self.spec = spec
+            self._parked.pop(0)
 
     # --- rounds -----------------------------------------------------------------------
 

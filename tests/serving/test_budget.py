@@ -89,3 +89,123 @@ def test_a_round_runs_at_most_the_budget_of_prompt_tokens(model, monkeypatch):
         assert ran[-1] <= 24
     assert sum(ran) >= 200 - 24  # the long prompt went through in budget-sized pieces
     assert sched.active_rows == 2
+
+
+# --- the KV byte budget ------------------------------------------------------------------
+
+import hypothesis.strategies as st  # noqa: E402
+from hypothesis import note, settings  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+from kvstate.errors import KVStateError  # noqa: E402
+from kvstate.serving import budget  # noqa: E402
+
+
+def _greedy_alone(model, prompt, max_tokens) -> list:
+    """The unconstrained run's tokens for one request (no budget, alone)."""
+    got, _ = _run(model, [(prompt, max_tokens, 1)], prefill_budget=None)
+    return got[0][0]
+
+
+def _collecting(prompt, max_tokens, n=1):
+    got: dict = {c: [] for c in range(n)}
+
+    def emit(kind, i, value):
+        assert kind != "error", value
+        if kind == "token":
+            got[i].append(value)
+
+    return Job(list(prompt), max_tokens, n=n, seed=0, emit=emit), got
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submit(model):
+    per = budget.bytes_per_token(model)
+    sched = Scheduler(model, (), kv_budget=2 * budget.STEP * per)
+    job, _ = _collecting(_prompt(1, 300), 300)
+    with pytest.raises(KVStateError, match="max_tokens.*kv_budget"):
+        sched.submit(job)
+    assert sched.queued == 0
+    ok, _ = _collecting(_prompt(1, 100), 100)
+    sched.submit(ok)  # one that fits is taken
+    assert sched.queued == 1
+
+
+def test_parked_rows_resume_with_the_tokens_of_an_unconstrained_run(model):
+    """Rows of different lengths pad one another; a budget that their projections fit
+    but their padded batch outgrows parks the newest rows, which resume exactly."""
+    per = budget.bytes_per_token(model)
+    asks = [(_prompt(s, n), m) for s, n, m in ((1, 200, 100), (2, 20, 230), (3, 30, 220))]
+    sched = Scheduler(
+        model, (), max_batch=8, kv_budget=4 * budget.STEP * per, prefill_budget=None, measure=True
+    )
+    outs = []
+    for prompt, m in asks:  # one a round: each joins the batch left-padded to its width
+        job, got = _collecting(prompt, m)
+        sched.submit(job)
+        outs.append(got)
+        sched.step()
+    while sched.active_rows or sched.queued:
+        sched.step()
+    assert sched.stats["parked"] >= 1  # the budget bit: the control for what follows
+    assert sched.stats["peak_bytes"] <= sched.kv_budget
+    for (prompt, m), got in zip(asks, outs):
+        assert got[0] == _greedy_alone(model, prompt, m)
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """submit / step / cancel against a small KV budget: the bytes held never pass it,
+    and every request's greedy tokens are those of an unconstrained run (a prefix of
+    them when cancelled)."""
+
+    model = llama_model(seed=3, layers=2)
+    per = budget.bytes_per_token(model)
+
+    def __init__(self):
+        super().__init__()
+        self.sched = Scheduler(
+            self.model,
+            (),
+            max_batch=4,
+            kv_budget=3 * budget.STEP * self.per,
+            prefill_budget=48,
+            prefix_cache=PrefixCache(1 << 22),
+            measure=True,
+        )
+        self.jobs: list = []
+
+    @rule(seed=st.integers(0, 5), length=st.integers(2, 180), max_tokens=st.integers(1, 90))
+    def submit(self, seed, length, max_tokens):
+        job, got = _collecting(_prompt(seed, length), max_tokens)
+        note(f"submit {seed=} {length=} {max_tokens=}")
+        self.sched.submit(job)
+        self.jobs.append((job, got, _prompt(seed, length), max_tokens))
+
+    @rule(times=st.integers(1, 6))
+    def step(self, times):
+        for _ in range(times):
+            self.sched.step()
+
+    @rule(pick=st.integers(0, 50))
+    def cancel(self, pick):
+        if self.jobs:
+            self.jobs[pick % len(self.jobs)][0].cancel()
+
+    @invariant()
+    def within_budget(self):
+        assert self.sched.stats["peak_bytes"] <= self.sched.kv_budget
+        assert self.sched.nbytes() <= self.sched.kv_budget
+
+    def teardown(self):
+        while self.sched.active_rows or self.sched.queued:
+            self.sched.step()
+        assert self.sched.stats["peak_bytes"] <= self.sched.kv_budget
+        for job, got, prompt, max_tokens in self.jobs:
+            want = _greedy_alone(self.model, prompt, max_tokens)
+            if job.cancelled and len(got[0]) < max_tokens:
+                assert got[0] == want[: len(got[0])]
+            else:
+                assert got[0] == want
+
+
+TestBudgetMachine = BudgetMachine.TestCase
+TestBudgetMachine.settings = settings(max_examples=8, stateful_step_count=12, deadline=None)
