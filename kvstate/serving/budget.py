@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import mlx_lm as bridge
 from ..core.args import as_int
+from ..core.records import CompositeState, RecurrentState, RotatingState
 from ..errors import bad, check
 from ..kinds.shared import SharedState
 from . import prefix_cache
@@ -115,17 +116,25 @@ def kv_budget(value: Optional[int]) -> Optional[int]:
 
 def grown_bytes(states, n: int) -> int:
     """Bytes the records grow by when every row appends ``n`` more tokens: the whole
-    growth steps each layer adds past its capacity (zero while the columns fit)."""
-    total = 0
-    for s in states:
-        rows = getattr(s, "suffix", s)  # (a shared row appends to its suffix)
-        if rows.capacity == 0 or not rows.planes:
-            continue
-        need = max(rows.ends) + n - rows.capacity
-        if need > 0:
-            per_column = s.nbytes and rows.nbytes // (rows.batch_size * rows.capacity)
-            total += math.ceil(need / rows.step) * rows.step * rows.batch_size * per_column
-    return total
+    growth steps each layer adds past its capacity (zero while the columns fit; a ring
+    grows up to its size, a recurrent record never)."""
+    return sum(_grown(s, n) for s in states)
+
+
+def _grown(s, n: int) -> int:
+    if isinstance(s, CompositeState):
+        return sum(_grown(p, n) for p in s.parts)
+    rows = getattr(s, "suffix", s)  # (a shared row appends to its suffix)
+    if isinstance(rows, RecurrentState) or rows.capacity == 0 or not rows.planes:
+        return 0
+    if isinstance(rows, RotatingState) and rows.capacity >= rows.max_size:
+        return 0
+    end = max(rows.held if isinstance(rows, RotatingState) else rows.ends)
+    need = end + n - rows.capacity
+    if need <= 0:
+        return 0
+    per_column = rows.nbytes // (rows.batch_size * rows.capacity)
+    return math.ceil(need / rows.step) * rows.step * rows.batch_size * per_column
 
 
 # --- parked rows ------------------------------------------------------------------------

@@ -347,3 +347,37 @@ def test_many_clients_against_a_small_budget_get_the_unconstrained_answers(model
     assert tight == free
     assert sched.stats["peak_bytes"] <= limit
     assert sched.stats["failed"] == 0
+
+
+# --- every family -------------------------------------------------------------------------
+
+
+def _families():
+    import tiny_hybrid as th
+    import tiny_models as tm
+
+    return {
+        "llama": lambda: tm.llama_model(),
+        "gemma3": lambda: tm.gemma3_model(sliding_window=64),
+        "llama4": lambda: th.llama4_model(),
+        "mamba2": lambda: th.mamba2_model(),
+        "lfm2": lambda: th.lfm2_model(),
+        "qwen3_next": lambda: th.qwen3_next_model(),
+        "falcon_h1": lambda: th.falcon_h1_model(),
+    }
+
+
+@pytest.mark.parametrize("family", sorted(_families()))
+def test_every_family_gives_the_same_tokens_chunked_and_within_a_kv_budget(family):
+    """Prompts of 30-140 tokens (n = 2 for one), prefilled in 16-token pieces and
+    within a KV budget of about two rows, with the prefix cache: the greedy tokens of
+    whole-prompt prefill with no budget, and the bytes held within the budget."""
+    m = _families()[family]()
+    asks = [(_prompt(s, 30 + 55 * s), 12, 2 if s == 1 else 1) for s in range(3)]
+    whole, _ = _run(m, asks, prefill_budget=None)
+    limit = 2 * budget.projected(140 + 12, budget.bytes_per_token(m))
+    cache = PrefixCache(1 << 24)
+    got, sched = _run(m, asks, prefill_budget=16, kv_budget=limit, prefix_cache=cache, measure=True)
+    assert got == whole
+    assert sched.stats["peak_bytes"] <= limit
+    assert cache.pinned == 0
