@@ -34,6 +34,7 @@ import kvstate as kv
 
 from .models.load import fetch as fetch_model
 from .models.load import tiny_llama
+from .serving.budget import DEFAULT_PREFILL_BUDGET, default_kv_budget
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -192,6 +193,18 @@ def _int_flag(p, flag: str, default: int, what: str, **kwargs) -> None:
     p.add_argument(flag, type=int, default=default, help=f"{what} ({default})", **kwargs)
 
 
+def _budget_flag(p) -> None:
+    """``--prefill-budget`` (``generate`` and ``serve``)."""
+    _int_flag(
+        p,
+        "--prefill-budget",
+        DEFAULT_PREFILL_BUDGET,
+        "most prompt tokens run per round, so a long prompt does not stall the "
+        "decoding rows; 0 prefills every admitted prompt whole",
+        metavar="N",
+    )
+
+
 def _model_flags(p) -> None:
     """``--model`` and ``--float32`` (``generate`` and ``serve``: both load with ``load``)."""
     p.add_argument(
@@ -244,6 +257,7 @@ def _parser():
     _int_flag(g, "--seed", 0, "request i: SEED + i; tiny: weights too")
     _int_flag(g, "--batch-size", 8, "most rows decoded at once")
     _int_flag(g, "--prefill-step-size", 512, "most prompt tokens per prefill forward", metavar="N")
+    _budget_flag(g)
     g.add_argument(
         "--json",
         action="store_true",
@@ -298,6 +312,15 @@ def _parser():
         metavar="DIR",
         help="keep the prefix cache across restarts: loaded from DIR at start (a file per "
         "model), saved there on shutdown (Ctrl-C, SIGTERM)",
+    )
+    _budget_flag(v)
+    v.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=None,
+        help="most KV bytes (GB) the rows and prefix cache hold; rows past it are parked in "
+        "host memory and resume exactly (default: 0.6 of the device's memory, or of the "
+        "machine's RAM on the CPU, less the weights; 0: no budget)",
     )
     v.add_argument(
         "--context",
@@ -636,6 +659,8 @@ def _check_generate(args) -> None:
     ):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
+    if args.prefill_budget < 0:
+        raise SystemExit("kvstate generate: --prefill-budget must be >= 0 (0: off)")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
         raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
     if args.compare and kv_options(args):
@@ -690,6 +715,7 @@ def _engines(args, model, err) -> list:
                 prefill_step_size=args.prefill_step_size,
                 prefix_cache=cache,
                 make=kv_options(args),
+                prefill_budget=args.prefill_budget or None,
             )
         ]
     if args.compare:
@@ -710,6 +736,13 @@ def _parity(results, n: int, out) -> int:
         file=out,
     )
     return 0 if same == n else 1
+
+
+def _kv_budget(args, model):
+    """``--kv-budget-gb`` in bytes (``None``: 0, no budget; default: ``default_kv_budget``)."""
+    if args.kv_budget_gb is None:
+        return default_kv_budget(model) or None
+    return int(args.kv_budget_gb * 1e9) or None
 
 
 def serve_command(args, err=None) -> int:
@@ -738,6 +771,8 @@ def serve_command(args, err=None) -> int:
         log=err,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        prefill_budget=args.prefill_budget or None,
+        kv_budget=_kv_budget(args, loaded.model),
         context=args.context,
         timeout=args.request_timeout,
         control_tokens=args.allow_control_tokens,

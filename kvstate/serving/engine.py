@@ -30,7 +30,7 @@ import attrs
 import mlx.core as mx
 
 from .prefix_cache import PrefixCache
-from .scheduler import Job, Scheduler
+from .scheduler import DEFAULT_PREFILL_BUDGET, Job, Scheduler
 
 
 @attrs.frozen
@@ -204,9 +204,11 @@ class KVStateEngine:
         prefill_step_size: int = 512,
         prefix_cache=None,
         make: Optional[dict] = None,
+        prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
     ):
         self.model, self.compiled, self.prefill_step_size = model, compiled, prefill_step_size
         self.make = dict(make or {})
+        self.prefill_budget = prefill_budget
         if compiled:
             self.name = "kvstate (compiled)"
         self.budget = None if prefix_cache is None else prefix_cache.max_bytes
@@ -229,6 +231,7 @@ class KVStateEngine:
             prefix_cache=cache,
             compiled=self.compiled,
             prefill_step_size=self.prefill_step_size,
+            prefill_budget=self.prefill_budget,
             measure=True,
             make=self.make,
         )

@@ -424,8 +424,8 @@ class Api:
             raise ServerError(
                 "the server is not running (shutting down or stopped)", "unavailable", 503
             ) from None
-        except KVStateError as exc:  # n larger than the batch (--max-batch)
-            raise BadRequest(str(exc), "n") from None
+        except KVStateError as exc:  # n past --max-batch, or rows past --kv-budget-gb
+            raise BadRequest(str(exc), str(exc).split(":", 1)[0]) from None
         return job, events
 
     async def _streamed(self, request, reply: "_Reply", events, head: dict, kind: str):

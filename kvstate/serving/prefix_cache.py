@@ -32,7 +32,9 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import singledispatch
+from typing import Optional
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
@@ -52,7 +54,17 @@ from ..errors import bad, check
 from ..kinds.shared import SharedState, fork, materialize, resident_records
 from ..persist import files as persist
 
-__all__ = ["PrefixCache", "PrefixLease", "common_prefix", "model_identity"]
+__all__ = [
+    "Partial",
+    "PrefixCache",
+    "PrefixLease",
+    "advance",
+    "begin",
+    "common_prefix",
+    "model_identity",
+    "settle",
+    "splits",
+]
 
 ENTRIES_KEY = "prefix_cache.entries"
 
@@ -154,6 +166,12 @@ def _reach_ring(state: RotatingState) -> float:
 @reach.register(CompositeState)
 def _reach_composite(state: CompositeState) -> float:
     return min(map(reach, state.parts))
+
+
+def splits(states) -> bool:
+    """Whether a prompt may run over these one-row records in pieces and end as
+    if it ran in one forward: every kind but a ring (``reach``)."""
+    return min(map(reach, states)) == math.inf
 
 
 def _seen(state) -> int:
@@ -380,15 +398,22 @@ class PrefixCache:
         return PrefixLease(self, best, best_n)
 
     def _fit(self) -> None:
-        total = self.nbytes
-        self.peak_bytes = max(self.peak_bytes, total)
-        while total > self.max_bytes:
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self.shrink(self.max_bytes)
+
+    def shrink(self, max_bytes: int) -> int:
+        """Drop unpinned entries, least recently used first, until the entries hold at
+        most ``max_bytes`` (or only pinned ones are left: rows read them); the budget
+        ``max_bytes`` of later inserts is unchanged. Returns the entries dropped."""
+        dropped = 0
+        while self.nbytes > max_bytes:
             victim = next((k for k, e in self._entries.items() if not e.pins), None)
             if victim is None:
-                return  # everything left is pinned: rows read it
+                break  # everything left is pinned: rows read it
             self._drop(victim)
             self.evictions += 1
-            total = self.nbytes
+            dropped += 1
+        return dropped
 
     # --- persistence -------------------------------------------------------------
 
@@ -521,6 +546,105 @@ def _prefill_all(model, prompts, cache, memo, prefill_step_size, make, leases: l
     return logits, states, leases, prefilled
 
 
+@attrs.frozen(eq=False)
+class Partial:
+    """A prompt on its way through the model: a value the scheduler holds between rounds.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        states: one record per layer, one row, holding ``prompt[:done]``.
+        done: prompt tokens the states hold (the cached prefix, then the chunks run).
+        ran: tokens run through the model so far (``done`` less the cached prefix).
+        lease: the prefix-cache entry the states read (``None``: none).
+        logits: the last prompt token's logits ``[1, V]`` once ``done == len(prompt)``.
+    """
+
+    prompt: tuple
+    states: tuple
+    done: int
+    ran: int = 0
+    lease: Optional[PrefixLease] = None
+    logits: Optional[mx.array] = None
+
+    @property
+    def rest(self) -> int:
+        """Prompt tokens still to run."""
+        return len(self.prompt) - self.done
+
+
+def begin(model, prompt: Sequence[int], cache: PrefixCache | None = None, **make) -> Partial:
+    """A ``Partial`` of ``prompt``: its longest cached prefix leased (at most all but
+    the last token), nothing run yet.
+
+    Args:
+        model: an mlx-lm model.
+        prompt: the prompt's token ids (at least one).
+        cache: the prefix cache, or ``None``.
+        make: ``make_states`` options.
+    """
+    prompt = tuple(prompt)
+    check(len(prompt) >= 1, "prompt", "at least one token", "an empty prompt")
+    hit = cache.lookup(prompt) if cache is not None else None
+    if hit is None:
+        return Partial(prompt, tuple(bridge.make_states(model, 1, **make)), 0)
+    return Partial(prompt, tuple(hit.states), hit.matched, lease=hit)
+
+
+def advance(model, part: Partial, n: int, *, step_size: int | None = None, memo=None) -> Partial:
+    """``part`` with up to ``n`` more prompt tokens run (in forwards of at most
+    ``step_size``, cut where a whole-prompt prefill cuts, at multiples of
+    ``step_size`` past the cached prefix); each forward runs the output layer
+    on its last position only (``forward(..., last=True)``), and the one that
+    reaches the prompt's end gives its logits. The input is unchanged.
+
+    A ring's prompt runs whole (``splits``: what a ring shows its last tokens
+    depends on where a prompt is cut), so ``n`` must then be all of its rest."""
+    n = min(as_int(n, "n"), part.rest)
+    check(n >= 0, "n", ">= 0", n)
+    states: Sequence = part.states
+    if not splits(states):
+        check(n in (0, part.rest), "n", f"0 or {part.rest} (a ring's prompt runs whole)", n)
+        step_size = None
+    done, ran, logits = part.done, part.ran, part.logits
+    target = done + n
+    while done < target:
+        take = target - done
+        if step_size is not None:
+            take = min(take, step_size - ran % step_size)
+        end = done + take == len(part.prompt)
+        logits, states = bridge.forward(  # (the output layer on the last position only)
+            model, mx.array([part.prompt[done : done + take]]), states, memo=memo, last=True
+        )
+        done, ran = done + take, ran + take
+        if not end:  # bound the graph, as a whole-prompt prefill does between chunks
+            mx.eval([p for s in states for p in s.planes])
+    out = part.logits
+    if n and done == len(part.prompt):
+        assert logits is not None  # (a forward ran)
+        out = logits[:, -1, :]
+    return attrs.evolve(part, states=tuple(states), done=done, ran=ran, logits=out)
+
+
+def settle(part: Partial, cache: PrefixCache | None) -> tuple:
+    """A ``Partial``'s row once its run is over: ``prompt[:done]`` cached (when
+    there is a cache) and the row re-pinned to that entry.
+
+    Returns:
+        ``(states, lease)``: the row's records (the cache entry's, when cached)
+        and the lease it holds (``None``: none; release it when the row leaves).
+    """
+    states, hit = list(part.states), part.lease
+    cached = part.prompt[: part.done]
+    if cached and cache is not None and cache.insert(cached, states):
+        pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
+        assert pinned is not None  # inserted just above
+        states = pinned.states
+        if hit is not None:
+            hit.release()
+        hit = pinned
+    return states, hit
+
+
 def _prefill_prompt(
     model, p: Sequence[int], cache, memo, prefill_step_size, make: dict, leases: list
 ) -> tuple:
@@ -544,31 +668,13 @@ def _prefill_prompt(
         last logits ``[1, V]`` where the rest ran here (``None``: the last token
         waits for the batched step).
     """
-    hit = cache.lookup(p) if cache is not None else None
-    leases.append(hit)
-    start = 0 if hit is None else hit.matched
-    states = bridge.make_states(model, 1, **make) if hit is None else hit.states
-    rest = p[start:]  # (lookup leaves at least the last token to run)
-    cached = p[:-1]  # cached up to its last token: the batched step runs that
-    out = None
-    if len(rest) > 1:  # the rest and the last token in one forward (chunks: the last)
-        chunk = prefill_step_size or len(rest)
-        if min(map(reach, states)) < math.inf:  # a ring: the rest whole, as bridge.prefill
-            chunk = len(rest)
-        for at in range(0, len(rest), chunk):
-            end = at + chunk >= len(rest)
-            logits, states = bridge.forward(
-                model, mx.array([rest[at : at + chunk]]), states, memo=memo, last=end
-            )
-        out, cached = logits[:, -1, :], p
-    if cached and cache is not None and cache.insert(cached, states):
-        pinned = cache.pin(cached)  # the row reads the entry (the same records when dense)
-        assert pinned is not None  # inserted just above
-        states = pinned.states
-        leases[-1] = pinned
-        if hit is not None:
-            hit.release()
-    return fork(states, 0, 0), len(rest), out
+    part = begin(model, p, cache, **make)
+    leases.append(part.lease)
+    rest = part.rest  # (lookup leaves at least the last token to run)
+    if rest > 1:  # the rest and the last token in one forward (chunks: the last)
+        part = advance(model, part, rest, step_size=prefill_step_size, memo=memo)
+    states, leases[-1] = settle(part, cache)
+    return fork(states, 0, 0), rest, part.logits
 
 
 def _step_waiting(

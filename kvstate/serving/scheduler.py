@@ -26,8 +26,10 @@ A fault ends only the requests it belongs to. Records are values, so a
 round that raises leaves the rows as they were: the scheduler runs each row
 alone to find the ones that fail, ends those jobs with an error, and runs
 the round again for the others (a drafter that fails is switched off and
-the rows go on plain). A prefill that fails is retried job by job. A job
-past its ``deadline`` ends with an error. Design: ``notes/serving.md``.
+the rows go on plain). A prefill that fails is retried job by job; a prompt
+prefilled over several rounds (``prefill_budget``) that fails ends its own
+job. A job past its ``deadline`` ends with an error, whether it waits, is
+being prefilled, runs or is parked (``kv_budget``). Design: ``notes/serving.md``.
 """
 
 from __future__ import annotations
@@ -48,15 +50,18 @@ import mlx.nn as nn
 
 from .. import mlx_lm as bridge
 from ..batch import Batch, sample_batch
+from ..core import ops
 from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
 from ..kinds.shared import fork, resident_bytes
 from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
-from . import prefix_cache
+from . import budget, prefix_cache
 
-__all__ = ["Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
+__all__ = ["DEFAULT_PREFILL_BUDGET", "Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
+
+DEFAULT_PREFILL_BUDGET = budget.DEFAULT_PREFILL_BUDGET
 
 log = logging.getLogger("kvstate.serve")
 
@@ -165,6 +170,18 @@ class Scheduler:
         make: ``kvstate.mlx_lm.make_states`` options for the rows' records
             (``max_kv_size``: rings; ``kv_bits``, ``kv_group_size``: quantized), the
             draft model's too. Rings share no prefix: with them the prefix cache is off.
+        prefill_budget: most prompt tokens run per round (chunked prefill interleaved
+            with decode: a longer prompt continues over the next rounds while the rows
+            decode; ``None``: every admitted prompt is prefilled whole before the next
+            round). Models with ring layers prefill whole prompts (a ring's prompt
+            cannot be split: ``prefix_cache.splits``).
+        kv_budget: most KV bytes held between rounds (``nbytes``: the rows, the prefix
+            cache, prompts in progress; ``None``: no bound). A job is admitted when its
+            rows' projected bytes (prompt plus ``max_tokens`` per row) fit beside the
+            others'; after every join and before every round the prefix cache's
+            unpinned entries, then the newest rows (parked in host memory, resumed
+            exactly) make room. A job that could never fit is refused by ``submit``.
+            Not with a draft model.
     """
 
     def __init__(
@@ -183,6 +200,8 @@ class Scheduler:
         prefill_step_size: int = 512,
         measure: bool = False,
         make: Optional[dict] = None,
+        prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
+        kv_budget: Optional[int] = None,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.make = dict(make or {})
@@ -192,6 +211,16 @@ class Scheduler:
         self.cache_completions = cache_completions
         self.forward = speculative.compiled(model) if compiled else None
         self.prefill_step_size, self.measure = prefill_step_size, measure
+        self.prefill_budget = budget.prefill_budget(model, prefill_budget, self.make)
+        self._prefilling: list = []  # [(job, prefix_cache.Partial)], oldest first
+        self.kv_budget = budget.kv_budget(kv_budget)
+        if self.kv_budget is not None and isinstance(drafter, DraftModel):
+            raise KVStateError("kv_budget: expected None with a draft model, got a byte budget")
+        self.token_bytes = (
+            budget.bytes_per_token(model, self.make) if self.kv_budget is not None else 0
+        )
+        self._parked: list = []  # budget.Parked rows, oldest first
+        self._first: list = []  # ((job, choice), (token,)) of rows joined, not yet handed out
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -209,6 +238,7 @@ class Scheduler:
             "peak_bytes": 0,
             "failed": 0,  # jobs ended by a fault or their deadline
             "drafter_failed": 0,  # 1 once the drafter failed and was switched off
+            "parked": 0,  # rows parked to keep within kv_budget
         }
 
     # --- what callers see -----------------------------------------------------------
@@ -224,7 +254,8 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() + len(self._pending)
+        """Jobs not decoding: waiting, with their prompts in progress, or parked rows."""
+        return self._queue.qsize() + len(self._pending) + len(self._prefilling) + len(self._parked)
 
     def submit(self, job: Job) -> None:
         """Queue a job (thread-safe); ``QueueFull`` when ``max_queue`` jobs wait."""
@@ -232,6 +263,8 @@ class Scheduler:
             raise KVStateError(f"n: expected at most {self.max_batch} (the batch), got {job.n}")
         if self._stopped or (self._thread is not None and not self._thread.is_alive()):
             raise Stopped
+        if self.kv_budget is not None and self._projected(job) > self.kv_budget:
+            budget.refuse(self._projected(job), self.kv_budget, job.n, self.token_bytes)
         if self.queued >= self.max_queue:
             raise QueueFull
         self._queue.put(job)
@@ -247,14 +280,20 @@ class Scheduler:
         return True
 
     def nbytes(self) -> int:
-        """KV bytes resident now: the rows (the draft model's too) and the prefix cache,
-        each shared record counted once."""
+        """KV bytes resident now: the rows (the draft model's too), the prefix cache,
+        the prompts in progress and what parked rows still read on the device, each
+        shared record counted once."""
+        return resident_bytes(self._records(self.spec))
+
+    def _records(self, spec) -> list:
+        """Every device record held with ``spec`` as the rows (``nbytes``)."""
         records: list = []
-        if self.spec is not None:
-            records += list(self.spec.states) + list(self.spec.draft_states or ())
+        if spec is not None:
+            records += list(spec.states) + list(spec.draft_states or ())
         if self.prefix_cache is not None:
             records += self.prefix_cache.records()
-        return resident_bytes(records)
+        records += [s for _, part in self._prefilling for s in part.states]
+        return records + [r for p in self._parked for r in budget.device_records(p)]
 
     # --- the thread (the HTTP server) ------------------------------------------------
 
@@ -291,6 +330,8 @@ class Scheduler:
     def _jobs(self) -> list:
         """Every job running, pending or queued, each once."""
         rows: list = [] if self.spec is None else [p[0] for p in self.spec.batch.payload]
+        rows += [job for job, _ in self._prefilling]
+        rows += [p.spec.batch.payload[0][0] for p in self._parked]
         while True:
             try:
                 self._pending.append(self._queue.get_nowait())
@@ -303,6 +344,7 @@ class Scheduler:
         jobs = self._jobs()
         self.spec = None
         self._pending.clear()
+        self._prefilling, self._parked, self._first = [], [], []
         for job in jobs:
             self._fail(job, message)
 
@@ -320,29 +362,75 @@ class Scheduler:
         for job in self._jobs():
             if job.deadline is not None and now > job.deadline and not job.finished:
                 self._fail(job, f"{DEADLINE}: the request ran {now - job.submitted:.1f} s")
+        self._drop_waiting()
         if self.spec is not None:
             self._drop_cancelled()
+
+    def _drop_waiting(self) -> None:
+        """Prompts in progress and parked rows of cancelled choices leave (a parked
+        row's host copy with it); a job whose every choice ended unpins what it read."""
+        ended = {job for job, _ in self._prefilling if job.finished}
+        self._prefilling = [(job, part) for job, part in self._prefilling if not job.finished]
+        keep = []
+        for parked in self._parked:
+            job, choice = parked.spec.batch.payload[0]
+            if choice in job.cancelled:
+                ended.add(job)
+            else:
+                keep.append(parked)
+        self._parked = keep
+        for job in ended:
+            if job.finished:
+                job.release()
 
     # --- admission --------------------------------------------------------------------
 
     def _admit(self, block: bool) -> None:
-        """Take waiting jobs, oldest first, while their rows fit; prefill them together."""
-        room = self.max_batch - self.active_rows
-        jobs = []
+        """Parked rows back first, then the prompts in progress go on, then waiting
+        jobs, oldest first, while their rows (and with a KV budget, their projected
+        bytes) fit: whole prompts, prefilled together, while they fit in what is left
+        of the prefill budget, and the next longer one started with the rest of it.
+        Last, room is made for the round (``_make_room``)."""
+        self._drop_waiting()
+        self._resume()
+        left = self._continue_prefills()
+        room = self.max_batch - self.active_rows - self._reserved()
+        block = block and not self._prefilling and not self._parked
+        jobs: list = []
         while room > 0:
-            if not self._pending and not self._take(block):
-                break
+            job = self._head(block)
+            if job is None or job.n > room or not self._fits(job, jobs):
+                break  # (a job that does not fit waits at the head for rows to leave)
             block = False
-            job = self._pending[0]
-            if len(job.cancelled) == job.n:
-                self._pending.popleft()
-                continue
-            if job.n > room:
-                break  # it waits at the head for rows to leave
+            if len(job.prompt) > left:
+                if left > 0:
+                    self._begin_prefill(self._pending.popleft(), int(left))
+                break
             jobs.append(self._pending.popleft())
             room -= job.n
+            left -= len(job.prompt)
         if jobs:
-            self._start_isolated(jobs)
+            self._isolated(jobs, self._start)
+        self._make_room()
+        first, self._first = self._first, []
+        if first:
+            self._emit(first)
+
+    def _reserved(self) -> int:
+        """Rows held for prompts in progress and parked rows (they count against
+        ``max_batch``: they join the batch)."""
+        return sum(job.n for job, _ in self._prefilling) + len(self._parked)
+
+    def _head(self, block: bool) -> Optional[Job]:
+        """The oldest waiting job still wanted (jobs cancelled while waiting are
+        dropped), or ``None``."""
+        while self._pending or self._take(block):
+            block = False
+            job = self._pending[0]
+            if not job.finished:
+                return job
+            self._pending.popleft()
+        return None
 
     def _take(self, block: bool) -> bool:
         """Move one job from the queue to the pending line; whether there was one."""
@@ -354,40 +442,112 @@ class Scheduler:
             return False
         return True
 
-    def _start_isolated(self, jobs: list) -> None:
-        """``_start``; when it fails for several jobs, each alone, so a fault ends only
-        the job it belongs to."""
+    def _isolated(self, items: list, start: Callable[[list], None]) -> None:
+        """``start(items)``; when it fails for several items (jobs, or prompts whose
+        prefill completed), each alone, so a fault ends only the job it belongs to."""
         try:
-            self._start(jobs)
+            start(items)
         except Exception as exc:
-            if len(jobs) == 1:
-                log.warning("request %s failed in prefill: %s", jobs[0].id, _describe(exc))
-                self._fail(jobs[0], _describe(exc))
+            if len(items) == 1:
+                job = items[0] if isinstance(items[0], Job) else items[0][0]
+                self._fault(job, "prefill", exc)
                 return
-            for job in jobs:
-                self._start_isolated([job])
+            for item in items:
+                self._isolated([item], start)
+
+    def _fault(self, job: Job, stage: str, exc: Exception) -> None:
+        log.warning("request %s failed in %s: %s", job.id, stage, _describe(exc))
+        self._fail(job, _describe(exc))
 
     def _start(self, jobs: list) -> None:
         """Prefill the jobs' prompts in one call (reusing cached prefixes; one batched
-        step gives every first token), sample, fork each job's choices, join the rows.
-        Nothing changes where it raises (the leases it took are given back)."""
-        prompts = [job.prompt for job in jobs]
-        logits, states, leases, prefilled = self._prefill(prompts)
-        try:
-            new, first = self._rows_of(jobs, states, logits)
-        except BaseException:
-            for lease in leases:
-                if lease is not None:
-                    lease.release()
-            raise
-        for job, lease, ran in zip(jobs, leases, prefilled):
+        step gives every first token), then start their rows (``_join``). Nothing
+        changes where it raises (the leases it took are given back)."""
+        logits, states, leases, prefilled = self._prefill([job.prompt for job in jobs])
+        for job, lease in zip(jobs, leases):
             job.leases = [lease] if lease is not None else []
+        try:
+            self._join(jobs, logits, states, prefilled)
+        except BaseException:
+            for job in jobs:
+                job.release()
+            raise
+
+    def _join(self, jobs: list, logits, states, prefilled: list) -> None:
+        """The prefilled jobs' rows join the batch: first tokens sampled, each job's
+        choices forked. Their first tokens are handed out at the end of ``_admit``,
+        once room is made (the rows joined may be parked at once). Nothing changes
+        where it raises."""
+        new, first = self._rows_of(jobs, states, logits)
+        spec = new if self.spec is None else speculative.join(self.spec, new)
+        for job, ran in zip(jobs, prefilled):
             job.cached = len(job.prompt) - ran
         self.stats["prefilled"] += sum(prefilled)
-        self.stats["prompt_tokens"] += sum(map(len, prompts))
-        self.spec = new if self.spec is None else speculative.join(self.spec, new)
-        B = self.spec.batch_size
-        self._emit([(t,) for t in first], range(B - len(first), B))
+        self.stats["prompt_tokens"] += sum(len(job.prompt) for job in jobs)
+        self.spec = spec
+        self._first += zip(new.batch.payload, [(t,) for t in first])
+
+    # --- chunked prefill (a prefill budget) -------------------------------------------
+
+    def _begin_prefill(self, job: Job, tokens: int) -> None:
+        """Start ``job``'s prompt (its cached prefix leased) and run ``tokens`` of it."""
+        try:
+            part = prefix_cache.begin(self.model, job.prompt, self.prefix_cache, **self.make)
+        except Exception as exc:
+            self._fault(job, "prefill", exc)
+            return
+        job.leases = [part.lease] if part.lease is not None else []
+        self._prefilling.append((job, part))
+        self._advance_prefills(tokens)
+
+    def _continue_prefills(self) -> float:
+        """Run the budget's tokens of the prompts in progress, oldest first; returns
+        what is left of the budget (``inf`` without one)."""
+        if self.prefill_budget is None:
+            return float("inf")
+        return self._advance_prefills(self.prefill_budget)
+
+    def _advance_prefills(self, left: int) -> int:
+        """Spend up to ``left`` prompt tokens on the prompts in progress; start the rows
+        of those that complete. A prompt whose forward fails ends its own job.
+        Returns the tokens left."""
+        going: list = []
+        done: list = []
+        for job, part in self._prefilling:
+            n = min(left, part.rest)
+            try:
+                part = prefix_cache.advance(self.model, part, n, step_size=self.prefill_step_size)
+            except Exception as exc:
+                self._fault(job, "prefill", exc)
+                continue
+            left -= n
+            (going if part.rest else done).append((job, part))
+        self._prefilling = going
+        settled = self._settled(done)
+        if settled:
+            self._isolated(settled, self._start_prefilled)
+        return left
+
+    def _settled(self, done: list) -> list:
+        """``(job, row, part)`` of prompts whose last chunk ran: each prompt cached,
+        its row re-pinned to the entry (``prefix_cache.settle``)."""
+        out = []
+        for job, part in done:
+            try:
+                states, lease = prefix_cache.settle(part, self.prefix_cache)
+            except Exception as exc:
+                self._fault(job, "prefill", exc)
+                continue
+            job.leases = [lease] if lease is not None else []
+            out.append((job, fork(states, 0, 0), part))
+        return out
+
+    def _start_prefilled(self, settled: list) -> None:
+        """The rows of settled prompts join the batch (``_join``)."""
+        jobs = [job for job, _, _ in settled]
+        logits = mx.concatenate([part.logits for _, _, part in settled], axis=0)
+        states = bridge.merge_rows([row for _, row, _ in settled])
+        self._join(jobs, logits, states, [part.ran for _, _, part in settled])
 
     def _rows_of(self, jobs: list, states, logits) -> tuple:
         """``(Speculation, first tokens)``: the prefilled jobs' rows, their first tokens
@@ -430,6 +590,73 @@ class Scheduler:
         )
         return logits, fork(states, 0, 0), [None] * len(prompts), [len(p) for p in prompts]
 
+    # --- the KV byte budget ------------------------------------------------------------
+
+    def _projected(self, job: Job) -> int:
+        """The most KV bytes ``job``'s rows can hold: prompt and ``max_tokens`` per row,
+        in whole growth steps."""
+        return job.n * budget.projected(len(job.prompt) + job.max_tokens, self.token_bytes)
+
+    def _fits(self, job: Job, taking: list) -> bool:
+        """Whether ``job``'s projected bytes fit beside those of the running, starting
+        and taken (``taking``) jobs' rows, with no row parked; the prefix cache yields
+        what it must."""
+        if self.kv_budget is None:
+            return True
+        if self._parked:
+            return False
+        jobs = {p[0] for p in self.spec.batch.payload} if self.spec is not None else set()
+        jobs.update([j for j, _ in self._prefilling] + taking + [job])
+        need = sum(map(self._projected, jobs))
+        if self.prefix_cache is not None:
+            self.prefix_cache.shrink(max(self.kv_budget - need, 0))
+            need += self.prefix_cache.nbytes
+        return need <= self.kv_budget
+
+    def _need(self, spec) -> int:
+        """KV bytes held with ``spec`` as the rows once its next round appended: every
+        record (``_records``, each once) plus the columns the round grows."""
+        grow = 0 if spec is None else budget.grown_bytes(spec.states, 1 + max(spec.num_draft))
+        return resident_bytes(self._records(spec)) + grow
+
+    def _make_room(self) -> None:
+        """Unpinned prefix-cache entries, then the newest rows (parked), until what the
+        next round will hold fits the KV budget."""
+        if self.kv_budget is None or self.spec is None:
+            return
+        while self._need(self.spec) > self.kv_budget:
+            over = self._need(self.spec) - self.kv_budget
+            cache = self.prefix_cache
+            if cache is not None and cache.shrink(max(cache.nbytes - over, 0)):
+                continue
+            if self.spec.batch_size == 1:
+                return  # the last row runs (its projection fits the budget alone)
+            self._park(budget.newest(self.spec.batch.payload))
+
+    def _park(self, b: int) -> None:
+        """Row ``b`` out of the batch, its records in host memory (``budget.Parked``)."""
+        one = speculative.leave(self.spec, [b])
+        states = [ops.extract_row(s, 0) for s in one.batch.states]  # (compact copies)
+        one = attrs.evolve(one, batch=attrs.evolve(one.batch, states=states))
+        job, choice = one.batch.payload[0]
+        placeholder = bridge.make_states(self.model, 1, **self.make)
+        self._parked.append(budget.park(one, placeholder, (job.submitted, choice)))
+        self._parked.sort(key=lambda p: p.order)
+        stay = [r for r in range(self.spec.batch_size) if r != b]
+        self.spec = speculative.leave(self.spec, stay)
+        self.stats["parked"] += 1
+
+    def _resume(self) -> None:
+        """Parked rows back, oldest first, while the batch with them fits the KV budget
+        (their records as they were: the tokens are those of a run never parked)."""
+        while self._parked:
+            row = budget.unpark(self._parked[0])
+            spec = row if self.spec is None else speculative.join(self.spec, row)
+            if self.spec is not None and self._need(spec) > cast(int, self.kv_budget):
+                return
+            self.spec = spec
+            self._parked.pop(0)
+
     # --- rounds -----------------------------------------------------------------------
 
     def _round(self) -> None:
@@ -454,7 +681,7 @@ class Scheduler:
                 self._fail(job, _describe(exc))
             self.spec = None
             return
-        self._emit(emitted, range(spec.batch_size))
+        self._emit(zip(spec.batch.payload, emitted))
 
     def _try_round(self, spec, drafter) -> tuple:
         return speculative.step(self.model, spec, drafter=drafter, forward=self.forward)
@@ -488,12 +715,13 @@ class Scheduler:
         self._drop_cancelled()
         return self.spec is not None
 
-    def _emit(self, emitted, rows) -> None:
-        """Hand each row's new tokens to its job; finished or cancelled rows leave."""
-        payload = self.spec.batch.payload
-        for toks, b in zip(emitted, rows):
-            job, choice = payload[b]
+    def _emit(self, handouts: Iterable) -> None:
+        """Hand each ``((job, choice), tokens)`` its tokens; finished or cancelled rows
+        leave."""
+        for (job, choice), toks in handouts:
             self._hand(job, choice, toks)
+        if self.spec is None:
+            return
         if self.measure:
             self._measure()
         self._drop_cancelled()
