@@ -600,17 +600,16 @@ class Soak:
             if now - last_print >= self.args.print_every:
                 last_print = now
                 done = sum(self.tally.outcomes.values())
-                bad = {
-                    k: v
-                    for (_, k), v in self.tally.outcomes.items()
-                    if k in ("unexpected", "hang", "lost")
-                }
+                bad: Counter = Counter()
+                for (_, k), v in self.tally.outcomes.items():
+                    if k in ("unexpected", "hang", "lost"):
+                        bad[k] += v
                 mem = " ".join(
                     f"{n}={x[1]:.0f}/{x[2] or 0:.0f}/{x[3] or 0:.0f}/{x[4] or 0:.1f}"
                     for n, x in ((n, self.samples[n][-1]) for n in self.samples)
                 )
                 print(
-                    f"  {now:6.0f} s  {done} ended  problems {bad or 0}  "
+                    f"  {now:6.0f} s  {done} ended  problems {dict(bad) or 0}  "
                     f"MiB rss/mlx active/mlx cache/kv {mem}",
                     flush=True,
                 )
@@ -680,8 +679,13 @@ class Soak:
         for s in self.servers:
             name = s["family"]
             for route, body, texts in self.tally.greedy[name]:
-                r = await call_openai(self.clients[name], route, body, False)
                 checked += 1
+                try:
+                    r = await call_openai(self.clients[name], route, body, False)
+                except Exception as e:  # an error where the load got a reply
+                    mismatched += 1
+                    self.tally.end("replay", name, "mismatch", f"{body}: {texts!r} alone {e!r}")
+                    continue
                 if r["texts"] != texts:
                     mismatched += 1
                     self.tally.end(

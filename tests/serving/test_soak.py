@@ -85,3 +85,40 @@ def test_a_stream_that_ends_in_an_error_is_logged_as_an_error(tiny, monkeypatch,
             s.close()  # (the handler logs once it returned)
     lines = [r.getMessage() for r in caplog.records if "route=/v1/chat" in r.getMessage()]
     assert len(lines) == 1 and "status=200" in lines[0] and "finish=error" in lines[0], lines
+
+
+def test_a_finished_chunked_row_joins_the_prefix_cache_as_far_as_it_has_seen():
+    """A chunked row's ``lengths`` count only its current chunk: the entry a finished
+    request leaves must hold the tokens it has seen. (It held the chunk's count of
+    tokens on the row's whole state, and every later prompt sharing that start failed
+    in prefill; the soak found it on llama4.) Later prompts get what they get with
+    no prefix cache."""
+    import tiny_hybrid as th
+
+    from kvstate.serving.prefix_cache import PrefixCache, seen
+    from kvstate.serving.scheduler import Job, Scheduler
+
+    model = th.llama4_model()  # chunks of 8
+
+    def run(s, prompt):
+        out: dict = {"tokens": [], "error": None}
+
+        def emit(kind, i, value):
+            if kind == "token":
+                out["tokens"].append(value)
+            elif kind == "error":
+                out["error"] = value
+
+        s.submit(Job(prompt=prompt, max_tokens=13, emit=emit))
+        while s.step():
+            pass
+        return out["tokens"], out["error"]
+
+    first = [(7 * j + 1) % 120 + 1 for j in range(32)]
+    later = [first, first[:20] + [5, 6, 7], first[:9] + [9, 8]]
+    cached = Scheduler(model, (), max_batch=4, prefix_cache=PrefixCache(8 << 20))
+    got = [run(cached, p) for p in [first, *later]]
+    want = [run(Scheduler(model, (), max_batch=4), p) for p in [first, *later]]
+    assert got == want and all(e is None for _, e in got)
+    for key, entry in cached.prefix_cache._entries.items():
+        assert all(seen(s, 0) == len(key) for s in entry.states)
