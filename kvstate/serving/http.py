@@ -369,9 +369,18 @@ class Api:
 
     async def _complete(self, request, *, chat: bool):
         """One completion request: parsed, queued, then answered whole or streamed."""
+        from aiohttp import web
+
         arrived = time.perf_counter()
         try:
-            raw = await request.read()
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:  # aiohttp's own answer is plain text
+                raise BadRequest(
+                    f"the request body is larger than {request.client_max_size} bytes",
+                    code="request_too_large",
+                    status=413,
+                ) from None
             p = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw, chat)
             job, events = self._submit(p, arrived)
         except BadRequest as exc:

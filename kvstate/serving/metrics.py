@@ -233,6 +233,8 @@ def _finishes(trace: _Trace, status: int) -> list:
     ``stop`` for a stop string the reply matched, ``cancelled`` when the client
     went away, ``error`` otherwise."""
     other = "stop" if status == 200 else "cancelled" if status == 499 else "error"
+    if trace.job.error is not None:  # a stream's error event (its status was already 200)
+        other = "error"
     return [trace.finish.get(i, other) for i in range(trace.job.n)]
 
 

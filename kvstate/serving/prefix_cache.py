@@ -175,9 +175,14 @@ def splits(states) -> bool:
 
 
 def _seen(state) -> int:
-    """The tokens a one-row record has seen (a chunked row's ``offsets``: its
-    ``lengths`` count the tokens it holds)."""
-    return (state.offsets if isinstance(state, ChunkedState) else state.lengths)[0]
+    """The tokens a one-row record has seen."""
+    return seen(state, 0)
+
+
+def seen(state, row: int) -> int:
+    """The tokens row ``row`` of a record has seen (a chunked record's ``offsets``:
+    its ``lengths`` count only the tokens it holds, its current chunk's)."""
+    return (state.offsets if isinstance(state, ChunkedState) else state.lengths)[row]
 
 
 def _supersedes(key: tuple, entry: _Entry) -> bool:
@@ -356,7 +361,7 @@ class PrefixCache:
         states = _check_states(states)
         row = as_int(row, "row")
         check(0 <= row < states[0].batch_size, "row", f"in [0, {states[0].batch_size})", row)
-        held = states[0].lengths[row]
+        held = seen(states[0], row)
         check(len(key) <= held, "tokens", f"at most {held} (the tokens row {row} holds)", len(key))
         if key in self._entries:
             self._entries.move_to_end(key)

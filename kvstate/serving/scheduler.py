@@ -747,10 +747,10 @@ class Scheduler:
         end and only as far as its records hold (its last token, pending, was never
         fed): the next turn of its conversation reads them."""
         spec, cache = self.spec, cast(prefix_cache.PrefixCache, self.prefix_cache)
-        context, held = spec.context, spec.states[0].lengths
+        context, first = spec.context, spec.states[0]
         for b in rows:
             job, choice = spec.batch.payload[b]
-            n = min(len(job.prompt) + job.generated[choice], held[b])
+            n = min(len(job.prompt) + job.generated[choice], prefix_cache.seen(first, b))
             if n > 0:
                 cache.insert_row(context[b][:n], spec.states, b)
 
