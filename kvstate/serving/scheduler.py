@@ -55,6 +55,7 @@ from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import prefix_cache
+from .logits import Processed, needed, token_logprobs
 
 __all__ = ["Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
 
@@ -80,8 +81,12 @@ class Job:
     with ``("token", i, token_id)``, ``("done", i, finish_reason)`` or
     ``("error", -1, message)`` (at most one error, after which the job hears
     nothing more). ``stop``: token ids that end a choice besides the
-    scheduler's ``eos``. ``deadline``: a ``time.perf_counter()`` instant past
-    which the job ends with an error (``None``: none).
+    scheduler's ``eos``. ``sampling``: further ``kv.Sampling`` fields (``top_k``,
+    ``min_p``, the penalties, ``logit_bias``). ``logprobs``: how many top
+    log-probabilities each token reports (``None``: none); each token's come as
+    ``("logprob", i, (logprob, ((id, logprob), ...)))`` just before its token.
+    ``deadline``: a ``time.perf_counter()`` instant past which the job ends with an
+    error (``None``: none).
     """
 
     prompt: list
@@ -92,6 +97,8 @@ class Job:
     n: int = 1
     emit: Callable[[str, int, Any], None] = lambda kind, i, value: None
     stop: frozenset = frozenset()
+    sampling: dict = attrs.Factory(dict)
+    logprobs: Optional[int] = None
     cancelled: set = attrs.Factory(set)  # choices the client no longer wants
     id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
     submitted: float = attrs.Factory(time.perf_counter)
@@ -199,6 +206,7 @@ class Scheduler:
         self._stopped = False  # no more jobs: stop() was called
         self._then: Optional[Callable[[Scheduler], None]] = None
         self._thread: Optional[threading.Thread] = None
+        self._processed: Optional[Processed] = None  # the last round's, when it had one
         self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
         self.stats = {
             "rounds": 0,
@@ -374,7 +382,7 @@ class Scheduler:
         prompts = [job.prompt for job in jobs]
         logits, states, leases, prefilled = self._prefill(prompts)
         try:
-            new, first = self._rows_of(jobs, states, logits)
+            new, first, lps = self._rows_of(jobs, states, logits)
         except BaseException:
             for lease in leases:
                 if lease is not None:
@@ -387,13 +395,13 @@ class Scheduler:
         self.stats["prompt_tokens"] += sum(map(len, prompts))
         self.spec = new if self.spec is None else speculative.join(self.spec, new)
         B = self.spec.batch_size
-        self._emit([(t,) for t in first], range(B - len(first), B))
+        self._emit([(t,) for t in first], range(B - len(first), B), lps)
 
     def _rows_of(self, jobs: list, states, logits) -> tuple:
-        """``(Speculation, first tokens)``: the prefilled jobs' rows, their first tokens
-        sampled and each job's choices forked."""
+        """``(Speculation, first tokens, their log-probabilities)``: the prefilled jobs'
+        rows, their first tokens sampled and each job's choices forked."""
         prompts = [job.prompt for job in jobs]
-        batch = _first_tokens(jobs, states, logits)
+        batch, proc = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
             try:
@@ -410,7 +418,12 @@ class Scheduler:
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
         k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
-        return speculative.Speculation(batch, context, k, k, draft_states, self.window), first
+        tops = [job.logprobs for job, _ in batch.payload]
+        lp = None if proc is None else proc.logprobs
+        rows = None if lp is None else lp[mx.array([b for b, _ in origin])]
+        lps = token_logprobs(rows, [(t,) for t in first], tops)
+        spec = speculative.Speculation(batch, context, k, k, draft_states, self.window)
+        return spec, first, lps
 
     def _prefill(self, prompts: list) -> tuple:
         """``(logits, states, leases, prefilled)``: through the prefix cache when
@@ -448,16 +461,26 @@ class Scheduler:
         self.stats["accepted"] += sum(r.accepted)
         try:  # reading the tokens runs the round on the device
             emitted = r.emitted
+            proc = self._processed
+            lps = None if proc is None else token_logprobs(proc.logprobs, emitted, proc.tops)
         except Exception as exc:  # the rows' records moved on: none can be kept
             log.warning("a round failed on the device: %s", _describe(exc))
             for job in {job for job, _ in spec.batch.payload}:
                 self._fail(job, _describe(exc))
             self.spec = None
             return
-        self._emit(emitted, range(spec.batch_size))
+        self._emit(emitted, range(spec.batch_size), lps)
 
     def _try_round(self, spec, drafter) -> tuple:
-        return speculative.step(self.model, spec, drafter=drafter, forward=self.forward)
+        """One round; its forward through ``Processed`` when a row has processors or asks
+        for log-probabilities (``self._processed``, the last round's)."""
+        forward = self.forward or speculative.eager(self.model)
+        sampling, tops = spec.batch.sampling, [job.logprobs for job, _ in spec.batch.payload]
+        self._processed = None
+        if needed(sampling, tops):
+            contexts = spec.context if any(s.processed for s in sampling) else None
+            forward = self._processed = Processed(forward, sampling, contexts, tops)
+        return speculative.step(self.model, spec, drafter=drafter, forward=forward)
 
     def _drop_drafter(self, exc: Exception) -> None:
         """The drafter failed: it is switched off, and the rows go on plain."""
@@ -488,12 +511,13 @@ class Scheduler:
         self._drop_cancelled()
         return self.spec is not None
 
-    def _emit(self, emitted, rows) -> None:
-        """Hand each row's new tokens to its job; finished or cancelled rows leave."""
+    def _emit(self, emitted, rows, lps=None) -> None:
+        """Hand each row's new tokens (and their log-probabilities, ``lps``, where asked)
+        to its job; finished or cancelled rows leave."""
         payload = self.spec.batch.payload
-        for toks, b in zip(emitted, rows):
+        for i, (toks, b) in enumerate(zip(emitted, rows)):
             job, choice = payload[b]
-            self._hand(job, choice, toks)
+            self._hand(job, choice, toks, lps[i] if lps else ())
         if self.measure:
             self._measure()
         self._drop_cancelled()
@@ -533,12 +557,14 @@ class Scheduler:
         tokens = sum(len(c) - 1 for c in self.spec.context)  # (less each row's pending token)
         self.bytes_per_token.append(resident / max(tokens, 1))
 
-    def _hand(self, job: Job, choice: int, tokens) -> None:
+    def _hand(self, job: Job, choice: int, tokens, lps=()) -> None:
         """``tokens`` to ``job``'s ``choice``, up to its end (a stop token or ``max_tokens``)."""
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if choice in job.cancelled:
                 return
             job.generated[choice] += 1
+            if i < len(lps):
+                job.tell("logprob", choice, lps[i])
             job.tell("token", choice, t)
             stop = t in self.eos or t in job.stop
             if stop or job.generated[choice] >= job.max_tokens:
@@ -554,19 +580,29 @@ def shares_prefixes(model: nn.Module, make: Optional[dict] = None) -> bool:
     return all(type(s) in (CacheState, QuantizedState) for s in states)
 
 
-def _first_tokens(jobs: list, states, logits) -> Batch:
-    """The admitted jobs' rows as a ``Batch``, their first tokens sampled."""
+def _first_tokens(jobs: list, states, logits) -> tuple:
+    """``(batch, processed)``: the admitted jobs' rows as a ``Batch``, their first
+    tokens sampled (after their processors, over their prompts); ``processed`` holds
+    the log-probabilities (``None`` when no row has processors or asks for them)."""
     seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
+    sampling = [
+        Sampling(temperature=job.temperature, top_p=job.top_p, **job.sampling) for job in jobs
+    ]
     batch = Batch(
         states,
         mx.zeros((len(jobs),), mx.uint32),
         keys=row_keys(seeds),
-        sampling=[Sampling(temperature=job.temperature, top_p=job.top_p) for job in jobs],
+        sampling=sampling,
         ids=[job.id for job in jobs],
         payload=[(job, 0) for job in jobs],
     )
+    proc = None
+    tops = [job.logprobs for job in jobs]
+    if needed(sampling, tops):
+        proc = Processed(lambda w, s: (None, s), sampling, [job.prompt for job in jobs], tops)
+        logits = proc.apply(logits[:, None, :], None)[:, 0, :]
     tokens, keys = sample_batch(logits, batch)
-    return attrs.evolve(batch, tokens=tokens, keys=keys)
+    return attrs.evolve(batch, tokens=tokens, keys=keys), proc
 
 
 def _forked(jobs: list, batch: Batch, draft_states) -> tuple:
