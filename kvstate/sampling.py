@@ -19,6 +19,14 @@ thresholds, which is what ``filter_logprobs`` computes. A row whose
 temperature is 0 takes the argmax of its logits (mlx-lm's greedy sampler).
 Sampling is Gumbel-max over the filtered logits divided by the temperature,
 with the noise drawn from the row's own key.
+
+Before the filters, ``process_logits`` applies mlx-lm's logits processors
+(``mlx_lm.sample_utils.make_logits_processors``), per row and in mlx-lm's
+order: ``logit_bias`` (added), ``repetition_penalty`` (a logit of a token
+seen in the row's last ``context_size`` tokens, prompt included, is
+multiplied by the penalty when negative, else divided), then
+``presence_penalty`` (subtracted once from a seen token) and
+``frequency_penalty`` (subtracted once per occurrence).
 """
 
 from __future__ import annotations
@@ -32,7 +40,16 @@ import mlx.core as mx
 from .core.args import as_int
 from .errors import bad
 
-__all__ = ["Sampling", "filter_logprobs", "row_keys", "sample", "sample_arrays", "split_keys"]
+__all__ = [
+    "Sampling",
+    "filter_logprobs",
+    "history",
+    "process_logits",
+    "row_keys",
+    "sample",
+    "sample_arrays",
+    "split_keys",
+]
 
 PerRow = float | int | Sequence | mx.array
 
@@ -137,6 +154,52 @@ class Sampling:
     seed: int | None = attrs.field(
         default=None, kw_only=True, converter=lambda v: v if v is None else _seed(v, "seed")
     )
+    presence_penalty: float = attrs.field(
+        default=0.0, kw_only=True, converter=lambda v: _floats(v, 1, "presence_penalty", -2, 2)[0]
+    )
+    frequency_penalty: float = attrs.field(
+        default=0.0, kw_only=True, converter=lambda v: _floats(v, 1, "frequency_penalty", -2, 2)[0]
+    )
+    repetition_penalty: float = attrs.field(
+        default=1.0,
+        kw_only=True,
+        converter=lambda v: _floats(v, 1, "repetition_penalty", 1e-3, 100.0)[0],
+    )
+    context_size: int = attrs.field(default=20, kw_only=True, converter=lambda v: _size(v))
+    logit_bias: tuple = attrs.field(default=(), kw_only=True, converter=lambda v: _bias(v))
+
+    @property
+    def processed(self) -> bool:
+        """Whether ``process_logits`` changes this row's logits."""
+        return bool(
+            self.logit_bias
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _size(value) -> int:
+    value = as_int(value, "context_size")
+    if not 1 <= value <= 4096:
+        raise bad("context_size", "an int in [1, 4096]", value)
+    return value
+
+
+def _bias(value) -> tuple:
+    """``logit_bias``: ``{token id: bias in [-100, 100]}`` (or its items), as sorted pairs."""
+    items = value.items() if isinstance(value, dict) else value
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise bad("logit_bias", "a dict {token id: bias}", type(value).__name__)
+    out = {}
+    for pair in items:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise bad("logit_bias", "a dict {token id: bias}", repr(pair))
+        token = as_int(pair[0], "logit_bias key")
+        if token < 0:
+            raise bad("logit_bias key", "a token id >= 0", token)
+        out[token] = _floats(pair[1], 1, f"logit_bias[{token}]", -100.0, 100.0)[0]
+    return tuple(sorted(out.items()))
 
 
 def _seed(value, arg: str) -> int:
@@ -284,3 +347,55 @@ def parameters(
         mx.array(_ints(top_k, B, "top_k"), mx.int32),
         mx.array(_floats(min_p, B, "min_p", 0.0, 1.0), mx.float32),
     )
+
+
+def history(contexts: Sequence[Sequence[int]], sizes: Sequence[int], window=None) -> mx.array:
+    """The tokens each position's processors look back on, ``[B, W, N]`` int32 (-1: none).
+
+    Args:
+        contexts: per row, every token so far (prompt included; the last one is
+            the token the first position's logits follow).
+        sizes: per row, how many tokens the processors look back on.
+        window: ``[B, W]`` (a verify window: the pending token, then drafts) or
+            ``None`` (``W = 1``). Position ``w`` looks back on the row's context
+            followed by ``window[:, 1 : w + 1]``.
+    """
+    N = max(sizes, default=1)
+    tails = [[-1] * (N - len(c[-n:])) + list(c[-n:]) for c, n in zip(contexts, sizes)]
+    tail = mx.array(tails, mx.int32).reshape(len(tails), N)
+    W = 1 if window is None else window.shape[1]
+    ext = tail if W == 1 else mx.concatenate([tail, window[:, 1:].astype(mx.int32)], axis=1)
+    rel = mx.arange(N)[None, :]
+    hist = ext[:, mx.arange(W)[:, None] + rel]  # [B, W, N]
+    short = rel < (N - mx.array(list(sizes), mx.int32))[:, None]  # [B, N]: past a row's size
+    return mx.where(short[:, None, :], -1, hist)
+
+
+def process_logits(logits: mx.array, hist: mx.array, sampling: Sequence[Sampling]) -> mx.array:
+    """``logits`` ``[B, W, V]`` with each row's processors applied (module docstring).
+
+    Args:
+        logits: ``[B, W, V]``.
+        hist: ``[B, W, N]`` int32, the tokens each position looks back on (``history``).
+        sampling: per row, its ``Sampling``.
+    """
+    B, W, V = logits.shape
+    lg = logits.astype(mx.float32).reshape(B * W * V)
+    base = (mx.arange(B * W) * V).reshape(B, W, 1)
+    pairs = [(b, t, x) for b, s in enumerate(sampling) for t, x in s.logit_bias if t < V]
+    if pairs:
+        rows, ids, vals = (mx.array(list(c)) for c in zip(*pairs))
+        at = (base[rows] + ids[:, None, None]).reshape(-1)  # every position of the row
+        lg = lg.at[at].add(mx.repeat(vals.astype(mx.float32), W))
+    seen = hist >= 0
+    counts = mx.zeros((B * W * V,), mx.float32)
+    counts = counts.at[(base + mx.where(seen, hist, 0)).reshape(-1)].add(
+        seen.reshape(-1).astype(mx.float32)
+    )
+    counts, lg = counts.reshape(B, W, V), lg.reshape(B, W, V)
+    present = counts > 0
+    rep = mx.array([s.repetition_penalty for s in sampling], mx.float32)[:, None, None]
+    lg = mx.where(present, mx.where(lg < 0, lg * rep, lg / rep), lg)
+    pres = mx.array([s.presence_penalty for s in sampling], mx.float32)[:, None, None]
+    freq = mx.array([s.frequency_penalty for s in sampling], mx.float32)[:, None, None]
+    return lg - pres * present - freq * counts

@@ -36,8 +36,7 @@ def alone(model, prompt, n, sampling, seed):
     logits = model(mx.array([prompt]), cache=cache)[:, -1]
     keys, out = kv.row_keys([seed]), []
     for _ in range(n):
-        params = attrs.asdict(sampling)
-        del params["seed"]
+        params = {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "min_p")}
         tok, keys = kv.sample(logits, keys, **params)
         out.append(tok.item())
         logits = model(tok[:, None], cache=cache)[:, -1]

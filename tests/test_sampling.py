@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 import kvstate as kv
-from kvstate.sampling import filter_logprobs, next_tokens, parameters
+from kvstate.sampling import filter_logprobs, history, next_tokens, parameters, process_logits
 
 V = 40
 
@@ -219,3 +219,94 @@ def test_bad_keys_and_logits_are_refused():
         kv.sample(logits[0], kv.row_keys([1]))
     with pytest.raises(kv.KVStateError, match=r"^seeds\[1\]: "):
         kv.row_keys([1, -2])
+
+
+# --- logits processors: mlx-lm's make_logits_processors, per row --------------------------
+
+processors = st.fixed_dictionaries(
+    {
+        "repetition_penalty": st.sampled_from([1.0]) | st.floats(0.5, 2.0),
+        "presence_penalty": st.sampled_from([0.0]) | st.floats(-2.0, 2.0),
+        "frequency_penalty": st.sampled_from([0.0]) | st.floats(-2.0, 2.0),
+        "context_size": st.integers(1, 30),
+        "logit_bias": st.dictionaries(st.integers(0, V - 1), st.floats(-100, 100), max_size=4),
+    }
+)
+contexts = st.lists(st.integers(0, V - 1), min_size=1, max_size=40)
+
+
+def mlx_lm_processed(logits, tokens, p):
+    """``logits`` [1, V] through mlx-lm's own processors (its order, its context sizes)."""
+    size = p["context_size"]
+    for proc in make_logits_processors(
+        p["logit_bias"] or None,
+        p["repetition_penalty"],
+        size,
+        p["presence_penalty"],
+        size,
+        p["frequency_penalty"],
+        size,
+    ):
+        logits = proc(mx.array(tokens), logits)
+    return logits
+
+
+@given(seed=st.integers(0, 10_000), rows=st.lists(st.tuples(processors, contexts), max_size=5))
+def test_processors_per_row_equal_mlx_lms(seed, rows):
+    """Each row of one batch, with its own penalties, bias and context, gets exactly what
+    mlx-lm's processors give that row alone."""
+    if not rows:
+        return
+    logits = logits_of(seed, len(rows))
+    sampling = [kv.Sampling(**p) for p, _ in rows]
+    hist = history([c for _, c in rows], [s.context_size for s in sampling])
+    got = process_logits(logits[:, None, :], hist, sampling)[:, 0]
+    for b, (p, c) in enumerate(rows):
+        want = mlx_lm_processed(logits[b : b + 1], c, p)
+        np.testing.assert_allclose(np.array(got[b]), np.array(want[0]), rtol=1e-6, atol=1e-4)
+
+
+@given(
+    seed=st.integers(0, 10_000),
+    p=processors,
+    ctx=contexts,
+    drafts=st.lists(st.integers(0, V - 1), max_size=4),
+)
+def test_a_window_position_looks_back_on_the_drafts_before_it(seed, p, ctx, drafts):
+    """Position ``w`` of a verify window is processed as mlx-lm processes the context
+    followed by the window's first ``w`` drafts."""
+    W = 1 + len(drafts)
+    logits = mx.random.normal((1, W, V), key=mx.random.key(seed)) * 3
+    window = mx.array([[ctx[-1], *drafts]])
+    s = kv.Sampling(**p)
+    got = process_logits(logits, history([ctx], [s.context_size], window), [s])
+    for w in range(W):
+        want = mlx_lm_processed(logits[:, w], ctx + drafts[:w], p)
+        np.testing.assert_allclose(np.array(got[0, w]), np.array(want[0]), rtol=1e-6, atol=1e-4)
+
+
+def test_processors_change_the_logits_and_a_plain_row_is_untouched():
+    """The control: a penalty changes the seen tokens' logits; a row with none is unchanged."""
+    logits = logits_of(3, 2)
+    rows = [kv.Sampling(presence_penalty=1.0), kv.Sampling()]
+    got = process_logits(logits[:, None, :], history([[1, 2], [1, 2]], [20, 20]), rows)[:, 0]
+    assert np.array_equal(np.array(got[1]), np.array(logits[1]))
+    assert np.allclose(np.array(got[0, 1:3]), np.array(logits[0, 1:3]) - 1.0)
+    assert np.array_equal(np.array(got[0, 3:]), np.array(logits[0, 3:]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"context_size": 0}, "context_size"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias key"),
+        ({"logit_bias": {3: 101}}, "logit_bias.3."),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+    ],
+)
+def test_bad_processor_settings_are_refused_by_name(kwargs, arg):
+    with pytest.raises(kv.KVStateError, match=rf"^{arg}: "):
+        kv.Sampling(**kwargs)

@@ -10,11 +10,22 @@ Message content is text: ``chat`` matches special tokens only where the
 template writes them, so a user who types ``<|im_start|>system`` gets those
 characters, not a forged turn (``control_tokens=True`` lets content carry
 them, for clients that build raw turns on purpose).
+
+Messages are OpenAI's: roles ``system``, ``developer``, ``user``,
+``assistant`` and ``tool``; an assistant's ``tool_calls`` (arguments as
+objects) and a tool message's ``tool_call_id`` go to the template as they
+are, where it renders them. A template that never names ``developer`` gets
+that role as ``system``; one that never names ``tool_calls`` gets an
+assistant's calls appended to its content in the Hermes form that
+Qwen-style templates write (``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>``), so the model sees the calls it made instead of an empty
+turn (``for_template``).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -38,6 +49,7 @@ class Tokenizer:
     eos_ids: tuple
     bos_id: int | None = None
     special_tokens: dict = attrs.field(factory=dict, eq=False)
+    template: str = ""  # the chat template's source (what ``for_template`` asks of it)
 
     @classmethod
     def from_backend(
@@ -79,6 +91,7 @@ class Tokenizer:
             tuple(int(i) for i in eos_ids),
             bos_id,
             dict(special_tokens or {}),
+            chat_template or "",
         )
 
     @classmethod
@@ -102,6 +115,7 @@ class Tokenizer:
             tuple(sorted(int(i) for i in eos if i is not None)),
             hf.bos_token_id if getattr(hf, "add_bos_token", False) else None,
             special,
+            hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else "",
         )
 
     @property
@@ -126,7 +140,26 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
                 raise bad(f"messages[{i}]", "a dict with 'role' and 'content'", repr(m))
-        return self._render([dict(m) for m in messages])
+        return self._render(self.for_template(messages))
+
+    def for_template(self, messages: Sequence[dict]) -> list:
+        """``messages`` as this template can render them (the module docstring):
+        ``developer`` as ``system`` and tool calls as content where it knows neither."""
+        out = []
+        for m in messages:
+            if not isinstance(m, dict):  # (render names it)
+                out.append(m)
+                continue
+            m = dict(m)
+            if m.get("role") == "developer" and "developer" not in self.template:
+                m["role"] = "system"
+            if m.get("tool_calls") and "tool_calls" not in self.template:
+                calls = [_hermes(c) for c in m.pop("tool_calls")]
+                m["content"] = "\n".join([m["content"]] * bool(m.get("content")) + calls)
+            if m.get("content") is None:
+                m["content"] = ""
+            out.append(m)
+        return out
 
     def chat(self, messages: Sequence[dict], *, control_tokens: bool = False) -> list:
         """Token ids of the chat template applied to ``messages``.
@@ -135,6 +168,7 @@ class Tokenizer:
         messages' ``content`` is encoded as text (a ``<|im_end|>`` typed in it is
         those characters), unless ``control_tokens``. Content with no special token
         in it encodes exactly as the rendered text does."""
+        messages = self.for_template(messages)
         if control_tokens or not self._forges(messages):
             ids = self._encode(self.render(messages))
         else:
@@ -161,3 +195,10 @@ class Tokenizer:
             head, _, text = text.partition(mark)
             ids += self._encode(head) + self._encode_text(m["content"])
         return ids + self._encode(text)
+
+
+def _hermes(call: dict) -> str:
+    """A tool call as Hermes/Qwen templates write it."""
+    fn = call.get("function", call)
+    body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
+    return "<tool_call>\n" + json.dumps(body) + "\n</tool_call>"

@@ -29,6 +29,7 @@ import asyncio
 import errno
 import hmac
 import json
+import re
 import time
 from typing import Any, Callable, Optional
 
@@ -36,67 +37,19 @@ import attrs
 
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
+from . import request
 from .metrics import Metrics
+from .request import BadRequest, ServerError, number
 from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
 
 # --- request parsing ------------------------------------------------------------------
-
-
-class BadRequest(Exception):
-    """A request the server refuses with 4xx and an OpenAI-style error body."""
-
-    def __init__(
-        self,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        status: int = 400,
-    ):
-        super().__init__(message)
-        self.param, self.code, self.status = param, code, status
-
-    kind = "invalid_request_error"
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": str(self),
-                "type": self.kind,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-class ServerError(BadRequest):
-    """A request the server could not complete (5xx): a fault in its prefill or
-    rounds (500), its deadline (504), the scheduler not running (503)."""
-
-    kind = "server_error"
-
-    def __init__(self, message: str, code: str = "internal_error", status: int = 500):
-        super().__init__(message, None, code, status)
-
-
-def _number(body: dict, name: str, default, low, high, *, integer=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise BadRequest(
-            f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name
-        )
-    if not low <= value <= high:
-        raise BadRequest(f"'{name}' must be in [{low}, {high}], got {value!r}", name)
-    return value
 
 
 @attrs.frozen
 class Params:
     """What a request asks for, validated."""
 
-    prompt: list  # token ids
+    prompts: list  # token ids, one list per prompt (a chat: one)
     max_tokens: int
     temperature: float
     top_p: float
@@ -106,6 +59,19 @@ class Params:
     stream: bool
     chat: bool
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    sampling: dict = attrs.field(factory=dict)  # further kv.Sampling fields (request.sampling_of)
+    stop_ids: frozenset = frozenset()  # stop_token_ids
+    logprobs: Optional[int] = None  # top log-probabilities per token; None: no logprobs
+
+    @property
+    def prompt(self) -> list:
+        """The first prompt's token ids (a chat's only one)."""
+        return self.prompts[0]
+
+    @property
+    def choices(self) -> int:
+        """Choices in the reply: ``n`` per prompt."""
+        return self.n * len(self.prompts)
 
 
 def parse(
@@ -116,62 +82,50 @@ def parse(
     context: int,
     max_tokens_default: int = 256,
     max_n: int = 16,
+    vocab: int = 2**31 - 1,
 ) -> Params:
     """Validate an OpenAI request body; raises ``BadRequest`` naming the field.
 
     Every field is checked here, on the HTTP side, before anything is queued:
     a value the scheduler would refuse (a seed out of range) is a 400, never a
-    fault in the scheduler's thread."""
+    fault in the scheduler's thread; a field the server does not implement is a
+    400 too (``kvstate.serving.request``)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    prompt = _chat_prompt(body, tokenize) if chat else _text_prompt(body, tokenize)
-    max_tokens = _max_tokens(body, len(prompt), context, max_tokens_default, chat)
+    request.check_fields(body, chat)
+    if chat:
+        prompts = [tokenize(messages=request.messages_of(body))]
+    else:
+        prompts = request.prompts_of(body, lambda text: tokenize(text=text))
+        request.check_ids(prompts, vocab)
+    longest = max(prompts, key=len)
+    max_tokens = _max_tokens(body, len(longest), context, max_tokens_default, chat)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(f"'model' must be a string, got {model!r}", "model")
     return Params(
-        prompt=list(prompt),
+        prompts=[list(p) for p in prompts],
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
+        temperature=float(number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(number(body, "top_p", 1.0, 0.0, 1.0)),
         seed=_seed(body),
-        n=_number(body, "n", 1, 1, max_n, integer=True),
+        n=number(body, "n", 1, 1, max_n, integer=True),
         stop=_stop(body),
         stream=_stream(body),
         chat=chat,
         include_usage=_include_usage(body),
+        sampling=request.sampling_of(body, vocab),
+        stop_ids=request.stop_ids_of(body, vocab),
+        logprobs=request.tops_of(body, chat),
     )
-
-
-def _chat_prompt(body: dict, tokenize: Callable) -> list:
-    """The token ids of ``messages`` through the chat template."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if (
-            not isinstance(m, dict)
-            or m.get("role") not in ("system", "user", "assistant")
-            or not isinstance(m.get("content"), str)
-        ):
-            raise BadRequest(
-                f"messages[{i}] must be {{'role': system|user|assistant, 'content': str}}",
-                "messages",
-            )
-    return tokenize(messages=[{"role": m["role"], "content": m["content"]} for m in messages])
-
-
-def _text_prompt(body: dict, tokenize: Callable) -> list:
-    """The token ids of ``prompt`` (a completion request)."""
-    text = body.get("prompt")
-    if not isinstance(text, str) or not text:
-        raise BadRequest("'prompt' must be a non-empty string", "prompt")
-    return tokenize(text=text)
 
 
 def _max_tokens(body: dict, prompt: int, context: int, default: int, chat: bool) -> int:
     """``max_tokens`` (or ``max_completion_tokens``), within what the context leaves."""
     default = max(1, min(default, context - prompt))
-    max_tokens = _number(body, "max_tokens", default, 1, context, integer=True)
+    max_tokens = number(body, "max_tokens", default, 1, context, integer=True)
     if "max_completion_tokens" in body:
-        max_tokens = _number(body, "max_completion_tokens", max_tokens, 1, context, integer=True)
+        max_tokens = number(body, "max_completion_tokens", max_tokens, 1, context, integer=True)
     if prompt + max_tokens > context:
         raise BadRequest(
             f"the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) "
@@ -278,6 +232,40 @@ def _error(exc: BadRequest):
     return web.json_response(exc.body(), status=exc.status)
 
 
+def model_id(name: str) -> str:
+    """A model id clients can put in a URL: ``name`` with each run of characters other
+    than letters, digits, ``.``, ``_`` and ``-`` made one ``-``
+    (``SmolLM2-135M-Instruct (Q4_1 GGUF)`` is ``SmolLM2-135M-Instruct-Q4_1-GGUF``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def _json_errors():
+    """aiohttp middleware: an unknown path (404) or method (405) answers OpenAI's JSON
+    error body, not aiohttp's plain text."""
+    from aiohttp import web
+
+    @web.middleware
+    async def check(request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status not in (404, 405):
+                raise
+            what = "path" if exc.status == 404 else "method"
+            body = BadRequest(
+                f"unknown {what}: {request.method} {request.path}",
+                code="not_found" if exc.status == 404 else "method_not_allowed",
+                status=exc.status,
+            ).body()
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return web.json_response(body, status=exc.status, headers=allow)
+
+    return check
+
+
+json_errors = _json_errors()
+
+
 class Api:
     """aiohttp handlers over a running ``Scheduler``.
 
@@ -293,12 +281,15 @@ class Api:
         *,
         model_id: str,
         context: int,
+        vocab: int = 2**31 - 1,
+        aliases: tuple = (),
         timeout: float = 600.0,
         control_tokens: bool = False,
         watch: Optional[Callable[[Job, Params], None]] = None,
     ):
         self.scheduler, self.tok = scheduler, tokenizer
-        self.model_id, self.context = model_id, context
+        self.model_id, self.context, self.vocab = model_id, context, vocab
+        self.aliases = (model_id, *aliases)  # names /v1/models/{id} answers to
         self.timeout, self.control_tokens = timeout, control_tokens
         self.created = int(time.time())
         self.watch = watch or (lambda job, params: None)  # sees each job before it is queued
@@ -306,10 +297,11 @@ class Api:
     def app(self):
         from aiohttp import web
 
-        app = web.Application(client_max_size=4 * 1024 * 1024)
+        app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[json_errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{id:.+}", self.model)
         app.router.add_get("/health", self.health)
         return app
 
@@ -335,22 +327,30 @@ class Api:
             status=200 if s.alive else 503,
         )
 
+    def _model(self) -> dict:
+        created, owner = self.created, "kvstate"
+        return {"id": self.model_id, "object": "model", "created": created, "owned_by": owner}
+
     async def models(self, request):
         from aiohttp import web
 
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_id,
-                        "object": "model",
-                        "created": self.created,
-                        "owned_by": "kvstate",
-                    }
-                ],
-            }
-        )
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request):
+        """``/v1/models/{id}``: the served model (by its id or the name it was loaded
+        under), else OpenAI's 404 ``model_not_found``."""
+        from aiohttp import web
+
+        name = request.match_info["id"]
+        if name not in self.aliases:
+            exc = BadRequest(
+                f"the model '{name}' does not exist; this server serves '{self.model_id}'",
+                "model",
+                "model_not_found",
+                404,
+            )
+            return _error(exc)
+        return web.json_response(self._model())
 
     async def chat(self, request):
         return await self._complete(request, chat=True)
@@ -365,7 +365,9 @@ class Api:
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
         """The body decoded, validated and tokenized (in a worker thread)."""
-        return parse(_json(raw), chat=chat, tokenize=self._tokenize, context=self.context)
+        return parse(
+            _json(raw), chat=chat, tokenize=self._tokenize, context=self.context, vocab=self.vocab
+        )
 
     async def _complete(self, request, *, chat: bool):
         """One completion request: parsed, queued, then answered whole or streamed."""
@@ -382,47 +384,68 @@ class Api:
                     status=413,
                 ) from None
             p = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw, chat)
-            job, events = self._submit(p, arrived)
+            jobs, events = self._submit(p, arrived)
         except BadRequest as exc:
             return _error(exc)
         kind = "chat.completion" if chat else "text_completion"
         head = {
-            "id": ("chatcmpl-" if chat else "cmpl-") + job.id,
+            "id": ("chatcmpl-" if chat else "cmpl-") + jobs[0].id,
             "created": int(time.time()),
             "model": self.model_id,
         }
-        reply = _Reply(job, p, self.tok.decode)
+        reply = _Reply(jobs, p, self.tok.decode)
         try:
             if p.stream:
                 return await self._streamed(request, reply, events, head, kind)
             while not reply.finished:
-                reply.take(await _next(events, job))
+                reply.take(await _next(events, reply.job))
             return _whole(reply, head, kind)
         except ServerError as exc:
             return _error(exc)
         finally:
-            job.cancel()  # no-op for finished choices; frees rows of a vanished client
+            reply.cancel()  # no-op for finished choices; frees rows of a vanished client
 
     def _submit(self, p: Params, arrived: float) -> tuple:
-        """``(job, events)``: the job queued, its events hopped onto this event loop."""
+        """``(jobs, events)``: one job per prompt queued, their events hopped onto this
+        event loop (prompt ``k``'s choice ``i`` is the reply's choice ``k * n + i``)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(kind, i, value):
-            loop.call_soon_threadsafe(events.put_nowait, (kind, i, value))
+        def emitter(k: int):
+            def emit(kind, i, value):
+                at = i if i < 0 else k * p.n + i
+                loop.call_soon_threadsafe(events.put_nowait, (kind, at, value))
 
-        job = Job(
-            prompt=p.prompt,
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=p.seed,
-            n=p.n,
-            emit=emit,
-            submitted=arrived,
-            deadline=arrived + self.timeout,
-        )
-        self.watch(job, p)
+            return emit
+
+        jobs = [
+            Job(
+                prompt=prompt,
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                seed=p.seed,
+                n=p.n,
+                emit=emitter(k),
+                stop=p.stop_ids,
+                sampling=p.sampling,
+                logprobs=p.logprobs,
+                submitted=arrived,
+                deadline=arrived + self.timeout,
+            )
+            for k, prompt in enumerate(p.prompts)
+        ]
+        for k, job in enumerate(jobs):
+            self.watch(job, attrs.evolve(p, prompts=[job.prompt]))
+            try:
+                self._queue(job)
+            except BadRequest:
+                for queued in jobs[:k]:
+                    queued.cancel()
+                raise
+        return jobs, events
+
+    def _queue(self, job: Job) -> None:
         try:
             self.scheduler.submit(job)
         except QueueFull:
@@ -435,11 +458,11 @@ class Api:
             ) from None
         except KVStateError as exc:  # n past --max-batch, or rows past --kv-budget-gb
             raise BadRequest(str(exc), str(exc).split(":", 1)[0]) from None
-        return job, events
 
     async def _streamed(self, request, reply: "_Reply", events, head: dict, kind: str):
-        """Server-sent events: a chat's role first, each delta as it comes, each
-        choice's finish reason, then ``[DONE]``."""
+        """Server-sent events: a chat's role first, each delta as it comes (with the
+        log-probabilities of the tokens since the last one, where asked), each choice's
+        finish reason, then ``[DONE]``."""
         from aiohttp import web
 
         chat = reply.params.chat
@@ -448,9 +471,9 @@ class Api:
         )
         await response.prepare(request)
         if chat:
-            for i in range(reply.params.n):
+            for i in range(reply.params.choices):
                 role = {"role": "assistant", "content": ""}
-                await self._send(response, head, kind, i, role, None, chat)
+                await self._send(response, head, kind, i, role, None, reply)
         while not reply.finished:
             try:
                 taken = reply.take(await _next(events, reply.job))
@@ -461,9 +484,9 @@ class Api:
                 continue
             i, delta, finish = taken
             if delta:
-                await self._send(response, head, kind, i, delta, None, chat)
+                await self._send(response, head, kind, i, delta, None, reply)
             if finish is not None:
-                await self._send(response, head, kind, i, "", finish, chat)
+                await self._send(response, head, kind, i, "", finish, reply)
         if reply.params.include_usage:  # OpenAI's last chunk: no choices, the usage
             chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": []}
             await _event(response, {**chunk, "usage": _usage(reply)})
@@ -471,7 +494,9 @@ class Api:
         await response.write_eof()
         return response
 
-    async def _send(self, response, head, kind, i, delta, finish, chat):
+    async def _send(self, response, head, kind, i, delta, finish, reply: "_Reply"):
+        chat = reply.params.chat
+        lp = reply.logprobs_since(i) if reply.params.logprobs is not None else None
         if chat:
             choice = {
                 "index": i,
@@ -479,9 +504,10 @@ class Api:
                 if isinstance(delta, dict)
                 else ({"content": delta} if delta else {}),
                 "finish_reason": finish,
+                "logprobs": lp,
             }
         else:
-            choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": i, "text": delta, "finish_reason": finish, "logprobs": lp}
         chunk = {**head, "object": kind + ".chunk" if chat else kind, "choices": [choice]}
         await _event(response, chunk)
 
@@ -516,12 +542,28 @@ async def _next(events: asyncio.Queue, job: Job) -> tuple:
 
 class _Reply:
     """A request's choices as text: each choice's stop strings applied, its finish
-    reason once it has one."""
+    reason once it has one, its tokens' log-probabilities where asked. Prompt ``k``'s
+    choice ``i`` (job ``k``) is choice ``k * n + i``."""
 
-    def __init__(self, job: Job, params: Params, decode: Callable):
-        self.job, self.params = job, params
-        self.texts = [TextStream(decode, params.stop) for _ in range(params.n)]
-        self.finish: list = [None] * params.n
+    def __init__(self, jobs: list, params: Params, decode: Callable):
+        self.jobs, self.params, self.decode = jobs, params, decode
+        self.texts = [TextStream(decode, params.stop) for _ in range(params.choices)]
+        self.finish: list = [None] * params.choices
+        self.logprobs: list = [[] for _ in range(params.choices)]  # (id, logprob, top)
+        self._sent = [0] * params.choices  # log-probabilities streamed so far
+        self._next_lp: list = [None] * params.choices
+
+    @property
+    def job(self) -> Job:
+        """The first job (every job of a request has the same deadline)."""
+        return self.jobs[0]
+
+    def cancel(self, i: Optional[int] = None) -> None:
+        if i is None:
+            for job in self.jobs:
+                job.cancel()
+        else:
+            self.jobs[i // self.params.n].cancel(i % self.params.n)
 
     @property
     def finished(self) -> bool:
@@ -529,21 +571,66 @@ class _Reply:
 
     def take(self, event: tuple) -> Optional[tuple]:
         """One scheduler event: ``(choice, text delta, finish reason or None)``, or
-        ``None`` for an event of a choice that already finished."""
+        ``None`` for a log-probability or an event of a choice that already finished."""
         what, i, value = event
         if what == "error":
             raise ServerError(value, *_status_of(value))
         if self.finish[i] is not None:
             return None
+        if what == "logprob":
+            self._next_lp[i] = value
+            return None
         if what == "token":
+            if self._next_lp[i] is not None:
+                self.logprobs[i].append((value, *self._next_lp[i]))
+                self._next_lp[i] = None
             delta = self.texts[i].push(value)
             if self.texts[i].stopped:
-                self.job.cancel(i)
+                self.cancel(i)
                 self.finish[i] = "stop"
         else:  # done
             delta = self.texts[i].flush()
             self.finish[i] = value
         return i, delta, self.finish[i]
+
+    def logprobs_since(self, i: int) -> Optional[dict]:
+        """The log-probabilities of choice ``i``'s tokens not streamed yet, in the reply's
+        shape (``None`` when there are none)."""
+        new, self._sent[i] = self.logprobs[i][self._sent[i] :], len(self.logprobs[i])
+        return logprobs_body(new, self.decode, self.params.chat) if new else None
+
+
+def logprobs_body(entries: list, decode: Callable, chat: bool) -> dict:
+    """OpenAI's ``logprobs`` of a choice from ``(id, logprob, ((id, logprob), ...))``:
+    chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``, or completions'
+    legacy ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+
+    def text(t: int) -> str:
+        return decode([t])
+
+    if chat:
+        return {
+            "content": [
+                {
+                    **_token(text(t), lp),
+                    "top_logprobs": [_token(text(u), ulp) for u, ulp in top],
+                }
+                for t, lp, top in entries
+            ],
+            "refusal": None,
+        }
+    tokens = [text(t) for t, _, _ in entries]
+    offsets = [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [{text(u): ulp for u, ulp in top} for _, _, top in entries],
+        "text_offset": offsets,
+    }
+
+
+def _token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def _status_of(error: str) -> tuple:
@@ -562,11 +649,13 @@ def _whole(reply: _Reply, head: dict, kind: str):
     p = reply.params
     choices = []
     for i, t in enumerate(reply.texts):
-        c: dict = {"index": i, "finish_reason": reply.finish[i]}
+        c: dict = {"index": i, "finish_reason": reply.finish[i], "logprobs": None}
+        if p.logprobs is not None:
+            c["logprobs"] = logprobs_body(reply.logprobs[i], reply.decode, p.chat)
         if p.chat:
             c["message"] = {"role": "assistant", "content": t.text}
         else:
-            c["text"], c["logprobs"] = t.text, None
+            c["text"] = t.text
         choices.append(c)
     return web.json_response({**head, "object": kind, "choices": choices, "usage": _usage(reply)})
 
@@ -574,13 +663,13 @@ def _whole(reply: _Reply, head: dict, kind: str):
 def _usage(reply: _Reply) -> dict:
     """OpenAI's usage: prompt and completion tokens, and the prompt tokens the prefix
     cache served (``prompt_tokens_details.cached_tokens``)."""
-    prompt = len(reply.params.prompt)
+    prompt = sum(map(len, reply.params.prompts))
     completion = sum(len(t.tokens) for t in reply.texts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": reply.job.cached},
+        "prompt_tokens_details": {"cached_tokens": sum(job.cached for job in reply.jobs)},
     }
 
 
@@ -625,7 +714,9 @@ def make_app(
     api = Api(
         scheduler,
         loaded.tokenizer,
-        model_id=loaded.name,
+        model_id=model_id(loaded.name),
+        aliases=(loaded.name,),
+        vocab=_vocab(loaded.model),
         context=context or context_of(loaded.model),
         timeout=float(timeout),
         control_tokens=control_tokens,
@@ -646,6 +737,14 @@ def make_app(
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     return app, scheduler
+
+
+def _vocab(model) -> int:
+    """The model's vocabulary size (``model.args.vocab_size``, as every mlx-lm model has)."""
+    size = getattr(getattr(model, "args", None), "vocab_size", None)
+    if not isinstance(size, int):
+        raise KVStateError("kvstate serve needs a model whose args carry vocab_size")
+    return size
 
 
 def _probe(model, make: Optional[dict]) -> None:

@@ -58,6 +58,7 @@ from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import budget, prefix_cache
+from .logits import Processed, needed, token_logprobs
 
 __all__ = ["DEFAULT_PREFILL_BUDGET", "Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
 
@@ -85,8 +86,12 @@ class Job:
     with ``("token", i, token_id)``, ``("done", i, finish_reason)`` or
     ``("error", -1, message)`` (at most one error, after which the job hears
     nothing more). ``stop``: token ids that end a choice besides the
-    scheduler's ``eos``. ``deadline``: a ``time.perf_counter()`` instant past
-    which the job ends with an error (``None``: none).
+    scheduler's ``eos``. ``sampling``: further ``kv.Sampling`` fields (``top_k``,
+    ``min_p``, the penalties, ``logit_bias``). ``logprobs``: how many top
+    log-probabilities each token reports (``None``: none); each token's come as
+    ``("logprob", i, (logprob, ((id, logprob), ...)))`` just before its token.
+    ``deadline``: a ``time.perf_counter()`` instant past which the job ends with an
+    error (``None``: none).
     """
 
     prompt: list
@@ -97,6 +102,8 @@ class Job:
     n: int = 1
     emit: Callable[[str, int, Any], None] = lambda kind, i, value: None
     stop: frozenset = frozenset()
+    sampling: dict = attrs.Factory(dict)
+    logprobs: Optional[int] = None
     cancelled: set = attrs.Factory(set)  # choices the client no longer wants
     id: str = attrs.Factory(lambda: uuid.uuid4().hex[:24])
     submitted: float = attrs.Factory(time.perf_counter)
@@ -220,7 +227,8 @@ class Scheduler:
             budget.bytes_per_token(model, self.make) if self.kv_budget is not None else 0
         )
         self._parked: list = []  # budget.Parked rows, oldest first
-        self._first: list = []  # ((job, choice), (token,)) of rows joined, not yet handed out
+        # ((job, choice), (token,), log-probabilities) of rows joined, not yet handed out
+        self._first: list = []
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -228,6 +236,7 @@ class Scheduler:
         self._stopped = False  # no more jobs: stop() was called
         self._then: Optional[Callable[[Scheduler], None]] = None
         self._thread: Optional[threading.Thread] = None
+        self._processed: Optional[Processed] = None  # the last round's, when it had one
         self.spec: Any = None  # the rows in flight: a speculative.Speculation, or None
         self.stats = {
             "rounds": 0,
@@ -478,14 +487,14 @@ class Scheduler:
         choices forked. Their first tokens are handed out at the end of ``_admit``,
         once room is made (the rows joined may be parked at once). Nothing changes
         where it raises."""
-        new, first = self._rows_of(jobs, states, logits)
+        new, first, lps = self._rows_of(jobs, states, logits)
         spec = new if self.spec is None else speculative.join(self.spec, new)
         for job, ran in zip(jobs, prefilled):
             job.cached = len(job.prompt) - ran
         self.stats["prefilled"] += sum(prefilled)
         self.stats["prompt_tokens"] += sum(len(job.prompt) for job in jobs)
         self.spec = spec
-        self._first += zip(new.batch.payload, [(t,) for t in first])
+        self._first += zip(new.batch.payload, [(t,) for t in first], lps or [()] * len(first))
 
     # --- chunked prefill (a prefill budget) -------------------------------------------
 
@@ -550,10 +559,10 @@ class Scheduler:
         self._join(jobs, logits, states, [part.ran for _, _, part in settled])
 
     def _rows_of(self, jobs: list, states, logits) -> tuple:
-        """``(Speculation, first tokens)``: the prefilled jobs' rows, their first tokens
-        sampled and each job's choices forked."""
+        """``(Speculation, first tokens, their log-probabilities)``: the prefilled jobs'
+        rows, their first tokens sampled and each job's choices forked."""
         prompts = [job.prompt for job in jobs]
-        batch = _first_tokens(jobs, states, logits)
+        batch, proc = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
             try:
@@ -570,7 +579,12 @@ class Scheduler:
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
         k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
-        return speculative.Speculation(batch, context, k, k, draft_states, self.window), first
+        tops = [job.logprobs for job, _ in batch.payload]
+        lp = None if proc is None else proc.logprobs
+        rows = None if lp is None else lp[mx.array([b for b, _ in origin])]
+        lps = token_logprobs(rows, [(t,) for t in first], tops)
+        spec = speculative.Speculation(batch, context, k, k, draft_states, self.window)
+        return spec, first, lps
 
     def _prefill(self, prompts: list) -> tuple:
         """``(logits, states, leases, prefilled)``: through the prefix cache when
@@ -675,16 +689,26 @@ class Scheduler:
         self.stats["accepted"] += sum(r.accepted)
         try:  # reading the tokens runs the round on the device
             emitted = r.emitted
+            proc = self._processed
+            lps = None if proc is None else token_logprobs(proc.logprobs, emitted, proc.tops)
         except Exception as exc:  # the rows' records moved on: none can be kept
             log.warning("a round failed on the device: %s", _describe(exc))
             for job in {job for job, _ in spec.batch.payload}:
                 self._fail(job, _describe(exc))
             self.spec = None
             return
-        self._emit(zip(spec.batch.payload, emitted))
+        self._emit(zip(spec.batch.payload, emitted, lps or [()] * len(emitted)))
 
     def _try_round(self, spec, drafter) -> tuple:
-        return speculative.step(self.model, spec, drafter=drafter, forward=self.forward)
+        """One round; its forward through ``Processed`` when a row has processors or asks
+        for log-probabilities (``self._processed``, the last round's)."""
+        forward = self.forward or speculative.eager(self.model)
+        sampling, tops = spec.batch.sampling, [job.logprobs for job, _ in spec.batch.payload]
+        self._processed = None
+        if needed(sampling, tops):
+            contexts = spec.context if any(s.processed for s in sampling) else None
+            forward = self._processed = Processed(forward, sampling, contexts, tops)
+        return speculative.step(self.model, spec, drafter=drafter, forward=forward)
 
     def _drop_drafter(self, exc: Exception) -> None:
         """The drafter failed: it is switched off, and the rows go on plain."""
@@ -716,10 +740,10 @@ class Scheduler:
         return self.spec is not None
 
     def _emit(self, handouts: Iterable) -> None:
-        """Hand each ``((job, choice), tokens)`` its tokens; finished or cancelled rows
-        leave."""
-        for (job, choice), toks in handouts:
-            self._hand(job, choice, toks)
+        """Hand each ``((job, choice), tokens, log-probabilities)`` its tokens (and their
+        log-probabilities, where asked); finished or cancelled rows leave."""
+        for (job, choice), toks, lps in handouts:
+            self._hand(job, choice, toks, lps)
         if self.spec is None:
             return
         if self.measure:
@@ -761,12 +785,14 @@ class Scheduler:
         tokens = sum(len(c) - 1 for c in self.spec.context)  # (less each row's pending token)
         self.bytes_per_token.append(resident / max(tokens, 1))
 
-    def _hand(self, job: Job, choice: int, tokens) -> None:
+    def _hand(self, job: Job, choice: int, tokens, lps=()) -> None:
         """``tokens`` to ``job``'s ``choice``, up to its end (a stop token or ``max_tokens``)."""
-        for t in tokens:
+        for i, t in enumerate(tokens):
             if choice in job.cancelled:
                 return
             job.generated[choice] += 1
+            if i < len(lps):
+                job.tell("logprob", choice, lps[i])
             job.tell("token", choice, t)
             stop = t in self.eos or t in job.stop
             if stop or job.generated[choice] >= job.max_tokens:
@@ -782,19 +808,29 @@ def shares_prefixes(model: nn.Module, make: Optional[dict] = None) -> bool:
     return all(type(s) in (CacheState, QuantizedState) for s in states)
 
 
-def _first_tokens(jobs: list, states, logits) -> Batch:
-    """The admitted jobs' rows as a ``Batch``, their first tokens sampled."""
+def _first_tokens(jobs: list, states, logits) -> tuple:
+    """``(batch, processed)``: the admitted jobs' rows as a ``Batch``, their first
+    tokens sampled (after their processors, over their prompts); ``processed`` holds
+    the log-probabilities (``None`` when no row has processors or asks for them)."""
     seeds = [job.seed if job.seed is not None else _random_seed() for job in jobs]
+    sampling = [
+        Sampling(temperature=job.temperature, top_p=job.top_p, **job.sampling) for job in jobs
+    ]
     batch = Batch(
         states,
         mx.zeros((len(jobs),), mx.uint32),
         keys=row_keys(seeds),
-        sampling=[Sampling(temperature=job.temperature, top_p=job.top_p) for job in jobs],
+        sampling=sampling,
         ids=[job.id for job in jobs],
         payload=[(job, 0) for job in jobs],
     )
+    proc = None
+    tops = [job.logprobs for job in jobs]
+    if needed(sampling, tops):
+        proc = Processed(lambda w, s: (None, s), sampling, [job.prompt for job in jobs], tops)
+        logits = proc.apply(logits[:, None, :], None)[:, 0, :]
     tokens, keys = sample_batch(logits, batch)
-    return attrs.evolve(batch, tokens=tokens, keys=keys)
+    return attrs.evolve(batch, tokens=tokens, keys=keys), proc
 
 
 def _forked(jobs: list, batch: Batch, draft_states) -> tuple:

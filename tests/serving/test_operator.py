@@ -32,6 +32,7 @@ from kvstate.models.load import tiny_llama  # noqa: E402
 from kvstate.serving import http  # noqa: E402
 from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
 from kvstate.serving.engine import serve as generate  # noqa: E402
+from kvstate.serving.http import model_id  # noqa: E402
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 from kvstate.speculative.drafts import Lookup  # noqa: E402
 
@@ -177,7 +178,9 @@ def test_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny):
         with pytest.raises(openai.AuthenticationError):
             s.client(api_key="none").models.list()
         assert ask(s, CHAT, 2, api_key="sekret").choices[0].finish_reason == "length"
-        assert [m.id for m in s.client(api_key="sekret").models.list().data] == [tiny.name]
+        assert [m.id for m in s.client(api_key="sekret").models.list().data] == [
+            model_id(tiny.name)
+        ]
         for path in ("/health", "/metrics"):
             with urllib.request.urlopen(s.url + path) as r:
                 assert r.status == 200

@@ -18,6 +18,7 @@ from _server import QUESTIONS, Server, greedy_reference, messages  # noqa: E402
 
 from kvstate.serving.engine import KVStateEngine, Request  # noqa: E402
 from kvstate.serving.engine import serve as generate  # noqa: E402
+from kvstate.serving.http import model_id  # noqa: E402
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def test_chat_and_completion_greedy_equal_kvstate_generate(server, smollm):
 
 def test_models_health_and_stop_strings(server, smollm):
     client = server.client()
-    assert [m.id for m in client.models.list().data] == [smollm.name]
+    assert [m.id for m in client.models.list().data] == [model_id(smollm.name)]
     with urllib.request.urlopen(server.url + "/health") as h:
         health = json.load(h)
     assert health["status"] == "ok" and health["queued"] == 0

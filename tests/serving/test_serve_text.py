@@ -55,8 +55,8 @@ def _tok(messages=None, text=None):
     "body, param",
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
