@@ -487,9 +487,12 @@ class Soak:
         if r < 0.22:  # past the server's 4 MB body limit
             body = {"prompt": self.big * 3, "max_tokens": 1}
             return "6 MB body", "completion", json.dumps(body).encode(), (413,)
-        if r < 0.35:  # accepted: unknown fields are ignored
-            body = dict(good, foo="bar", logit_bias={"50": 1}, tools=[], user="soak")
-            return "unknown fields", "chat", json.dumps(body).encode(), (200,)
+        if r < 0.28:  # refused: a field OpenAI does not define is named in a 400
+            body = dict(good, foo="bar")
+            return "unknown field", "chat", json.dumps(body).encode(), (400,)
+        if r < 0.35:  # accepted: fields the server implements or takes by name
+            body = dict(good, logit_bias={"50": 1}, user="soak")
+            return "known fields", "chat", json.dumps(body).encode(), (200,)
         what, body = rng.choice(choices)
         return what, "chat", json.dumps(body).encode(), (400,)
 

@@ -740,11 +740,15 @@ def make_app(
 
 
 def _vocab(model) -> int:
-    """The model's vocabulary size (``model.args.vocab_size``, as every mlx-lm model has)."""
-    size = getattr(getattr(model, "args", None), "vocab_size", None)
-    if not isinstance(size, int):
-        raise KVStateError("kvstate serve needs a model whose args carry vocab_size")
-    return size
+    """The model's vocabulary size: ``model.args.vocab_size``, or its
+    ``text_config``'s for the multimodal wrappers (llama4, gemma3, ...)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for where in (args, text):
+        size = where.get("vocab_size") if isinstance(where, dict) else getattr(where, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    raise KVStateError("kvstate serve needs a model whose args (or args.text_config) carry vocab_size")
 
 
 def _probe(model, make: Optional[dict]) -> None:
