@@ -33,7 +33,7 @@ import mlx.core as mx
 import kvstate as kv
 
 from .models.load import fetch as fetch_model
-from .models.load import tiny_llama
+from .models.load import has_tokenizer, tiny_llama
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -146,6 +146,8 @@ def text_requests(args, tokenizer) -> list:
     reqs = []
     for i, (prompt, extra) in enumerate(items):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if args.system_prompt is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": args.system_prompt}, *messages]
         if args.raw or not tokenizer.has_chat_template:
             text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
             ids = tokenizer.encode(text)
@@ -195,6 +197,7 @@ def _int_flag(p, flag: str, default: int, what: str, **kwargs) -> None:
 def _model_flags(p) -> None:
     """``--model`` and ``--float32`` (``generate`` and ``serve``: both load with ``load``)."""
     p.add_argument(
+        "-m",
         "--model",
         help="a llama-family .gguf file, an mlx-lm model directory, or "
         "'tiny' (random weights and token ids); default: SmolLM2-135M-Instruct, "
@@ -213,6 +216,7 @@ def _parser():
         description="KV-cache state for MLX models: "
         "continuous batched generation on kvstate records.",
     )
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser(
         "generate",
@@ -224,11 +228,12 @@ def _parser():
     )
     _model_flags(g)
     g.add_argument(
+        "-p",
         "--prompt",
         action="append",
         default=[],
         metavar="TEXT",
-        help="a prompt (repeatable); default: a built-in set",
+        help="a prompt (repeatable; '-' reads one from standard input); default: a built-in set",
     )
     g.add_argument(
         "--prompts",
@@ -237,7 +242,18 @@ def _parser():
         help="prompts, one per line, or JSON lines (text, messages, or objects "
         "with prompt/messages and max_tokens/temperature/top_p/seed)",
     )
-    g.add_argument("--raw", action="store_true", help="no chat template: the prompt text as is")
+    g.add_argument(
+        "--raw",
+        "--ignore-chat-template",
+        dest="raw",
+        action="store_true",
+        help="no chat template: the prompt text as is",
+    )
+    g.add_argument(
+        "--system-prompt",
+        metavar="TEXT",
+        help="a system message before each prompt given as text (chat template only)",
+    )
     _int_flag(g, "--max-tokens", 48, "most tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
@@ -327,21 +343,22 @@ def _parser():
         "unset: no key); /health and /metrics stay open",
     )
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    t = g.add_argument_group("tiny model workload (--model tiny)")
-    _int_flag(t, "--requests", 16, "number of requests")
-    for flag, (lo, hi), what in (
-        ("--prompt-len", (16, 64), "prompt lengths"),
-        ("--gen-len", (8, 48), "tokens generated per request"),
-    ):
-        t.add_argument(
-            flag,
-            type=_range,
-            default=(lo, hi),
-            metavar="LO:HI",
-            help=f"{what}, uniform ({lo}:{hi})",
-        )
-    _int_flag(t, "--arrival-gap", 2, "mean decode steps between arrivals")
+    t = g.add_argument_group("random-token workload (a model without a tokenizer: --model tiny)")
+    tiny = dict(TINY)
+    t.add_argument("--requests", type=int, help=f"number of requests ({tiny['requests']})")
+    for flag, what in (("--prompt-len", "prompt lengths"), ("--gen-len", "tokens per request")):
+        lo, hi = tiny[flag[2:].replace("-", "_")]
+        t.add_argument(flag, type=_range, metavar="LO:HI", help=f"{what}, uniform ({lo}:{hi})")
+    t.add_argument(
+        "--arrival-gap",
+        type=int,
+        help=f"mean decode steps between arrivals ({tiny['arrival_gap']})",
+    )
     return p
+
+
+# the random-token workload's flags and defaults (pairs: module state stays immutable)
+TINY = (("requests", 16), ("prompt_len", (16, 64)), ("gen_len", (8, 48)), ("arrival_gap", 2))
 
 
 def _progress(label, total, stream):
@@ -393,7 +410,14 @@ def _draft_flags(g) -> None:
         metavar="PATH",
         help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
     )
-    _int_flag(g, "--num-draft", 4, "most draft tokens per row and round")
+    g.add_argument(
+        "--num-draft",
+        "--num-draft-tokens",
+        dest="num_draft",
+        type=int,
+        default=4,
+        help="most draft tokens per row and round (4)",
+    )
     g.add_argument(
         "--draft-window",
         choices=["cost", "fixed"],
@@ -623,27 +647,74 @@ def generate(args, out=None, err=None) -> int:
     return _parity(results, len(requests), table_out) if args.compare else 0
 
 
-def _check_generate(args) -> None:
-    """The numeric flags, before the model loads."""
-    for name in (
-        "requests",
-        "batch_size",
-        "repeat",
-        "max_tokens",
-        "prefill_step_size",
-        "samples",
-        "prefix_cache_mb",
-    ):
+def _check_generate(args, stdin=None) -> None:
+    """Every flag, before the model loads (a wrong one costs no load); reads the
+    ``--prompt -`` text from ``stdin``."""
+    for name in ("batch_size", "repeat", "max_tokens", "prefill_step_size", "samples"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
+    if args.prefix_cache_mb < 1:
+        raise SystemExit("kvstate generate: --prefix-cache-mb must be >= 1")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
         raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+    if not 0 <= args.seed < 2**64:
+        raise SystemExit(f"kvstate generate: --seed must be in [0, 2**64), got {args.seed}")
     if args.compare and kv_options(args):
         raise SystemExit(
             "kvstate generate: --compare runs mlx-lm's BatchGenerator, which makes neither "
             "quantized nor (for a model with its own make_cache) ring caches: drop --kv-bits "
             "and --max-kv-size"
         )
+    _check_prompts(args, stdin if stdin is not None else sys.stdin)
+    _check_workload(args)
+
+
+def _check_prompts(args, stdin) -> None:
+    """``--system-prompt`` needs the chat template; ``--prompt -`` is read once."""
+    if args.system_prompt is not None and args.raw:
+        raise SystemExit(
+            "kvstate generate: --system-prompt goes through the chat template; "
+            "drop it or --raw/--ignore-chat-template"
+        )
+    if args.prompt.count("-") > 1:
+        raise SystemExit("kvstate generate: --prompt - (standard input) given more than once")
+    if "-" in args.prompt:
+        text = stdin.read().strip()
+        if not text:
+            raise SystemExit("kvstate generate: --prompt -: standard input is empty")
+        args.prompt = [text if p == "-" else p for p in args.prompt]
+
+
+def _takes_text(args) -> bool:
+    """Whether ``--model`` comes with a tokenizer, known before it loads."""
+    if args.model in (None, "tiny"):
+        return args.model is None
+    path = Path(args.model).expanduser()
+    return path.suffix == ".gguf" or has_tokenizer(path)
+
+
+def _check_workload(args) -> None:
+    """The random-token workload flags: only for a model without a tokenizer
+    (``--model tiny``, a directory without tokenizer files), where the prompt
+    flags cannot work; defaults filled in."""
+    given = [f"--{k.replace('_', '-')}" for k, _ in TINY if getattr(args, k) is not None]
+    if _takes_text(args):
+        if given:
+            raise SystemExit(
+                f"kvstate generate: {', '.join(given)} shape the workload of a model "
+                "without a tokenizer; this one takes --prompt, --prompts and --max-tokens"
+            )
+        return
+    if args.prompt or args.prompts or args.system_prompt is not None:
+        raise SystemExit(
+            f"kvstate generate: --model {args.model} has no tokenizer: --prompt, --prompts "
+            "and --system-prompt need a model with one"
+        )
+    for key, default in TINY:
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.requests < 1:
+        raise SystemExit("kvstate generate: --requests must be >= 1")
 
 
 def _generate_requests(args, loaded) -> list:
@@ -651,11 +722,6 @@ def _generate_requests(args, loaded) -> list:
     for a model without one."""
     if loaded.tokenizer is not None:
         return text_requests(args, loaded.tokenizer)
-    if args.prompt or args.prompts:
-        raise SystemExit(
-            f"kvstate generate: {loaded.name} has no tokenizer: --prompt and "
-            "--prompts need a model with one"
-        )
     return make_requests(
         args.requests,
         args.prompt_len,
@@ -856,13 +922,48 @@ def _serve_identity(args, err) -> str:
     return f"{model_identity(path)}; {'float32' if args.float32 else 'as shipped'}"
 
 
+def version_line() -> str:
+    """``kvstate --version``: this package's version and the MLX it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        lm = version("mlx-lm")
+    except PackageNotFoundError:
+        lm = "not installed"
+    return f"kvstate {kv.__version__} (mlx {version('mlx')}, mlx-lm {lm})"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments; an unknown flag is reported with its command's usage (not the
+    top-level one, as argparse does when a subcommand leaves arguments over)."""
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    """The exit code: 0 done, 1 a ``--compare`` mismatch, 2 a user error (one line
+    on stderr, no traceback), 130 interrupted (Ctrl-C: what finished is printed)."""
+    try:
+        args = parse(argv)
+    except SystemExit as e:  # argparse: usage and message printed, or --help/--version
+        return e.code if isinstance(e.code, int) else 2
     try:
         return serve_command(args) if args.command == "serve" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            raise
+        print(e.code, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nkvstate {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

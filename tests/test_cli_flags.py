@@ -1,0 +1,98 @@
+"""``kvstate generate``'s mlx-lm flags (``-m``, ``-p``, ``--prompt -``, ``--system-prompt``,
+``--ignore-chat-template``, ``--num-draft-tokens``, ``--version``), every flag checked
+before the model loads, and the exits: a user error is one line and exit 2, an unknown
+flag prints the command's usage, Ctrl-C exits 130 with what finished printed."""
+
+import io
+import json
+import sys
+
+import mlx.core as mx
+import pytest
+from test_cli import SMALL
+
+import kvstate as kv
+from kvstate import cli
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Every check here must run before the model loads: loading fails the test."""
+
+    def refuse(*a, **kw):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(cli, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seed", "-1"], "--seed must be in [0, 2**64), got -1"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2**64)"),
+        (["--prompt-len", "4:8"], "--prompt-len shape the workload of a model without a"),
+        (["--requests", "3", "-p", "hi"], "--requests shape the workload"),
+        (["-m", "tiny", "-p", "hi"], "--model tiny has no tokenizer"),
+        (["-m", "tiny", "--system-prompt", "be brief"], "--model tiny has no tokenizer"),
+        (["--raw", "--system-prompt", "x"], "--system-prompt goes through the chat template"),
+        (["--ignore-chat-template", "--system-prompt", "x"], "--system-prompt goes through"),
+        (["-p", "-", "-p", "-"], "given more than once"),
+        (["-m", "tiny", "--requests", "0"], "--requests must be >= 1"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    ],
+)
+def test_flags_are_checked_before_the_model_loads(no_load, argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("a prompt from a pipe"))
+    assert cli.main(["generate", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_unknown_flag_prints_the_commands_usage(no_load, capsys):
+    assert cli.main(["generate", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kvstate generate") and "unrecognized arguments: --bogus" in err
+
+
+def test_version(capsys):
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kvstate {kv.__version__} (mlx {mx.__version__}, mlx-lm ")
+
+
+def test_prompt_dash_reads_standard_input():
+    args = cli.parse(["generate", "-p", "first", "-p", "-", "--num-draft-tokens", "3"])
+    cli._check_generate(args, stdin=io.StringIO("  from the pipe\n"))
+    assert args.prompt == ["first", "from the pipe"] and args.num_draft == 3
+    args = cli.parse(["generate", "-p", "-"])
+    with pytest.raises(SystemExit, match="standard input is empty"):
+        cli._check_generate(args, stdin=io.StringIO("\n"))
+
+
+def test_a_system_prompt_goes_before_each_text_prompt(smollm):
+    tokenizer = smollm.tokenizer
+    args = cli.parse(["generate", "-p", "Hi", "--system-prompt", "Answer in French."])
+    cli._check_generate(args)
+    (req,) = cli.text_requests(args, tokenizer)
+    want = tokenizer.chat(
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    )
+    assert req.prompt == tuple(want) and "Answer in French." in tokenizer.decode(want)
+
+
+def test_ctrl_c_exits_130_with_what_finished_printed(monkeypatch, capsys):
+    shown = []
+    real = cli.show_completion
+
+    def show_then_interrupt(c, *a, **kw):
+        real(c, *a, **kw)
+        shown.append(c)
+        if len(shown) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "show_completion", show_then_interrupt)
+    assert cli.main(["generate", "--json", "--quiet", *SMALL]) == 130
+    cap = capsys.readouterr()
+    printed = [json.loads(line) for line in cap.out.splitlines()]
+    assert [p["token_ids"] for p in printed] == [list(c.tokens) for c in shown]
+    assert len(printed) == 2 and "interrupted" in cap.err and "Traceback" not in cap.err
