@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
+from tqdm import tqdm
 
 import kvstate as kv
 
@@ -361,25 +362,27 @@ def _parser():
 TINY = (("requests", 16), ("prompt_len", (16, 64)), ("gen_len", (8, 48)), ("arrival_gap", 2))
 
 
-def _progress(label, total, stream):
-    last = [0.0]
-    start = time.perf_counter()
+class Progress:
+    """One engine's progress line (tqdm, on ``stream``): requests finished of all,
+    then tokens, active rows, queued requests and tokens/s. Drawn only where
+    ``stream`` is a terminal, so a redirected stderr gets no redraws."""
 
-    def show(tokens, active, queued, final=False):
-        now = time.perf_counter()
-        if not final and now - last[0] < 0.1:
-            return
-        last[0] = now
-        filled = int(30 * min(tokens, total) / max(total, 1))
-        rate = tokens / max(now - start, 1e-9)
-        stream.write(
-            f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {tokens}/{total} tok"
-            f"  {active} active  {queued} queued  {rate:,.1f} tok/s "
+    def __init__(self, label: str, requests: int, stream) -> None:
+        tty = getattr(stream, "isatty", lambda: False)()
+        self.bar = tqdm(
+            total=requests, desc=label, unit="req", file=stream, disable=not tty, mininterval=0.1
         )
-        stream.write("\n" if final else "")
-        stream.flush()
+        self.requests, self.start = requests, time.perf_counter()
 
-    return show
+    def __call__(self, tokens: int, active: int, queued: int) -> None:
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"{tokens} tok, {active} active, {queued} queued, {rate:,.1f} tok/s", refresh=False
+        )
+        self.bar.update(self.requests - active - queued - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def load(args, err):
@@ -551,17 +554,17 @@ def run(engine, requests, args, err, on_finish=None, best=None):
     serve(engine, [warm], 1)
     if hasattr(engine, "reset"):
         engine.reset()  # counters, and an empty prefix cache: every run starts cold
-    show = (
-        None
-        if args.quiet
-        else _progress(engine.name.split()[0], sum(r.max_tokens for r in requests), err)
-    )
+    show = None if args.quiet else Progress(engine.name.split()[0], len(requests), err)
     mx.reset_peak_memory()
-    completions, stats = serve(
-        engine, requests, args.batch_size, on_finish=on_finish, progress=show
-    )
-    if show:
-        show(sum(len(c.tokens) for c in completions), 0, 0, final=True)
+    try:
+        completions, stats = serve(
+            engine, requests, args.batch_size, on_finish=on_finish, progress=show
+        )
+        if show:
+            show(sum(len(c.tokens) for c in completions), 0, 0)
+    finally:
+        if show:
+            show.close()
     stats["peak"] = mx.get_peak_memory()
     stats["completions"] = completions
     stats["prefilled"] = getattr(engine, "prefilled", sum(len(r.prompt) for r in requests))
@@ -614,6 +617,8 @@ def _table(results, requests, out):
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     _check_generate(args)
+    if not args.quiet and getattr(err, "isatty", lambda: False)():
+        print(f"kvstate: loading {args.model or 'SmolLM2-135M-Instruct'}", file=err, flush=True)
     loaded = load(args, err)
     model, tokenizer = loaded.model, loaded.tokenizer
     requests = _generate_requests(args, loaded)
@@ -626,7 +631,8 @@ def generate(args, out=None, err=None) -> int:
     )
 
     def printer(c):
-        show_completion(c, tokenizer, out, args.json)
+        with tqdm.external_write_mode(file=out):  # the progress line cleared, then redrawn
+            show_completion(c, tokenizer, out, args.json)
 
     best: list = [None] * len(engines)
     for k in range(args.repeat):

@@ -71,7 +71,7 @@ def test_python_m_kvstate_generate_compare():
         assert float(r["cache B/tok"].replace(",", "")) > 0
     assert "token parity: 5/5 requests identical" in stdout
     assert "speed ratio (mlx-lm time / kvstate time):" in stdout
-    assert "\r" in stderr and f"{gen}/{gen} tok" in stderr  # the progress bar
+    assert "\r" not in stderr  # no progress redraws where stderr is not a terminal
 
 
 def test_rows_join_and_leave_mid_generation():

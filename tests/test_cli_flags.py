@@ -96,3 +96,22 @@ def test_ctrl_c_exits_130_with_what_finished_printed(monkeypatch, capsys):
     printed = [json.loads(line) for line in cap.out.splitlines()]
     assert [p["token_ids"] for p in printed] == [list(c.tokens) for c in shown]
     assert len(printed) == 2 and "interrupted" in cap.err and "Traceback" not in cap.err
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_counts_requests_and_clears_before_answers():
+    out, err = io.StringIO(), Terminal()
+    assert cli.generate(cli.parse(["generate", *SMALL]), out=out, err=err) == 0
+    drawn = err.getvalue()
+    assert drawn.startswith("kvstate: loading tiny") and "\r" in drawn and "| 5/5 [" in drawn
+    assert out.getvalue().count("tokens,") == 5  # each answer on its own lines
+
+
+def test_no_progress_where_stderr_is_not_a_terminal():
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.generate(cli.parse(["generate", *SMALL]), out=out, err=err) == 0
+    assert "\r" not in err.getvalue() and "5/5" not in err.getvalue()
