@@ -44,6 +44,7 @@ from .serving.engine import (
     serve,
 )
 from .serving.prefix_cache import PrefixCache, model_identity
+from .serving.prefix_cache import prefill as prefill_prompts
 
 PROMPTS = (
     "What is the capital of France?",
@@ -136,9 +137,10 @@ def read_prompts(path: Path) -> list:
     return out
 
 
-def text_requests(args, tokenizer) -> list:
+def text_requests(args, tokenizer, prefix=None) -> list:
     """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set:
-    ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed)."""
+    ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed).
+    With ``prefix`` (a cached document's tokens) each text prompt continues it."""
     items: list = [(p, {}) for p in args.prompt] if args.prompt else []
     if args.prompts:
         items += read_prompts(args.prompts)
@@ -146,15 +148,7 @@ def text_requests(args, tokenizer) -> list:
     items = [item for item in items for _ in range(args.samples)]
     reqs = []
     for i, (prompt, extra) in enumerate(items):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if args.system_prompt is not None and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": args.system_prompt}, *messages]
-        if args.raw or not tokenizer.has_chat_template:
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            ids = tokenizer.encode(text)
-        else:
-            ids = tokenizer.chat(messages)
-            text = messages[-1]["content"]
+        text, ids = _prompt_ids(args, tokenizer, prompt, prefix)
         if not ids:
             raise SystemExit(f"kvstate generate: prompt {i} has no tokens")
         settings = {
@@ -180,6 +174,61 @@ def text_requests(args, tokenizer) -> list:
 
 
 # --- the command ------------------------------------------------------------------------
+
+
+def _prompt_ids(args, tokenizer, prompt, prefix=None) -> tuple:
+    """``(text shown, token ids)`` of one prompt: a text or a list of messages."""
+    if prefix is not None:
+        if not isinstance(prompt, str):
+            raise SystemExit(
+                "kvstate generate: --prompt-cache-file continues the cached user turn: "
+                "prompts must be text, not messages"
+            )
+        return prompt, [*prefix, *_continued(args, tokenizer, prompt)]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if args.system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": args.system_prompt}, *messages]
+    if args.raw or not tokenizer.has_chat_template:
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return text, tokenizer.encode(text)
+    return messages[-1]["content"], tokenizer.chat(messages)
+
+
+# the chat template rendered around this marks where a user turn's content goes
+QUERY = "\x00kvstate-query\x00"
+
+
+def _user_turn(args, tokenizer, content: str) -> str:
+    """The template's text of a user turn holding ``content`` (after the system
+    prompt, when there is one), the assistant's turn opened."""
+    messages = [{"role": "user", "content": content}]
+    if args.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": args.system_prompt})
+    return tokenizer.render(messages)
+
+
+def _without_bos(tokenizer, ids: list) -> list:
+    return ids[1:] if tokenizer.bos_id is not None and ids[:1] == [tokenizer.bos_id] else ids
+
+
+def document_ids(args, tokenizer, text: str) -> list:
+    """``kvstate cache-prompt``'s tokens: the template up to the end of ``text`` as
+    the user's content (the turn left open, as ``mlx_lm.cache_prompt`` leaves it),
+    or ``text`` as is with ``--raw``."""
+    if args.raw or not tokenizer.has_chat_template:
+        return tokenizer.encode(text)
+    rendered = _user_turn(args, tokenizer, text + QUERY)
+    return tokenizer.encode(rendered[: rendered.index(QUERY)])
+
+
+def _continued(args, tokenizer, text: str) -> list:
+    """A prompt's tokens after a cached document: the rest of the user turn (``text``,
+    the turn's end, the assistant's turn opened), as ``mlx_lm.generate`` cuts it."""
+    if args.raw or not tokenizer.has_chat_template:
+        return _without_bos(tokenizer, tokenizer.encode(text))
+    rendered = _user_turn(args, tokenizer, QUERY)
+    rest = rendered[rendered.index(QUERY) :].replace(QUERY, text, 1)
+    return _without_bos(tokenizer, tokenizer.encode(rest))
 
 
 def _range(text: str):
@@ -249,6 +298,13 @@ def _parser():
         dest="raw",
         action="store_true",
         help="no chat template: the prompt text as is",
+    )
+    g.add_argument(
+        "--prompt-cache-file",
+        type=Path,
+        metavar="FILE",
+        help="a document prefilled once by 'kvstate cache-prompt': each prompt continues "
+        "it (the same user turn) and prefills only its own tokens",
     )
     g.add_argument(
         "--system-prompt",
@@ -344,6 +400,7 @@ def _parser():
         "unset: no key); /health and /metrics stay open",
     )
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    _cache_prompt_parser(sub)
     t = g.add_argument_group("random-token workload (a model without a tokenizer: --model tiny)")
     tiny = dict(TINY)
     t.add_argument("--requests", type=int, help=f"number of requests ({tiny['requests']})")
@@ -398,6 +455,26 @@ def load(args, err):
             "(expected a .gguf file, an mlx-lm model directory, or 'tiny')"
         )
     return models.load_model(path, dequantize=args.float32, log=err)
+
+
+def _cache_prompt_parser(sub) -> None:
+    """``kvstate cache-prompt`` (as ``mlx_lm.cache_prompt``)."""
+    c = sub.add_parser(
+        "cache-prompt",
+        help="prefill a long prompt once and save its KV records to a file",
+        description="The prompt (a document, usually) is prefilled once, as the start of a "
+        "user turn, and its records saved with the model's identity; "
+        "'kvstate generate --prompt-cache-file FILE -p QUESTION' then prefills only the "
+        "question.",
+    )
+    _model_flags(c)
+    c.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the text ('-': stdin)")
+    c.add_argument("--prompt-cache-file", type=Path, required=True, metavar="FILE")
+    c.add_argument("--raw", "--ignore-chat-template", dest="raw", action="store_true")
+    c.add_argument("--system-prompt", metavar="TEXT", help="a system message before it")
+    _int_flag(c, "--prefill-step-size", 512, "most prompt tokens per prefill forward")
+    _kv_flags(c)
+    c.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
 
 
 def _draft_flags(g) -> None:
@@ -621,8 +698,9 @@ def generate(args, out=None, err=None) -> int:
         print(f"kvstate: loading {args.model or 'SmolLM2-135M-Instruct'}", file=err, flush=True)
     loaded = load(args, err)
     model, tokenizer = loaded.model, loaded.tokenizer
-    requests = _generate_requests(args, loaded)
-    engines = _engines(args, model, err)
+    start = _start_cache(args, err)
+    requests = _generate_requests(args, loaded, start)
+    engines = _engines(args, model, err, start)
     table_out = err if args.json else out
     print(
         f"model: {loaded.name}; {len(requests)} requests, batch size {args.batch_size}",
@@ -673,6 +751,88 @@ def _check_generate(args, stdin=None) -> None:
         )
     _check_prompts(args, stdin if stdin is not None else sys.stdin)
     _check_workload(args)
+    _check_prompt_cache(args)
+
+
+def _check_prompt_cache(args) -> None:
+    """``--prompt-cache-file``: a file, prompts given, and the plain engine with the
+    prefix cache (the engine that reads it)."""
+    if args.prompt_cache_file is None:
+        return
+    if not args.prompt_cache_file.is_file():
+        raise SystemExit(
+            f"kvstate generate: --prompt-cache-file {args.prompt_cache_file}: no such file "
+            "(write one with 'kvstate cache-prompt')"
+        )
+    if not (args.prompt or args.prompts):
+        raise SystemExit("kvstate generate: --prompt-cache-file needs --prompt or --prompts")
+    clash = [
+        flag
+        for flag, on in (
+            ("--no-prefix-cache", args.no_prefix_cache),
+            ("--compile", args.compile),
+            ("--draft", args.draft is not None),
+            ("--draft-model", args.draft_model is not None),
+        )
+        if on
+    ]
+    if clash:
+        raise SystemExit(
+            f"kvstate generate: --prompt-cache-file is read through the prefix cache of the "
+            f"plain engine; drop {', '.join(clash)}"
+        )
+
+
+def _start_cache(args, err):
+    """The prefix cache of ``--prompt-cache-file`` (``None`` without it): refused
+    when it was written for another model or is not ``kvstate cache-prompt``'s."""
+    if args.prompt_cache_file is None:
+        return None
+    path = args.prompt_cache_file
+    room = (args.prefix_cache_mb << 20) + path.stat().st_size  # the document stays
+    cache = PrefixCache.load(path, room, identity=_identity(args, err))
+    if len(cache) != 1:
+        raise SystemExit(
+            f"kvstate generate: --prompt-cache-file {path}: {len(cache)} entries, expected "
+            "the one 'kvstate cache-prompt' writes"
+        )
+    return cache
+
+
+def cache_prompt(args, err=None) -> int:
+    """``kvstate cache-prompt``: the prompt prefilled once (``document_ids``), its
+    records saved to ``--prompt-cache-file`` with the model's identity."""
+    err = err or sys.stderr
+    if args.system_prompt is not None and args.raw:
+        raise SystemExit("kvstate cache-prompt: --system-prompt needs the chat template")
+    if args.prefill_step_size < 1:
+        raise SystemExit("kvstate cache-prompt: --prefill-step-size must be >= 1")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text.strip():
+        raise SystemExit("kvstate cache-prompt: the prompt is empty")
+    loaded = load(args, err)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"kvstate cache-prompt: {loaded.name} has no tokenizer")
+    ids = document_ids(args, loaded.tokenizer, text)
+    cache = PrefixCache(1 << 62, identity=_identity(args, err))
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    logits, _, leases, _ = prefill_prompts(
+        loaded.model, [ids], cache, prefill_step_size=args.prefill_step_size, **kv_options(args)
+    )
+    mx.eval(logits, [p for s in cache.records() for p in s.planes])
+    seconds = time.perf_counter() - start
+    for lease in leases:
+        if lease is not None:
+            lease.release()
+    cache.save(args.prompt_cache_file)
+    print(
+        f"kvstate cache-prompt: {len(ids)} tokens prefilled in {seconds:.2f} s "
+        f"({len(ids) / seconds:,.1f} tok/s), peak memory {mx.get_peak_memory() / 1e9:.3f} GB; "
+        f"saved to {args.prompt_cache_file}",
+        file=err,
+    )
+    return 0
 
 
 def _check_prompts(args, stdin) -> None:
@@ -723,11 +883,13 @@ def _check_workload(args) -> None:
         raise SystemExit("kvstate generate: --requests must be >= 1")
 
 
-def _generate_requests(args, loaded) -> list:
-    """The requests: the prompts' text through the tokenizer, or random token ids
-    for a model without one."""
+def _generate_requests(args, loaded, start=None) -> list:
+    """The requests: the prompts' text through the tokenizer (continuing the cached
+    document of ``start``, a ``--prompt-cache-file``), or random token ids for a
+    model without a tokenizer."""
     if loaded.tokenizer is not None:
-        return text_requests(args, loaded.tokenizer)
+        prefix = None if start is None else max(start.keys(), key=len)
+        return text_requests(args, loaded.tokenizer, prefix)
     return make_requests(
         args.requests,
         args.prompt_len,
@@ -738,8 +900,9 @@ def _generate_requests(args, loaded) -> list:
     )
 
 
-def _engines(args, model, err) -> list:
-    """kvstate's engine (plain or speculative), and mlx-lm's with ``--compare``."""
+def _engines(args, model, err, start=None) -> list:
+    """kvstate's engine (plain or speculative), and mlx-lm's with ``--compare``;
+    ``start``: the prefix cache every run starts from (``--prompt-cache-file``)."""
     drafter = _drafter(args, err)
     if drafter is not None:
         engines: list = [
@@ -754,7 +917,7 @@ def _engines(args, model, err) -> list:
             )
         ]
     else:
-        cache = None if args.no_prefix_cache else PrefixCache(args.prefix_cache_mb << 20)
+        cache = start or (None if args.no_prefix_cache else PrefixCache(args.prefix_cache_mb << 20))
         engines = [
             KVStateEngine(
                 model,
@@ -889,7 +1052,7 @@ def _serve_cache_dir(args, cache, err) -> tuple:
             "kvstate serve: --prefix-cache-dir needs the prefix cache on (--prefix-cache-mb > 0)"
         )
     mb = cache.max_bytes >> 20
-    identity = _serve_identity(args, err)
+    identity = _identity(args, err)
     path = prefix_cache_file(args.prefix_cache_dir, identity)
     cache = PrefixCache(mb << 20, identity=identity)
     if path.is_file():
@@ -919,7 +1082,7 @@ def prefix_cache_file(directory: Path, identity: str) -> Path:
     return Path(directory) / f"prefix-cache-{digest}.safetensors"
 
 
-def _serve_identity(args, err) -> str:
+def _identity(args, err) -> str:
     """What a saved prefix cache is bound to: the weights' digest and how they were
     loaded (``--float32`` changes the keys and values a prompt gives)."""
     if args.model == "tiny":
@@ -958,7 +1121,9 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse: usage and message printed, or --help/--version
         return e.code if isinstance(e.code, int) else 2
     try:
-        return serve_command(args) if args.command == "serve" else generate(args)
+        if args.command == "serve":
+            return serve_command(args)
+        return cache_prompt(args) if args.command == "cache-prompt" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
         return 2

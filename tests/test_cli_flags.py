@@ -9,7 +9,7 @@ import sys
 
 import mlx.core as mx
 import pytest
-from test_cli import SMALL
+from test_cli import SMALL, table
 
 import kvstate as kv
 from kvstate import cli
@@ -115,3 +115,76 @@ def test_no_progress_where_stderr_is_not_a_terminal():
     out, err = io.StringIO(), io.StringIO()
     assert cli.generate(cli.parse(["generate", *SMALL]), out=out, err=err) == 0
     assert "\r" not in err.getvalue() and "5/5" not in err.getvalue()
+
+
+# --- kvstate cache-prompt, then generate --prompt-cache-file ------------------------------
+
+DOCUMENT = (
+    "The Voyage of the Clipper Meridian. In the spring of 1851 the clipper Meridian left "
+    "Boston for San Francisco with a cargo of rope, nails and flour. The first mate, a quiet "
+    "man named Jonah Reed, kept the log. Off Cape Horn the ship met a gale that lasted eleven "
+    "days. On the ninety-eighth day the Meridian passed through the Golden Gate."
+)
+
+
+@pytest.mark.slow
+def test_a_cached_document_is_prefilled_once_and_answers_equal_mlx_lms(tmp_path, capsys):
+    path = tmp_path / "doc.safetensors"
+    argv = ["cache-prompt", "--float32", "-p", DOCUMENT, "--prompt-cache-file", str(path)]
+    assert cli.main(argv) == 0
+    assert "tokens prefilled" in capsys.readouterr().err and path.is_file()
+    questions = ["\nWho kept the log?", "\nHow long did the gale last?"]
+    argv = ["generate", "--float32", "--json", "--quiet", "--compare", "--max-tokens", "12"]
+    argv += ["--prompt-cache-file", str(path)] + [a for q in questions for a in ("-p", q)]
+    assert cli.main(argv) == 0
+    cap = capsys.readouterr()
+    assert "token parity: 2/2 requests identical" in cap.err  # mlx-lm prefills it all
+    ours = table(cap.err)["kvstate"]
+    prompt, saved = int(ours["prompt tok"]), int(ours["saved"])
+    args = cli.parse(["generate", "-p", "x"])
+    from kvstate.models import load as models
+
+    tokenizer = models.load_model(None, dequantize=True).tokenizer
+    doc = cli.document_ids(args, tokenizer, DOCUMENT)
+    # each prompt is the document's tokens, then the rest of the user turn: the question,
+    # the turn's end and the assistant's turn opened, as mlx_lm.generate cuts it
+    for q in questions:
+        full = tokenizer.render([{"role": "user", "content": DOCUMENT + q}])
+        assert tokenizer.decode(doc + cli._continued(args, tokenizer, q)) == tokenizer.decode(
+            tokenizer.encode(full)
+        )
+    assert saved >= 2 * (len(doc) - 1) and prompt > saved  # only the questions prefilled
+
+
+def test_a_prompt_cache_file_of_another_model_is_refused(tmp_path, capsys, monkeypatch):
+    from kvstate.serving.prefix_cache import PrefixCache
+
+    path = tmp_path / "other.safetensors"
+    other = PrefixCache(1 << 20, identity="another model")
+    k = mx.zeros((1, 1, 3, 4))
+    other.insert([1, 2, 3], [kv.append(kv.empty(1), k, k)])
+    other.save(path)
+    monkeypatch.setattr(cli, "_identity", lambda args, err: "this model")
+    start = cli.parse(["generate", "-p", "q", "--prompt-cache-file", str(path)])
+    with pytest.raises(kv.KVStateError, match="a prefix cache for this model"):
+        cli._start_cache(start, None)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "no such file"),
+        (["--compile"], "drop --compile"),
+        (["--no-prefix-cache"], "drop --no-prefix-cache"),
+        (["--draft", "ngram"], "drop --draft"),
+    ],
+)
+def test_prompt_cache_file_flags_are_checked_before_the_model_loads(
+    no_load, tmp_path, capsys, extra, message
+):
+    path = tmp_path / "doc.safetensors"
+    if extra:
+        path.write_bytes(b"")
+    argv = ["generate", "--quiet", "-p", "q", "--prompt-cache-file", str(path), *extra]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
