@@ -35,6 +35,7 @@ import kvstate as kv
 
 from .models.load import fetch as fetch_model
 from .models.load import has_tokenizer, tiny_llama
+from .serving.chat import Chat
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -401,6 +402,7 @@ def _parser():
     )
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     _cache_prompt_parser(sub)
+    _chat_parser(sub)
     t = g.add_argument_group("random-token workload (a model without a tokenizer: --model tiny)")
     tiny = dict(TINY)
     t.add_argument("--requests", type=int, help=f"number of requests ({tiny['requests']})")
@@ -455,6 +457,25 @@ def load(args, err):
             "(expected a .gguf file, an mlx-lm model directory, or 'tiny')"
         )
     return models.load_model(path, dequantize=args.float32, log=err)
+
+
+def _chat_parser(sub) -> None:
+    """``kvstate chat`` (as ``mlx_lm.chat``)."""
+    c = sub.add_parser(
+        "chat",
+        help="an interactive chat that keeps the conversation's cache",
+        description="Each line you type is a user turn; the reply streams as it is sampled. "
+        "Only the new turn is prefilled (the conversation's cache is kept). --save writes "
+        "the session after every reply; --resume continues a saved one.",
+    )
+    _model_flags(c)
+    c.add_argument("--system-prompt", metavar="TEXT", help="a system message first")
+    _int_flag(c, "--max-tokens", 256, "most tokens per reply")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    _int_flag(c, "--seed", 0, "the session's PRNG seed")
+    c.add_argument("--save", type=Path, metavar="FILE", help="save the session after each reply")
+    c.add_argument("--resume", type=Path, metavar="FILE", help="continue a saved session")
 
 
 def _cache_prompt_parser(sub) -> None:
@@ -799,6 +820,59 @@ def _start_cache(args, err):
     return cache
 
 
+def chat(args, stdin=None, out=None, err=None) -> int:
+    """``kvstate chat``: read a turn a line, stream each reply, save after each."""
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    _check_chat(args)
+    loaded = load(args, err)
+    session = _chat_session(args, loaded, err)
+    tty = getattr(stdin, "isatty", lambda: False)()
+    while True:
+        if tty:
+            print(">> ", end="", file=out, flush=True)
+        line = stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        session, _ = session.say(
+            loaded.model,
+            loaded.tokenizer,
+            line.rstrip("\n"),
+            max_tokens=args.max_tokens,
+            on_text=lambda text: print(text, end="", file=out, flush=True),
+        )
+        print(file=out, flush=True)
+        if args.save is not None:
+            session.save(args.save, {"model": _identity(args, err)})
+
+
+def _check_chat(args) -> None:
+    """``kvstate chat``'s flags, before the model loads."""
+    if args.max_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit(
+            "kvstate chat: expected --max-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1"
+        )
+    if not 0 <= args.seed < 2**64:
+        raise SystemExit(f"kvstate chat: --seed must be in [0, 2**64), got {args.seed}")
+    if args.resume is not None and not args.resume.is_file():
+        raise SystemExit(f"kvstate chat: --resume {args.resume}: no such file")
+    if args.resume is not None and args.system_prompt is not None:
+        raise SystemExit("kvstate chat: --system-prompt starts a session; --resume has one")
+
+
+def _chat_session(args, loaded, err) -> Chat:
+    """The session ``kvstate chat`` starts with: resumed, or new."""
+    if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+        raise SystemExit(f"kvstate chat: {loaded.name} has no chat template")
+    if args.resume is not None:
+        session, _ = Chat.resume(args.resume, loaded.model)
+        print(f"kvstate chat: {len(session.messages)} messages resumed", file=err)
+        return session
+    sampling = kv.Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return Chat.start(system=args.system_prompt, sampling=sampling)
+
+
 def cache_prompt(args, err=None) -> int:
     """``kvstate cache-prompt``: the prompt prefilled once (``document_ids``), its
     records saved to ``--prompt-cache-file`` with the model's identity."""
@@ -1123,6 +1197,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "serve":
             return serve_command(args)
+        if args.command == "chat":
+            return chat(args)
         return cache_prompt(args) if args.command == "cache-prompt" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
