@@ -29,12 +29,14 @@ from pathlib import Path
 from typing import cast
 
 import mlx.core as mx
+from tqdm import tqdm
 
 import kvstate as kv
 
 from .models.load import fetch as fetch_model
-from .models.load import tiny_llama
+from .models.load import has_tokenizer, tiny_llama
 from .serving.budget import DEFAULT_PREFILL_BUDGET, default_kv_budget
+from .serving.chat import Chat
 from .serving.engine import (
     Completion,
     KVStateEngine,
@@ -44,6 +46,7 @@ from .serving.engine import (
     serve,
 )
 from .serving.prefix_cache import PrefixCache, model_identity
+from .serving.prefix_cache import prefill as prefill_prompts
 
 PROMPTS = (
     "What is the capital of France?",
@@ -136,9 +139,10 @@ def read_prompts(path: Path) -> list:
     return out
 
 
-def text_requests(args, tokenizer) -> list:
+def text_requests(args, tokenizer, prefix=None) -> list:
     """One ``Request`` per prompt (``--prompt``, ``--prompts`` or the built-in set:
-    ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed)."""
+    ``PROMPTS``, then the ``CHATS``), each asked ``--samples`` times (its own seed).
+    With ``prefix`` (a cached document's tokens) each text prompt continues it."""
     items: list = [(p, {}) for p in args.prompt] if args.prompt else []
     if args.prompts:
         items += read_prompts(args.prompts)
@@ -146,13 +150,7 @@ def text_requests(args, tokenizer) -> list:
     items = [item for item in items for _ in range(args.samples)]
     reqs = []
     for i, (prompt, extra) in enumerate(items):
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        if args.raw or not tokenizer.has_chat_template:
-            text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            ids = tokenizer.encode(text)
-        else:
-            ids = tokenizer.chat(messages)
-            text = messages[-1]["content"]
+        text, ids = _prompt_ids(args, tokenizer, prompt, prefix)
         if not ids:
             raise SystemExit(f"kvstate generate: prompt {i} has no tokens")
         settings = {
@@ -178,6 +176,61 @@ def text_requests(args, tokenizer) -> list:
 
 
 # --- the command ------------------------------------------------------------------------
+
+
+def _prompt_ids(args, tokenizer, prompt, prefix=None) -> tuple:
+    """``(text shown, token ids)`` of one prompt: a text or a list of messages."""
+    if prefix is not None:
+        if not isinstance(prompt, str):
+            raise SystemExit(
+                "kvstate generate: --prompt-cache-file continues the cached user turn: "
+                "prompts must be text, not messages"
+            )
+        return prompt, [*prefix, *_continued(args, tokenizer, prompt)]
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if args.system_prompt is not None and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": args.system_prompt}, *messages]
+    if args.raw or not tokenizer.has_chat_template:
+        text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+        return text, tokenizer.encode(text)
+    return messages[-1]["content"], tokenizer.chat(messages)
+
+
+# the chat template rendered around this marks where a user turn's content goes
+QUERY = "\x00kvstate-query\x00"
+
+
+def _user_turn(args, tokenizer, content: str) -> str:
+    """The template's text of a user turn holding ``content`` (after the system
+    prompt, when there is one), the assistant's turn opened."""
+    messages = [{"role": "user", "content": content}]
+    if args.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": args.system_prompt})
+    return tokenizer.render(messages)
+
+
+def _without_bos(tokenizer, ids: list) -> list:
+    return ids[1:] if tokenizer.bos_id is not None and ids[:1] == [tokenizer.bos_id] else ids
+
+
+def document_ids(args, tokenizer, text: str) -> list:
+    """``kvstate cache-prompt``'s tokens: the template up to the end of ``text`` as
+    the user's content (the turn left open, as ``mlx_lm.cache_prompt`` leaves it),
+    or ``text`` as is with ``--raw``."""
+    if args.raw or not tokenizer.has_chat_template:
+        return tokenizer.encode(text)
+    rendered = _user_turn(args, tokenizer, text + QUERY)
+    return tokenizer.encode(rendered[: rendered.index(QUERY)])
+
+
+def _continued(args, tokenizer, text: str) -> list:
+    """A prompt's tokens after a cached document: the rest of the user turn (``text``,
+    the turn's end, the assistant's turn opened), as ``mlx_lm.generate`` cuts it."""
+    if args.raw or not tokenizer.has_chat_template:
+        return _without_bos(tokenizer, tokenizer.encode(text))
+    rendered = _user_turn(args, tokenizer, QUERY)
+    rest = rendered[rendered.index(QUERY) :].replace(QUERY, text, 1)
+    return _without_bos(tokenizer, tokenizer.encode(rest))
 
 
 def _range(text: str):
@@ -208,6 +261,7 @@ def _budget_flag(p) -> None:
 def _model_flags(p) -> None:
     """``--model`` and ``--float32`` (``generate`` and ``serve``: both load with ``load``)."""
     p.add_argument(
+        "-m",
         "--model",
         help="a llama-family .gguf file, an mlx-lm model directory, or "
         "'tiny' (random weights and token ids); default: SmolLM2-135M-Instruct, "
@@ -226,7 +280,17 @@ def _parser():
         description="KV-cache state for MLX models: "
         "continuous batched generation on kvstate records.",
     )
+    p.add_argument("--version", action="version", version=version_line())
     sub = p.add_subparsers(dest="command", required=True)
+    _tiny_flags(_generate_parser(sub))
+    _serve_parser(sub)
+    _cache_prompt_parser(sub)
+    _chat_parser(sub)
+    return p
+
+
+def _generate_parser(sub):
+    """``kvstate generate``'s flags (the random-token workload's apart)."""
     g = sub.add_parser(
         "generate",
         help="continuous batched generation on kvstate records",
@@ -237,11 +301,12 @@ def _parser():
     )
     _model_flags(g)
     g.add_argument(
+        "-p",
         "--prompt",
         action="append",
         default=[],
         metavar="TEXT",
-        help="a prompt (repeatable); default: a built-in set",
+        help="a prompt (repeatable; '-' reads one from standard input); default: a built-in set",
     )
     g.add_argument(
         "--prompts",
@@ -250,7 +315,25 @@ def _parser():
         help="prompts, one per line, or JSON lines (text, messages, or objects "
         "with prompt/messages and max_tokens/temperature/top_p/seed)",
     )
-    g.add_argument("--raw", action="store_true", help="no chat template: the prompt text as is")
+    g.add_argument(
+        "--raw",
+        "--ignore-chat-template",
+        dest="raw",
+        action="store_true",
+        help="no chat template: the prompt text as is",
+    )
+    g.add_argument(
+        "--prompt-cache-file",
+        type=Path,
+        metavar="FILE",
+        help="a document prefilled once by 'kvstate cache-prompt': each prompt continues "
+        "it (the same user turn) and prefills only its own tokens",
+    )
+    g.add_argument(
+        "--system-prompt",
+        metavar="TEXT",
+        help="a system message before each prompt given as text (chat template only)",
+    )
     _int_flag(g, "--max-tokens", 48, "most tokens per completion")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
@@ -287,6 +370,11 @@ def _parser():
     _kv_flags(g)
     _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    return g
+
+
+def _serve_parser(sub) -> None:
+    """``kvstate serve``'s flags."""
     v = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server on kvstate records",
@@ -350,42 +438,48 @@ def _parser():
         "unset: no key); /health and /metrics stay open",
     )
     v.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    t = g.add_argument_group("tiny model workload (--model tiny)")
-    _int_flag(t, "--requests", 16, "number of requests")
-    for flag, (lo, hi), what in (
-        ("--prompt-len", (16, 64), "prompt lengths"),
-        ("--gen-len", (8, 48), "tokens generated per request"),
-    ):
-        t.add_argument(
-            flag,
-            type=_range,
-            default=(lo, hi),
-            metavar="LO:HI",
-            help=f"{what}, uniform ({lo}:{hi})",
+
+
+def _tiny_flags(g) -> None:
+    """The random-token workload's flags (``--model tiny``)."""
+    t = g.add_argument_group("random-token workload (a model without a tokenizer: --model tiny)")
+    tiny = dict(TINY)
+    t.add_argument("--requests", type=int, help=f"number of requests ({tiny['requests']})")
+    for flag, what in (("--prompt-len", "prompt lengths"), ("--gen-len", "tokens per request")):
+        lo, hi = tiny[flag[2:].replace("-", "_")]
+        t.add_argument(flag, type=_range, metavar="LO:HI", help=f"{what}, uniform ({lo}:{hi})")
+    t.add_argument(
+        "--arrival-gap",
+        type=int,
+        help=f"mean decode steps between arrivals ({tiny['arrival_gap']})",
+    )
+
+
+# the random-token workload's flags and defaults (pairs: module state stays immutable)
+TINY = (("requests", 16), ("prompt_len", (16, 64)), ("gen_len", (8, 48)), ("arrival_gap", 2))
+
+
+class Progress:
+    """One engine's progress line (tqdm, on ``stream``): requests finished of all,
+    then tokens, active rows, queued requests and tokens/s. Drawn only where
+    ``stream`` is a terminal, so a redirected stderr gets no redraws."""
+
+    def __init__(self, label: str, requests: int, stream) -> None:
+        tty = getattr(stream, "isatty", lambda: False)()
+        self.bar = tqdm(
+            total=requests, desc=label, unit="req", file=stream, disable=not tty, mininterval=0.1
         )
-    _int_flag(t, "--arrival-gap", 2, "mean decode steps between arrivals")
-    return p
+        self.requests, self.start = requests, time.perf_counter()
 
-
-def _progress(label, total, stream):
-    last = [0.0]
-    start = time.perf_counter()
-
-    def show(tokens, active, queued, final=False):
-        now = time.perf_counter()
-        if not final and now - last[0] < 0.1:
-            return
-        last[0] = now
-        filled = int(30 * min(tokens, total) / max(total, 1))
-        rate = tokens / max(now - start, 1e-9)
-        stream.write(
-            f"\r{label:<8} [{'#' * filled}{'.' * (30 - filled)}] {tokens}/{total} tok"
-            f"  {active} active  {queued} queued  {rate:,.1f} tok/s "
+    def __call__(self, tokens: int, active: int, queued: int) -> None:
+        rate = tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"{tokens} tok, {active} active, {queued} queued, {rate:,.1f} tok/s", refresh=False
         )
-        stream.write("\n" if final else "")
-        stream.flush()
+        self.bar.update(self.requests - active - queued - self.bar.n)
 
-    return show
+    def close(self) -> None:
+        self.bar.close()
 
 
 def load(args, err):
@@ -403,6 +497,45 @@ def load(args, err):
     return models.load_model(path, dequantize=args.float32, log=err)
 
 
+def _chat_parser(sub) -> None:
+    """``kvstate chat`` (as ``mlx_lm.chat``)."""
+    c = sub.add_parser(
+        "chat",
+        help="an interactive chat that keeps the conversation's cache",
+        description="Each line you type is a user turn; the reply streams as it is sampled. "
+        "Only the new turn is prefilled (the conversation's cache is kept). --save writes "
+        "the session after every reply; --resume continues a saved one.",
+    )
+    _model_flags(c)
+    c.add_argument("--system-prompt", metavar="TEXT", help="a system message first")
+    _int_flag(c, "--max-tokens", 256, "most tokens per reply")
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    c.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    _int_flag(c, "--seed", 0, "the session's PRNG seed")
+    c.add_argument("--save", type=Path, metavar="FILE", help="save the session after each reply")
+    c.add_argument("--resume", type=Path, metavar="FILE", help="continue a saved session")
+
+
+def _cache_prompt_parser(sub) -> None:
+    """``kvstate cache-prompt`` (as ``mlx_lm.cache_prompt``)."""
+    c = sub.add_parser(
+        "cache-prompt",
+        help="prefill a long prompt once and save its KV records to a file",
+        description="The prompt (a document, usually) is prefilled once, as the start of a "
+        "user turn, and its records saved with the model's identity; "
+        "'kvstate generate --prompt-cache-file FILE -p QUESTION' then prefills only the "
+        "question.",
+    )
+    _model_flags(c)
+    c.add_argument("-p", "--prompt", required=True, metavar="TEXT", help="the text ('-': stdin)")
+    c.add_argument("--prompt-cache-file", type=Path, required=True, metavar="FILE")
+    c.add_argument("--raw", "--ignore-chat-template", dest="raw", action="store_true")
+    c.add_argument("--system-prompt", metavar="TEXT", help="a system message before it")
+    _int_flag(c, "--prefill-step-size", 512, "most prompt tokens per prefill forward")
+    _kv_flags(c)
+    c.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+
+
 def _draft_flags(g) -> None:
     """``--draft``, ``--draft-model``, ``--num-draft``, ``--draft-window`` (``generate``
     and ``serve``)."""
@@ -416,7 +549,14 @@ def _draft_flags(g) -> None:
         metavar="PATH",
         help="speculate with a draft model (.gguf or mlx-lm directory, the target's vocabulary)",
     )
-    _int_flag(g, "--num-draft", 4, "most draft tokens per row and round")
+    g.add_argument(
+        "--num-draft",
+        "--num-draft-tokens",
+        dest="num_draft",
+        type=int,
+        default=4,
+        help="most draft tokens per row and round (4)",
+    )
     g.add_argument(
         "--draft-window",
         choices=["cost", "fixed"],
@@ -550,17 +690,17 @@ def run(engine, requests, args, err, on_finish=None, best=None):
     serve(engine, [warm], 1)
     if hasattr(engine, "reset"):
         engine.reset()  # counters, and an empty prefix cache: every run starts cold
-    show = (
-        None
-        if args.quiet
-        else _progress(engine.name.split()[0], sum(r.max_tokens for r in requests), err)
-    )
+    show = None if args.quiet else Progress(engine.name.split()[0], len(requests), err)
     mx.reset_peak_memory()
-    completions, stats = serve(
-        engine, requests, args.batch_size, on_finish=on_finish, progress=show
-    )
-    if show:
-        show(sum(len(c.tokens) for c in completions), 0, 0, final=True)
+    try:
+        completions, stats = serve(
+            engine, requests, args.batch_size, on_finish=on_finish, progress=show
+        )
+        if show:
+            show(sum(len(c.tokens) for c in completions), 0, 0)
+    finally:
+        if show:
+            show.close()
     stats["peak"] = mx.get_peak_memory()
     stats["completions"] = completions
     stats["prefilled"] = getattr(engine, "prefilled", sum(len(r.prompt) for r in requests))
@@ -613,10 +753,13 @@ def _table(results, requests, out):
 def generate(args, out=None, err=None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     _check_generate(args)
+    if not args.quiet and getattr(err, "isatty", lambda: False)():
+        print(f"kvstate: loading {args.model or 'SmolLM2-135M-Instruct'}", file=err, flush=True)
     loaded = load(args, err)
     model, tokenizer = loaded.model, loaded.tokenizer
-    requests = _generate_requests(args, loaded)
-    engines = _engines(args, model, err)
+    start = _start_cache(args, err)
+    requests = _generate_requests(args, loaded, start)
+    engines = _engines(args, model, err, start)
     table_out = err if args.json else out
     print(
         f"model: {loaded.name}; {len(requests)} requests, batch size {args.batch_size}",
@@ -625,7 +768,8 @@ def generate(args, out=None, err=None) -> int:
     )
 
     def printer(c):
-        show_completion(c, tokenizer, out, args.json)
+        with tqdm.external_write_mode(file=out):  # the progress line cleared, then redrawn
+            show_completion(c, tokenizer, out, args.json)
 
     best: list = [None] * len(engines)
     for k in range(args.repeat):
@@ -646,41 +790,220 @@ def generate(args, out=None, err=None) -> int:
     return _parity(results, len(requests), table_out) if args.compare else 0
 
 
-def _check_generate(args) -> None:
-    """The numeric flags, before the model loads."""
-    for name in (
-        "requests",
-        "batch_size",
-        "repeat",
-        "max_tokens",
-        "prefill_step_size",
-        "samples",
-        "prefix_cache_mb",
-    ):
+def _check_generate(args, stdin=None) -> None:
+    """Every flag, before the model loads (a wrong one costs no load); reads the
+    ``--prompt -`` text from ``stdin``."""
+    for name in ("batch_size", "repeat", "max_tokens", "prefill_step_size", "samples"):
         if getattr(args, name) < 1:
             raise SystemExit(f"kvstate generate: --{name.replace('_', '-')} must be >= 1")
     if args.prefill_budget < 0:
         raise SystemExit("kvstate generate: --prefill-budget must be >= 0 (0: off)")
+    if args.prefix_cache_mb < 1:
+        raise SystemExit("kvstate generate: --prefix-cache-mb must be >= 1")
     if not (args.temperature >= 0 and 0 < args.top_p <= 1):
         raise SystemExit("kvstate generate: expected --temperature >= 0 and 0 < --top-p <= 1")
+    if not 0 <= args.seed < 2**64:
+        raise SystemExit(f"kvstate generate: --seed must be in [0, 2**64), got {args.seed}")
     if args.compare and kv_options(args):
         raise SystemExit(
             "kvstate generate: --compare runs mlx-lm's BatchGenerator, which makes neither "
             "quantized nor (for a model with its own make_cache) ring caches: drop --kv-bits "
             "and --max-kv-size"
         )
+    _check_prompts(args, stdin if stdin is not None else sys.stdin)
+    _check_workload(args)
+    _check_prompt_cache(args)
 
 
-def _generate_requests(args, loaded) -> list:
-    """The requests: the prompts' text through the tokenizer, or random token ids
-    for a model without one."""
-    if loaded.tokenizer is not None:
-        return text_requests(args, loaded.tokenizer)
-    if args.prompt or args.prompts:
+def _check_prompt_cache(args) -> None:
+    """``--prompt-cache-file``: a file, prompts given, and the plain engine with the
+    prefix cache (the engine that reads it)."""
+    if args.prompt_cache_file is None:
+        return
+    if not args.prompt_cache_file.is_file():
         raise SystemExit(
-            f"kvstate generate: {loaded.name} has no tokenizer: --prompt and "
-            "--prompts need a model with one"
+            f"kvstate generate: --prompt-cache-file {args.prompt_cache_file}: no such file "
+            "(write one with 'kvstate cache-prompt')"
         )
+    if not (args.prompt or args.prompts):
+        raise SystemExit("kvstate generate: --prompt-cache-file needs --prompt or --prompts")
+    clash = [
+        flag
+        for flag, on in (
+            ("--no-prefix-cache", args.no_prefix_cache),
+            ("--compile", args.compile),
+            ("--draft", args.draft is not None),
+            ("--draft-model", args.draft_model is not None),
+        )
+        if on
+    ]
+    if clash:
+        raise SystemExit(
+            f"kvstate generate: --prompt-cache-file is read through the prefix cache of the "
+            f"plain engine; drop {', '.join(clash)}"
+        )
+
+
+def _start_cache(args, err):
+    """The prefix cache of ``--prompt-cache-file`` (``None`` without it): refused
+    when it was written for another model or is not ``kvstate cache-prompt``'s."""
+    if args.prompt_cache_file is None:
+        return None
+    path = args.prompt_cache_file
+    room = (args.prefix_cache_mb << 20) + path.stat().st_size  # the document stays
+    cache = PrefixCache.load(path, room, identity=_identity(args, err))
+    if len(cache) != 1:
+        raise SystemExit(
+            f"kvstate generate: --prompt-cache-file {path}: {len(cache)} entries, expected "
+            "the one 'kvstate cache-prompt' writes"
+        )
+    return cache
+
+
+def chat(args, stdin=None, out=None, err=None) -> int:
+    """``kvstate chat``: read a turn a line, stream each reply, save after each."""
+    stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
+    _check_chat(args)
+    loaded = load(args, err)
+    session = _chat_session(args, loaded, err)
+    tty = getattr(stdin, "isatty", lambda: False)()
+    while True:
+        if tty:
+            print(">> ", end="", file=out, flush=True)
+        line = stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        session, _ = session.say(
+            loaded.model,
+            loaded.tokenizer,
+            line.rstrip("\n"),
+            max_tokens=args.max_tokens,
+            on_text=lambda text: print(text, end="", file=out, flush=True),
+        )
+        print(file=out, flush=True)
+        if args.save is not None:
+            session.save(args.save, {"model": _identity(args, err)})
+
+
+def _check_chat(args) -> None:
+    """``kvstate chat``'s flags, before the model loads."""
+    if args.max_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise SystemExit(
+            "kvstate chat: expected --max-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1"
+        )
+    if not 0 <= args.seed < 2**64:
+        raise SystemExit(f"kvstate chat: --seed must be in [0, 2**64), got {args.seed}")
+    if args.resume is not None and not args.resume.is_file():
+        raise SystemExit(f"kvstate chat: --resume {args.resume}: no such file")
+    if args.resume is not None and args.system_prompt is not None:
+        raise SystemExit("kvstate chat: --system-prompt starts a session; --resume has one")
+
+
+def _chat_session(args, loaded, err) -> Chat:
+    """The session ``kvstate chat`` starts with: resumed, or new."""
+    if loaded.tokenizer is None or not loaded.tokenizer.has_chat_template:
+        raise SystemExit(f"kvstate chat: {loaded.name} has no chat template")
+    if args.resume is not None:
+        session, _ = Chat.resume(args.resume, loaded.model)
+        print(f"kvstate chat: {len(session.messages)} messages resumed", file=err)
+        return session
+    sampling = kv.Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return Chat.start(system=args.system_prompt, sampling=sampling)
+
+
+def cache_prompt(args, err=None) -> int:
+    """``kvstate cache-prompt``: the prompt prefilled once (``document_ids``), its
+    records saved to ``--prompt-cache-file`` with the model's identity."""
+    err = err or sys.stderr
+    if args.system_prompt is not None and args.raw:
+        raise SystemExit("kvstate cache-prompt: --system-prompt needs the chat template")
+    if args.prefill_step_size < 1:
+        raise SystemExit("kvstate cache-prompt: --prefill-step-size must be >= 1")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text.strip():
+        raise SystemExit("kvstate cache-prompt: the prompt is empty")
+    loaded = load(args, err)
+    if loaded.tokenizer is None:
+        raise SystemExit(f"kvstate cache-prompt: {loaded.name} has no tokenizer")
+    ids = document_ids(args, loaded.tokenizer, text)
+    cache = PrefixCache(1 << 62, identity=_identity(args, err))
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    logits, _, leases, _ = prefill_prompts(
+        loaded.model, [ids], cache, prefill_step_size=args.prefill_step_size, **kv_options(args)
+    )
+    mx.eval(logits, [p for s in cache.records() for p in s.planes])
+    seconds = time.perf_counter() - start
+    for lease in leases:
+        if lease is not None:
+            lease.release()
+    cache.save(args.prompt_cache_file)
+    print(
+        f"kvstate cache-prompt: {len(ids)} tokens prefilled in {seconds:.2f} s "
+        f"({len(ids) / seconds:,.1f} tok/s), peak memory {mx.get_peak_memory() / 1e9:.3f} GB; "
+        f"saved to {args.prompt_cache_file}",
+        file=err,
+    )
+    return 0
+
+
+def _check_prompts(args, stdin) -> None:
+    """``--system-prompt`` needs the chat template; ``--prompt -`` is read once."""
+    if args.system_prompt is not None and args.raw:
+        raise SystemExit(
+            "kvstate generate: --system-prompt goes through the chat template; "
+            "drop it or --raw/--ignore-chat-template"
+        )
+    if args.prompt.count("-") > 1:
+        raise SystemExit("kvstate generate: --prompt - (standard input) given more than once")
+    if "-" in args.prompt:
+        text = stdin.read().strip()
+        if not text:
+            raise SystemExit("kvstate generate: --prompt -: standard input is empty")
+        args.prompt = [text if p == "-" else p for p in args.prompt]
+
+
+def _takes_text(args) -> bool:
+    """Whether ``--model`` comes with a tokenizer, known before it loads."""
+    if args.model in (None, "tiny"):
+        return args.model is None
+    path = Path(args.model).expanduser()
+    return path.suffix == ".gguf" or has_tokenizer(path)
+
+
+def _check_workload(args) -> None:
+    """The random-token workload flags: only for a model without a tokenizer
+    (``--model tiny``, a directory without tokenizer files), where the prompt
+    flags cannot work; defaults filled in."""
+    given = [f"--{k.replace('_', '-')}" for k, _ in TINY if getattr(args, k) is not None]
+    if _takes_text(args):
+        if given:
+            raise SystemExit(
+                f"kvstate generate: {', '.join(given)} shape the workload of a model "
+                "without a tokenizer; this one takes --prompt, --prompts and --max-tokens"
+            )
+        return
+    if args.prompt or args.prompts or args.system_prompt is not None:
+        raise SystemExit(
+            f"kvstate generate: --model {args.model} has no tokenizer: --prompt, --prompts "
+            "and --system-prompt need a model with one"
+        )
+    for key, default in TINY:
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    if args.requests < 1:
+        raise SystemExit("kvstate generate: --requests must be >= 1")
+
+
+def _generate_requests(args, loaded, start=None) -> list:
+    """The requests: the prompts' text through the tokenizer (continuing the cached
+    document of ``start``, a ``--prompt-cache-file``), or random token ids for a
+    model without a tokenizer."""
+    if loaded.tokenizer is not None:
+        prefix = None if start is None else max(start.keys(), key=len)
+        return text_requests(args, loaded.tokenizer, prefix)
     return make_requests(
         args.requests,
         args.prompt_len,
@@ -691,8 +1014,9 @@ def _generate_requests(args, loaded) -> list:
     )
 
 
-def _engines(args, model, err) -> list:
-    """kvstate's engine (plain or speculative), and mlx-lm's with ``--compare``."""
+def _engines(args, model, err, start=None) -> list:
+    """kvstate's engine (plain or speculative), and mlx-lm's with ``--compare``;
+    ``start``: the prefix cache every run starts from (``--prompt-cache-file``)."""
     drafter = _drafter(args, err)
     if drafter is not None:
         engines: list = [
@@ -707,7 +1031,7 @@ def _engines(args, model, err) -> list:
             )
         ]
     else:
-        cache = None if args.no_prefix_cache else PrefixCache(args.prefix_cache_mb << 20)
+        cache = start or (None if args.no_prefix_cache else PrefixCache(args.prefix_cache_mb << 20))
         engines = [
             KVStateEngine(
                 model,
@@ -852,7 +1176,7 @@ def _serve_cache_dir(args, cache, err) -> tuple:
             "kvstate serve: --prefix-cache-dir needs the prefix cache on (--prefix-cache-mb > 0)"
         )
     mb = cache.max_bytes >> 20
-    identity = _serve_identity(args, err)
+    identity = _identity(args, err)
     path = prefix_cache_file(args.prefix_cache_dir, identity)
     cache = PrefixCache(mb << 20, identity=identity)
     if path.is_file():
@@ -882,7 +1206,7 @@ def prefix_cache_file(directory: Path, identity: str) -> Path:
     return Path(directory) / f"prefix-cache-{digest}.safetensors"
 
 
-def _serve_identity(args, err) -> str:
+def _identity(args, err) -> str:
     """What a saved prefix cache is bound to: the weights' digest and how they were
     loaded (``--float32`` changes the keys and values a prompt gives)."""
     if args.model == "tiny":
@@ -891,13 +1215,52 @@ def _serve_identity(args, err) -> str:
     return f"{model_identity(path)}; {'float32' if args.float32 else 'as shipped'}"
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+def version_line() -> str:
+    """``kvstate --version``: this package's version and the MLX it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        return serve_command(args) if args.command == "serve" else generate(args)
+        lm = version("mlx-lm")
+    except PackageNotFoundError:
+        lm = "not installed"
+    return f"kvstate {kv.__version__} (mlx {version('mlx')}, mlx-lm {lm})"
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The arguments; an unknown flag is reported with its command's usage (not the
+    top-level one, as argparse does when a subcommand leaves arguments over)."""
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv=None) -> int:
+    """The exit code: 0 done, 1 a ``--compare`` mismatch, 2 a user error (one line
+    on stderr, no traceback), 130 interrupted (Ctrl-C: what finished is printed)."""
+    try:
+        args = parse(argv)
+    except SystemExit as e:  # argparse: usage and message printed, or --help/--version
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if args.command == "serve":
+            return serve_command(args)
+        if args.command == "chat":
+            return chat(args)
+        return cache_prompt(args) if args.command == "cache-prompt" else generate(args)
     except kv.KVStateError as e:
         print(f"kvstate {args.command}: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            raise
+        print(e.code, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nkvstate {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

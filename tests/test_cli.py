@@ -71,7 +71,7 @@ def test_python_m_kvstate_generate_compare():
         assert float(r["cache B/tok"].replace(",", "")) > 0
     assert "token parity: 5/5 requests identical" in stdout
     assert "speed ratio (mlx-lm time / kvstate time):" in stdout
-    assert "\r" in stderr and f"{gen}/{gen} tok" in stderr  # the progress bar
+    assert "\r" not in stderr  # no progress redraws where stderr is not a terminal
 
 
 def test_rows_join_and_leave_mid_generation():
@@ -137,10 +137,8 @@ def test_compile_flag(capsys):
     ],
 )
 def test_bad_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--quiet", *argv])
-    assert e.value.code != 0
-    assert message in str(e.value.code) + capsys.readouterr().err
+    assert cli.main(["generate", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 # --- the real model (SmolLM2-135M-Instruct, fetched and cached as the first run does) ----
@@ -243,6 +241,5 @@ def test_built_in_prompts_go_through_the_chat_template():
     ],
 )
 def test_bad_real_model_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "--quiet", *argv])
-    assert message in str(e.value.code) + capsys.readouterr().err
+    assert cli.main(["generate", "--quiet", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -132,6 +132,11 @@ def tiny_llama(
     return model
 
 
+def has_tokenizer(path: Path) -> bool:
+    """Whether an mlx-lm model directory comes with a tokenizer (its files)."""
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def _directory(path: Path, dequantize: bool, dtype) -> Loaded:
     """An mlx-lm model directory; its tokenizer when it has one."""
     from mlx_lm.utils import load_model as lm_load_model
@@ -145,7 +150,7 @@ def _directory(path: Path, dequantize: bool, dtype) -> Loaded:
     if dequantize:
         model = _dequantized(model, dtype)
     tokenizer = None
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if has_tokenizer(path):
         tokenizer = Tokenizer.from_hf(
             load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
         )

@@ -184,9 +184,10 @@ def _job(request: Request, run: _Run) -> Job:
 class KVStateEngine:
     """Rows are kvstate records, run by the scheduler (``Scheduler``).
 
-    With a ``prefix_cache`` (a ``PrefixCache``; its budget is kept, each run
-    starts it empty) each prompt reuses the longest cached prefix and
-    prefills only the rest; rows then read the cached records without
+    With a ``prefix_cache`` (a ``PrefixCache``; each run starts from a copy of
+    its entries: none for a new cache, a document's for ``kvstate
+    cache-prompt``'s file, so every run starts alike) each prompt reuses the
+    longest cached prefix and prefills only the rest; rows then read the cached records without
     copying them. ``prompt_tokens``/``prefilled`` count the prompt tokens
     asked for and run in the last run; ``peak_bytes`` the most KV bytes
     resident (rows and cache, each shared record once). A model with
@@ -211,7 +212,7 @@ class KVStateEngine:
         self.prefill_budget = prefill_budget
         if compiled:
             self.name = "kvstate (compiled)"
-        self.budget = None if prefix_cache is None else prefix_cache.max_bytes
+        self.start_cache = prefix_cache  # each run starts from a copy of its entries
         self.reset()
 
     def reset(self) -> None:
@@ -222,7 +223,7 @@ class KVStateEngine:
 
     def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
         """A scheduler of this configuration for one run (an empty prefix cache)."""
-        cache = None if self.budget is None else PrefixCache(self.budget)
+        cache = None if self.start_cache is None else self.start_cache.copy()
         return Scheduler(
             self.model,
             (),

@@ -745,10 +745,15 @@ def _vocab(model) -> int:
     args = getattr(model, "args", None)
     text = getattr(args, "text_config", None)
     for where in (args, text):
-        size = where.get("vocab_size") if isinstance(where, dict) else getattr(where, "vocab_size", None)
+        size = _field(where, "vocab_size")
         if isinstance(size, int):
             return size
-    raise KVStateError("kvstate serve needs a model whose args (or args.text_config) carry vocab_size")
+    raise KVStateError("kvstate serve needs a model whose args (or text_config) carry vocab_size")
+
+
+def _field(where, name: str):
+    """``where[name]`` for a dict, ``where.name`` otherwise (``None`` if absent)."""
+    return where.get(name) if isinstance(where, dict) else getattr(where, name, None)
 
 
 def _probe(model, make: Optional[dict]) -> None:

@@ -291,6 +291,19 @@ class PrefixCache:
     def __contains__(self, tokens) -> bool:
         return tuple(tokens) in self._entries
 
+    def keys(self) -> list:
+        """The entries' token tuples, oldest first."""
+        return list(self._entries)
+
+    def copy(self) -> PrefixCache:
+        """A cache with the same budget, identity and entries, none pinned. The
+        records are immutable values, so the copy holds the same ones: no bytes
+        are copied, and what either cache does later leaves the other as it is."""
+        out = PrefixCache(self.max_bytes, identity=self.identity)
+        for key, entry in self._entries.items():
+            out._add(_Entry(key, entry.states))
+        return out
+
     @property
     def nbytes(self) -> int:
         """Bytes the entries hold, each shared record counted once

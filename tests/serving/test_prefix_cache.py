@@ -225,3 +225,21 @@ def test_insert_row_copies_one_row_cut_to_its_tokens_and_replaces_its_prefixes(r
         got = visible(kv.materialize(s))[0]
         np.testing.assert_array_equal(got[0], np.concatenate([k, x[0, :, :2]], axis=1))
         np.testing.assert_array_equal(got[1], np.concatenate([v, x[0, :, :2]], axis=1))
+
+
+def test_a_copy_holds_the_same_records_and_goes_its_own_way(rng):
+    cache = PrefixCache(1 << 20, identity="m")
+    a, _ = entry(rng, 6)
+    cache.insert([1, 2, 3, 4, 5, 6], a)
+    lease = cache.lookup([1, 2, 3, 9])
+    twin = cache.copy()
+    assert twin.keys() == cache.keys() and twin.identity == "m" and twin.max_bytes == 1 << 20
+    assert twin.nbytes == cache.nbytes and twin.pinned == 0 and cache.pinned == 1
+    assert all(
+        x is y for x, y in zip(twin._entries[(1, 2, 3, 4, 5, 6)].states, cache.records())
+    )  # the same record values: nothing copied
+    b, _ = entry(rng, 3)
+    twin.insert([7, 8, 9], b)
+    twin._drop((1, 2, 3, 4, 5, 6))
+    assert cache.keys() == [(1, 2, 3, 4, 5, 6)] and twin.keys() == [(7, 8, 9)]
+    lease.release()

@@ -377,7 +377,7 @@ def test_a_prefix_cache_file_of_another_model_is_refused_with_a_message(tmp_path
     args = cli._parser().parse_args(
         ["serve", "--model", "tiny", "--prefix-cache-dir", str(tmp_path)]
     )
-    identity = cli._serve_identity(args, None)
+    identity = cli._identity(args, None)
     path = cli.prefix_cache_file(tmp_path, identity)
     k = mx.array(rng.standard_normal((1, 2, 3, 4)).astype("float32"))
     for made_for in ("another model", identity):
