@@ -16,6 +16,8 @@ next round) and one per ``--budgets`` value. The model is a seeded random llama
 ``small`` preset take minutes to prefill 4K tokens on a 2-core CPU).
 
     python -m benchmarks chunked-prefill --long 4096 --budgets 4 16 64 --rounds 3
+    python -m benchmarks chunked-prefill --model llama-3.2-1b --dtype bfloat16 \
+        --budgets 128 256 512 1024 --rounds 5   # on a GPU
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def main(argv=None) -> None:
     p.add_argument("--step-size", type=int, default=512, help="prefill_step_size")
     p.add_argument("--steady", type=int, default=20, help="rounds before the prompt arrives")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="float32", help="the weights' dtype (bfloat16 on a GPU)")
     args = _common.output_args(p).parse_args(argv)
-    model = _common.llama(args.model)
+    model = _common.llama(args.model, dtype=args.dtype)
     prompt = _prompt(99, args.long, model.args.vocab_size)
     sides = {"before": None, **{f"budget {b}": b for b in args.budgets}}
     got: dict = {name: [] for name in ["alone", *sides]}
