@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 from tqdm import tqdm
@@ -443,7 +443,7 @@ def _serve_parser(sub) -> None:
 def _tiny_flags(g) -> None:
     """The random-token workload's flags (``--model tiny``)."""
     t = g.add_argument_group("random-token workload (a model without a tokenizer: --model tiny)")
-    tiny = dict(TINY)
+    tiny: dict[str, Any] = dict(TINY)
     t.add_argument("--requests", type=int, help=f"number of requests ({tiny['requests']})")
     for flag, what in (("--prompt-len", "prompt lengths"), ("--gen-len", "tokens per request")):
         lo, hi = tiny[flag[2:].replace("-", "_")]
