@@ -25,6 +25,7 @@ CONSTANTS = {
     "kvstate.kernels.cuda": {"_QUANT", "_PLAIN"},
     "kvstate.models.gguf": {"_LAYER_NAMES", "_TOP_NAMES"},
     "kvstate.persist.files": {"RECORDS", "DTYPES"},
+    "kvstate.serving.http": {"_STRUCTURED", "_GUIDED"},
 }
 
 _LOCK = type(threading.Lock())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -38,6 +39,9 @@ class Tokenizer:
     eos_ids: tuple
     bos_id: int | None = None
     special_tokens: dict = attrs.field(factory=dict, eq=False)
+    # the ``tokenizers.Tokenizer`` underneath (``None``: a slow Hugging Face tokenizer);
+    # grammar engines read the vocabulary from it (``kvstate.serving.grammar``)
+    backend: Any = attrs.field(default=None, eq=False)
 
     @classmethod
     def from_backend(
@@ -79,6 +83,7 @@ class Tokenizer:
             tuple(int(i) for i in eos_ids),
             bos_id,
             dict(special_tokens or {}),
+            backend,
         )
 
     @classmethod
@@ -102,6 +107,7 @@ class Tokenizer:
             tuple(sorted(int(i) for i in eos if i is not None)),
             hf.bos_token_id if getattr(hf, "add_bos_token", False) else None,
             special,
+            getattr(hf, "backend_tokenizer", None),
         )
 
     @property

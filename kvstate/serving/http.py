@@ -29,6 +29,7 @@ import asyncio
 import errno
 import hmac
 import json
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,7 @@ import attrs
 
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
+from .grammar import Grammar, Grammars
 from .metrics import Metrics
 from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
 
@@ -106,6 +108,7 @@ class Params:
     stream: bool
     chat: bool
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    grammar: Any = None  # a Grammar (response_format, structured_outputs); Api compiles it
 
 
 def parse(
@@ -137,6 +140,7 @@ def parse(
         stream=_stream(body),
         chat=chat,
         include_usage=_include_usage(body),
+        grammar=requested_grammar(body),
     )
 
 
@@ -227,6 +231,99 @@ def _seed(body: dict) -> Optional[int]:
     return seed
 
 
+# --- structured output (kvstate.serving.grammar) ------------------------------------
+
+# vLLM's names: ``structured_outputs`` (current), the ``guided_*`` fields (before v0.12)
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+_GUIDED = {f"guided_{k}": v for k, v in _STRUCTURED.items()}
+
+
+def requested_grammar(body: dict) -> Optional[Grammar]:
+    """The grammar a request asks its reply to keep to: OpenAI's ``response_format``
+    (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+    (``json``, ``regex``, ``grammar``, ``choice``) or its older ``guided_*`` fields;
+    ``None`` for none. At most one of them; a 400 names the field that is wrong."""
+    asked = [
+        k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None
+    ]
+    if len(asked) > 1:
+        raise BadRequest(f"at most one of {asked} may be given", asked[1])
+    if not asked:
+        return None
+    name = asked[0]
+    if name == "response_format":
+        return _response_format(body[name])
+    if name == "structured_outputs":
+        return _structured_outputs(body[name])
+    return _grammar_of(_GUIDED[name], body[name], name)
+
+
+def _response_format(rf: Any) -> Optional[Grammar]:
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text" and set(rf) == {"type"}:
+        return None
+    if kind == "json_object" and set(rf) == {"type"}:
+        return Grammar("json_object")
+    if kind != "json_schema" or set(rf) != {"type", "json_schema"}:
+        raise BadRequest(
+            "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+            f"{{'type': 'json_schema', 'json_schema': {{...}}}}, got {rf!r}"[:400],
+            "response_format",
+        )
+    js = rf["json_schema"]
+    ok = (
+        isinstance(js, dict)
+        and isinstance(js.get("name"), str)
+        and 0 < len(js["name"]) <= 64
+        and isinstance(js.get("schema", {}), dict)
+        and isinstance(js.get("strict", False), (bool, type(None)))
+        and set(js) <= {"name", "schema", "strict", "description"}
+    )
+    if not ok:
+        raise BadRequest(
+            "'response_format.json_schema' must be {'name': str (1-64 chars), 'schema': "
+            f"object, 'strict': bool, 'description': str}}, got {js!r}"[:400],
+            "response_format",
+        )
+    return Grammar("json_schema", js.get("schema", {}), "response_format")
+
+
+def _structured_outputs(so: Any) -> Grammar:
+    if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in _STRUCTURED:
+        raise BadRequest(
+            f"'structured_outputs' must hold exactly one of {list(_STRUCTURED)}, got {so!r}"[:400],
+            "structured_outputs",
+        )
+    key, value = next(iter(so.items()))
+    return _grammar_of(_STRUCTURED[key], value, "structured_outputs")
+
+
+def _grammar_of(kind: str, value: Any, arg: str) -> Grammar:
+    """A ``Grammar`` of ``kind`` from a vLLM field's value (a 400 naming ``arg``)."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    ok = {
+        "json_schema": isinstance(value, dict),
+        "regex": isinstance(value, str) and bool(value),
+        "grammar": isinstance(value, str) and bool(value),
+        "choice": isinstance(value, list)
+        and bool(value)
+        and all(isinstance(c, str) and c for c in value),
+    }[kind]
+    if not ok:
+        want = {
+            "json_schema": "a JSON schema (an object, or its JSON text)",
+            "regex": "a non-empty regex string",
+            "grammar": "a non-empty EBNF grammar string",
+            "choice": "a non-empty list of non-empty strings",
+        }[kind]
+        raise BadRequest(f"'{arg}' must give {want}, got {value!r}"[:400], arg)
+    return Grammar(kind, tuple(value) if kind == "choice" else value, arg)
+
+
 # --- text out -------------------------------------------------------------------------
 
 
@@ -296,12 +393,16 @@ class Api:
         timeout: float = 600.0,
         control_tokens: bool = False,
         watch: Optional[Callable[[Job, Params], None]] = None,
+        vocab_size: Optional[int] = None,
     ):
         self.scheduler, self.tok = scheduler, tokenizer
         self.model_id, self.context = model_id, context
         self.timeout, self.control_tokens = timeout, control_tokens
         self.created = int(time.time())
         self.watch = watch or (lambda job, params: None)  # sees each job before it is queued
+        self.vocab_size = vocab_size  # the model's logits (None: no structured output)
+        self._grammars: Optional[Grammars] = None
+        self._grammars_made = threading.Lock()
 
     def app(self):
         from aiohttp import web
@@ -364,8 +465,25 @@ class Api:
         return self.tok.encode(text)
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
-        """The body decoded, validated and tokenized (in a worker thread)."""
-        return parse(_json(raw), chat=chat, tokenize=self._tokenize, context=self.context)
+        """The body decoded, validated and tokenized, its grammar compiled (in a worker
+        thread)."""
+        p = parse(_json(raw), chat=chat, tokenize=self._tokenize, context=self.context)
+        if p.grammar is None:
+            return p
+        try:
+            return attrs.evolve(p, grammar=self.grammars().compile(p.grammar))
+        except KVStateError as exc:
+            raise BadRequest(str(exc), p.grammar.arg) from None
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler, made at the first request that needs it (importing
+        xgrammar takes seconds: a server never asked for structured output skips it)."""
+        if self.vocab_size is None:
+            raise KVStateError("structured output: expected a model's vocab_size, got none")
+        with self._grammars_made:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tok, self.vocab_size)
+            return self._grammars
 
     async def _complete(self, request, *, chat: bool):
         """One completion request: parsed, queued, then answered whole or streamed."""
@@ -412,6 +530,7 @@ class Api:
             emit=emit,
             submitted=arrived,
             deadline=arrived + self.timeout,
+            grammar=p.grammar,
         )
         self.watch(job, p)
         try:
@@ -621,6 +740,7 @@ def make_app(
         timeout=float(timeout),
         control_tokens=control_tokens,
         watch=metrics.watch,
+        vocab_size=getattr(getattr(loaded.model, "args", None), "vocab_size", None),
     )
     app = api.app()
     app.router.add_get("/metrics", metrics.scrape)

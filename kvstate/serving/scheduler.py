@@ -54,6 +54,7 @@ from ..kinds.shared import fork, resident_bytes
 from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
+from . import grammar as grammars
 from . import prefix_cache
 
 __all__ = ["Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
@@ -81,7 +82,10 @@ class Job:
     ``("error", -1, message)`` (at most one error, after which the job hears
     nothing more). ``stop``: token ids that end a choice besides the
     scheduler's ``eos``. ``deadline``: a ``time.perf_counter()`` instant past
-    which the job ends with an error (``None``: none).
+    which the job ends with an error (``None``: none). ``grammar``: a compiled
+    grammar (``kvstate.serving.grammar.Grammars.compile``) every choice's reply
+    keeps to; each choice's matcher (``matchers[i]``, made on admission) is row
+    state, advanced with each token the choice emits.
     """
 
     prompt: list
@@ -97,6 +101,8 @@ class Job:
     submitted: float = attrs.Factory(time.perf_counter)
     deadline: Optional[float] = None
     error: Optional[str] = None  # why it failed, once it has
+    grammar: Any = None  # a compiled grammar (kvstate.serving.grammar), or None
+    matchers: list = attrs.Factory(list)  # per choice, its grammar's matcher (on admission)
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
     cached: int = 0  # prompt tokens read from the prefix cache, not prefilled (set on admission)
@@ -165,6 +171,9 @@ class Scheduler:
         make: ``kvstate.mlx_lm.make_states`` options for the rows' records
             (``max_kv_size``: rings; ``kv_bits``, ``kv_group_size``: quantized), the
             draft model's too. Rings share no prefix: with them the prefix cache is off.
+        overlap: the rows' grammar masks are filled on the host while the device runs
+            the round's forward (``mx.async_eval``, then the fill); off, the fill comes
+            first and the forward runs after it (``notes/serving.md`` measures both).
     """
 
     def __init__(
@@ -183,6 +192,7 @@ class Scheduler:
         prefill_step_size: int = 512,
         measure: bool = False,
         make: Optional[dict] = None,
+        overlap: bool = True,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.make = dict(make or {})
@@ -192,6 +202,7 @@ class Scheduler:
         self.cache_completions = cache_completions
         self.forward = speculative.compiled(model) if compiled else None
         self.prefill_step_size, self.measure = prefill_step_size, measure
+        self.overlap = overlap
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -393,6 +404,10 @@ class Scheduler:
         """``(Speculation, first tokens)``: the prefilled jobs' rows, their first tokens
         sampled and each job's choices forked."""
         prompts = [job.prompt for job in jobs]
+        for job in jobs:
+            job.matchers = (
+                [grammars.matcher(job.grammar) for _ in range(job.n)] if job.grammar else []
+            )
         batch = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
@@ -409,7 +424,11 @@ class Scheduler:
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
-        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
+        # a row with a grammar does not draft (its mask covers its window's first position)
+        k = tuple(
+            self.num_draft if self.drafter is not None and jobs[b].grammar is None else 0
+            for b, _ in origin
+        )
         return speculative.Speculation(batch, context, k, k, draft_states, self.window), first
 
     def _prefill(self, prompts: list) -> tuple:
@@ -457,7 +476,24 @@ class Scheduler:
         self._emit(emitted, range(spec.batch_size))
 
     def _try_round(self, spec, drafter) -> tuple:
-        return speculative.step(self.model, spec, drafter=drafter, forward=self.forward)
+        return speculative.step(
+            self.model, spec, drafter=drafter, forward=self.forward, mask=self._mask(spec)
+        )
+
+    def _mask(self, spec) -> Optional[Callable]:
+        """``step``'s ``mask`` for the rows of ``spec``: their matchers' bitmask, filled
+        while the device runs the forward (``overlap``) or before it; ``None`` when no
+        row has a grammar (the round builds no mask)."""
+        matchers = [job.matchers[c] if job.matchers else None for job, c in spec.batch.payload]
+        if not any(m is not None for m in matchers):
+            return None
+
+        def mask(logits):
+            if self.overlap:
+                mx.async_eval(logits)
+            return grammars.fill(matchers, logits.shape[-1])
+
+        return mask
 
     def _drop_drafter(self, exc: Exception) -> None:
         """The drafter failed: it is switched off, and the rows go on plain."""
@@ -540,10 +576,25 @@ class Scheduler:
                 return
             job.generated[choice] += 1
             job.tell("token", choice, t)
-            stop = t in self.eos or t in job.stop
+            ended = self._advance(job, choice, t)
+            if job.error is not None:
+                return
+            stop = t in self.eos or t in job.stop or ended
             if stop or job.generated[choice] >= job.max_tokens:
                 job.tell("done", choice, "stop" if stop else "length")
                 job.cancel(choice)
+
+    def _advance(self, job: Job, choice: int, token: int) -> bool:
+        """The choice's matcher fed ``token``: whether its grammar terminated (the reply
+        is complete). A token it refuses (the mask lets none through: a fault) ends
+        the job with an error."""
+        if not job.matchers:
+            return False
+        m = job.matchers[choice]
+        if not m.accept_token(token):
+            self._fail(job, f"the grammar refused token {token}")
+            return False
+        return m.is_terminated()
 
 
 def shares_prefixes(model: nn.Module, make: Optional[dict] = None) -> bool:
@@ -565,6 +616,11 @@ def _first_tokens(jobs: list, states, logits) -> Batch:
         ids=[job.id for job in jobs],
         payload=[(job, 0) for job in jobs],
     )
+    bitmask = grammars.fill(
+        [job.matchers[0] if job.matchers else None for job in jobs], logits.shape[-1]
+    )
+    if bitmask is not None:  # the first token keeps to the job's grammar too
+        logits = grammars.apply_bitmask(logits, bitmask)
     tokens, keys = sample_batch(logits, batch)
     return attrs.evolve(batch, tokens=tokens, keys=keys)
 
