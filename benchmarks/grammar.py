@@ -270,7 +270,7 @@ def main(argv=None):
     for engine, setup in _engines(args.engines, tok, V, args.threads):
         compare(engine, setup, args.batch, args.repeats, paths, V)
     if args.decode:
-        for grammar in (False, True, False, True):  # interleaved: drift shows
+        for grammar in (False, True):
             t = decode_rounds(loaded, args.batch, args.decode, grammar)
             print(f"decode round, B={args.batch}, grammar rows {grammar}: {_median(t)}")
 
