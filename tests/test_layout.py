@@ -25,6 +25,11 @@ CONSTANTS = {
     "kvstate.kernels.cuda": {"_QUANT", "_PLAIN"},
     "kvstate.models.gguf": {"_LAYER_NAMES", "_TOP_NAMES"},
     "kvstate.persist.files": {"RECORDS", "DTYPES"},
+    "kvstate.serving.grammar": {"JSON_OPTIONS"},
+    "kvstate.serving.request": {
+        *("SAMPLING", "COMMON", "CHAT_FIELDS", "COMPLETION_FIELDS", "METADATA", "REFUSED"),
+        *("STRUCTURED", "_STRUCTURED", "_GUIDED"),
+    },
 }
 
 _LOCK = type(threading.Lock())

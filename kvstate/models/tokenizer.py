@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -50,6 +51,9 @@ class Tokenizer:
     bos_id: int | None = None
     special_tokens: dict = attrs.field(factory=dict, eq=False)
     template: str = ""  # the chat template's source (what ``for_template`` asks of it)
+    # the ``tokenizers.Tokenizer`` underneath (``None``: a slow Hugging Face tokenizer);
+    # grammar engines read the vocabulary from it (``kvstate.serving.grammar``)
+    backend: Any = attrs.field(default=None, eq=False)
 
     @classmethod
     def from_backend(
@@ -92,6 +96,7 @@ class Tokenizer:
             bos_id,
             dict(special_tokens or {}),
             chat_template or "",
+            backend,
         )
 
     @classmethod
@@ -116,6 +121,7 @@ class Tokenizer:
             hf.bos_token_id if getattr(hf, "add_bos_token", False) else None,
             special,
             hf.chat_template if isinstance(getattr(hf, "chat_template", None), str) else "",
+            getattr(hf, "backend_tokenizer", None),
         )
 
     @property

@@ -30,6 +30,7 @@ import errno
 import hmac
 import json
 import re
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -38,6 +39,7 @@ import attrs
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
 from . import request
+from .grammar import Grammars
 from .metrics import Metrics
 from .request import BadRequest, ServerError, number
 from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
@@ -62,6 +64,7 @@ class Params:
     sampling: dict = attrs.field(factory=dict)  # further kv.Sampling fields (request.sampling_of)
     stop_ids: frozenset = frozenset()  # stop_token_ids
     logprobs: Optional[int] = None  # top log-probabilities per token; None: no logprobs
+    grammar: Any = None  # a Grammar (response_format, structured_outputs); Api compiles it
 
     @property
     def prompt(self) -> list:
@@ -117,6 +120,7 @@ def parse(
         sampling=request.sampling_of(body, vocab),
         stop_ids=request.stop_ids_of(body, vocab),
         logprobs=request.tops_of(body, chat),
+        grammar=request.grammar_of(body),
     )
 
 
@@ -286,6 +290,7 @@ class Api:
         timeout: float = 600.0,
         control_tokens: bool = False,
         watch: Optional[Callable[[Job, Params], None]] = None,
+        vocab_size: Optional[int] = None,
     ):
         self.scheduler, self.tok = scheduler, tokenizer
         self.model_id, self.context, self.vocab = model_id, context, vocab
@@ -293,6 +298,9 @@ class Api:
         self.timeout, self.control_tokens = timeout, control_tokens
         self.created = int(time.time())
         self.watch = watch or (lambda job, params: None)  # sees each job before it is queued
+        self.vocab_size = vocab_size  # the model's logits (None: no structured output)
+        self._grammars: Optional[Grammars] = None
+        self._grammars_made = threading.Lock()
 
     def app(self):
         from aiohttp import web
@@ -364,10 +372,27 @@ class Api:
         return self.tok.encode(text)
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
-        """The body decoded, validated and tokenized (in a worker thread)."""
-        return parse(
+        """The body decoded, validated and tokenized, its grammar compiled (in a worker
+        thread)."""
+        p = parse(
             _json(raw), chat=chat, tokenize=self._tokenize, context=self.context, vocab=self.vocab
         )
+        if p.grammar is None:
+            return p
+        try:
+            return attrs.evolve(p, grammar=self.grammars().compile(p.grammar))
+        except KVStateError as exc:
+            raise BadRequest(str(exc), p.grammar.arg) from None
+
+    def grammars(self) -> Grammars:
+        """The grammar compiler, made at the first request that needs it (a server
+        never asked for structured output never builds the tokenizer's grammar view)."""
+        if self.vocab_size is None:
+            raise KVStateError("structured output: expected a model's vocab_size, got none")
+        with self._grammars_made:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tok, self.vocab_size)
+            return self._grammars
 
     async def _complete(self, request, *, chat: bool):
         """One completion request: parsed, queued, then answered whole or streamed."""
@@ -429,6 +454,7 @@ class Api:
                 emit=emitter(k),
                 stop=p.stop_ids,
                 sampling=p.sampling,
+                grammar=p.grammar,
                 logprobs=p.logprobs,
                 submitted=arrived,
                 deadline=arrived + self.timeout,
@@ -721,6 +747,7 @@ def make_app(
         timeout=float(timeout),
         control_tokens=control_tokens,
         watch=metrics.watch,
+        vocab_size=_vocab(loaded.model),
     )
     app = api.app()
     app.router.add_get("/metrics", metrics.scrape)

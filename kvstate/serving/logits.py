@@ -15,9 +15,12 @@ from typing import Callable, Optional, cast
 
 import mlx.core as mx
 
-from ..sampling import history, process_logits
+from ..sampling import apply_bitmask, history, process_logits
 
-__all__ = ["Processed", "needed", "token_logprobs"]
+__all__ = ["FORBIDDEN", "Processed", "needed", "token_logprobs"]
+
+# A masked token's log-probability as reported (JSON has no -inf): vLLM's value.
+FORBIDDEN = -9999.0
 
 
 def needed(sampling, tops) -> bool:
@@ -34,10 +37,22 @@ class Processed:
         sampling: per row, its ``kv.Sampling``.
         contexts: per row, every token so far (its last is the pending token).
         tops: per row, the top log-probabilities it asks for (``None``: none).
+        mask: ``mask(logits) -> [B, ceil(V/32)] int32 bitmask or None``: the rows'
+            grammars (``kvstate.serving.grammar``), applied after the processors and
+            before the log-probabilities, as vLLM reports them: a token the grammar
+            forbids has log-probability ``-inf`` (reported as ``-9999.0``).
     """
 
-    def __init__(self, forward: Callable, sampling, contexts: Optional[list], tops: list):
+    def __init__(
+        self,
+        forward: Callable,
+        sampling,
+        contexts: Optional[list],
+        tops: list,
+        mask: Optional[Callable] = None,
+    ):
         self.forward, self.sampling, self.contexts, self.tops = forward, sampling, contexts, tops
+        self.mask = mask
         self.logprobs: Optional[mx.array] = None
 
     def __call__(self, window: mx.array, states):
@@ -51,6 +66,9 @@ class Processed:
             sizes = [s.context_size for s in self.sampling]
             hist = history(self.contexts or [], sizes, window)
             logits = process_logits(logits, hist, self.sampling)
+        bitmask = None if self.mask is None else self.mask(logits)
+        if bitmask is not None:
+            logits = apply_bitmask(logits, bitmask[:, None, :])
         if any(t is not None for t in self.tops):
             lg = logits.astype(mx.float32)
             self.logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
@@ -72,7 +90,7 @@ def token_logprobs(logprobs: Optional[mx.array], emitted, tops: list) -> list:
         if k is None or logprobs is None or not toks:
             out.append([])
             continue
-        rows = logprobs[b, : len(toks)]  # [n, V]
+        rows = mx.maximum(logprobs[b, : len(toks)], FORBIDDEN)  # [n, V]
         chosen = mx.take_along_axis(rows, mx.array(list(toks))[:, None], axis=-1)[:, 0]
         top = mx.argsort(-rows, axis=-1)[:, :k] if k else mx.zeros((len(toks), 0), mx.int32)
         values = mx.take_along_axis(rows, top, axis=-1)

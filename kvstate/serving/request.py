@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from .grammar import Grammar
+
 __all__ = [
     "BadRequest",
     "ServerError",
     "check_fields",
+    "grammar_of",
     "messages_of",
     "prompts_of",
     "sampling_of",
@@ -69,7 +72,14 @@ SAMPLING = {
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "repetition_context_size", "logit_bias", "stop", "stop_token_ids",
 }  # fmt: skip
-COMMON = SAMPLING | {"model", "n", "max_tokens", "stream", "stream_options", "logprobs"}
+# Structured output: OpenAI's field, vLLM's (``structured_outputs``, the older ``guided_*``).
+STRUCTURED = {
+    "response_format", "structured_outputs",
+    "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+}  # fmt: skip
+COMMON = (
+    SAMPLING | STRUCTURED | {"model", "n", "max_tokens", "stream", "stream_options", "logprobs"}
+)
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
 
@@ -93,7 +103,6 @@ REFUSED: dict = {
     "web_search_options": ((), "is not supported (no web search)"),
     "functions": ((), "is not supported (deprecated by OpenAI; use tools)"),
     "function_call": ((), "is not supported (deprecated by OpenAI; use tool_choice)"),
-    "response_format": ((), NOT_YET),
     "tools": ((), NOT_YET),
     "tool_choice": ((), NOT_YET),
     "parallel_tool_calls": ((), NOT_YET),
@@ -351,3 +360,96 @@ def tops_of(body: dict, chat: bool) -> Optional[int]:
     if top is not None and not logprobs:
         raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if logprobs else None
+
+
+# --- structured output (kvstate.serving.grammar) ------------------------------------
+
+# vLLM's names: ``structured_outputs`` (current), the ``guided_*`` fields (before v0.12)
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}
+_GUIDED = {f"guided_{k}": v for k, v in _STRUCTURED.items()}
+
+
+def grammar_of(body: dict) -> Optional[Grammar]:
+    """The grammar a request asks its reply to keep to: OpenAI's ``response_format``
+    (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+    (``json``, ``regex``, ``grammar``, ``choice``) or its older ``guided_*`` fields;
+    ``None`` for none. At most one of them; a 400 names the field that is wrong."""
+    asked = [
+        k for k in ("response_format", "structured_outputs", *_GUIDED) if body.get(k) is not None
+    ]
+    if len(asked) > 1:
+        raise BadRequest(f"at most one of {asked} may be given", asked[1])
+    if not asked:
+        return None
+    name = asked[0]
+    if name == "response_format":
+        return _response_format(body[name])
+    if name == "structured_outputs":
+        return _structured_outputs(body[name])
+    return _grammar_from(_GUIDED[name], body[name], name)
+
+
+def _response_format(rf: Any) -> Optional[Grammar]:
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text" and set(rf) == {"type"}:
+        return None
+    if kind == "json_object" and set(rf) == {"type"}:
+        return Grammar("json_object")
+    if kind != "json_schema" or set(rf) != {"type", "json_schema"}:
+        raise BadRequest(
+            "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or "
+            f"{{'type': 'json_schema', 'json_schema': {{...}}}}, got {rf!r}"[:400],
+            "response_format",
+        )
+    js = rf["json_schema"]
+    ok = (
+        isinstance(js, dict)
+        and isinstance(js.get("name"), str)
+        and 0 < len(js["name"]) <= 64
+        and isinstance(js.get("schema", {}), dict)
+        and isinstance(js.get("strict", False), (bool, type(None)))
+        and set(js) <= {"name", "schema", "strict", "description"}
+    )
+    if not ok:
+        raise BadRequest(
+            "'response_format.json_schema' must be {'name': str (1-64 chars), 'schema': "
+            f"object, 'strict': bool, 'description': str}}, got {js!r}"[:400],
+            "response_format",
+        )
+    return Grammar("json_schema", js.get("schema", {}), "response_format")
+
+
+def _structured_outputs(so: Any) -> Grammar:
+    if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in _STRUCTURED:
+        raise BadRequest(
+            f"'structured_outputs' must hold exactly one of {list(_STRUCTURED)}, got {so!r}"[:400],
+            "structured_outputs",
+        )
+    key, value = next(iter(so.items()))
+    return _grammar_from(_STRUCTURED[key], value, "structured_outputs")
+
+
+def _grammar_from(kind: str, value: Any, arg: str) -> Grammar:
+    """A ``Grammar`` of ``kind`` from a vLLM field's value (a 400 naming ``arg``)."""
+    if kind == "json_schema" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    ok = {
+        "json_schema": isinstance(value, dict),
+        "regex": isinstance(value, str) and bool(value),
+        "grammar": isinstance(value, str) and bool(value),
+        "choice": isinstance(value, list)
+        and bool(value)
+        and all(isinstance(c, str) and c for c in value),
+    }[kind]
+    if not ok:
+        want = {
+            "json_schema": "a JSON schema (an object, or its JSON text)",
+            "regex": "a non-empty regex string",
+            "grammar": "a non-empty EBNF grammar string",
+            "choice": "a non-empty list of non-empty strings",
+        }[kind]
+        raise BadRequest(f"'{arg}' must give {want}, got {value!r}"[:400], arg)
+    return Grammar(kind, tuple(value) if kind == "choice" else value, arg)

@@ -58,6 +58,7 @@ from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
 from . import budget, prefix_cache
+from . import grammar as grammars
 from .logits import Processed, needed, token_logprobs
 
 __all__ = ["DEFAULT_PREFILL_BUDGET", "Job", "QueueFull", "Scheduler", "Stopped", "shares_prefixes"]
@@ -92,6 +93,9 @@ class Job:
     ``("logprob", i, (logprob, ((id, logprob), ...)))`` just before its token.
     ``deadline``: a ``time.perf_counter()`` instant past which the job ends with an
     error (``None``: none).
+    ``grammar``: a compiled grammar (``kvstate.serving.grammar.Grammars.compile``)
+    every choice's reply keeps to; each choice's matcher (``matchers[i]``, made on
+    admission) is row state, advanced with each token the choice emits.
     """
 
     prompt: list
@@ -109,6 +113,8 @@ class Job:
     submitted: float = attrs.Factory(time.perf_counter)
     deadline: Optional[float] = None
     error: Optional[str] = None  # why it failed, once it has
+    grammar: Any = None  # a compiled grammar (kvstate.serving.grammar), or None
+    matchers: list = attrs.Factory(list)  # per choice, its grammar's matcher (on admission)
 
     generated: list = attrs.Factory(lambda self: [0] * self.n, takes_self=True)
     cached: int = 0  # prompt tokens read from the prefix cache, not prefilled (set on admission)
@@ -189,6 +195,9 @@ class Scheduler:
             unpinned entries, then the newest rows (parked in host memory, resumed
             exactly) make room. A job that could never fit is refused by ``submit``.
             Not with a draft model.
+        overlap: the rows' grammar masks are filled on the host while the device runs
+            the round's forward (``mx.async_eval``, then the fill); off, the fill comes
+            first and the forward runs after it (``notes/serving.md`` measures both).
     """
 
     def __init__(
@@ -209,6 +218,7 @@ class Scheduler:
         make: Optional[dict] = None,
         prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
         kv_budget: Optional[int] = None,
+        overlap: bool = True,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.make = dict(make or {})
@@ -229,6 +239,7 @@ class Scheduler:
         self._parked: list = []  # budget.Parked rows, oldest first
         # ((job, choice), (token,), log-probabilities) of rows joined, not yet handed out
         self._first: list = []
+        self.overlap = overlap
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -562,6 +573,10 @@ class Scheduler:
         """``(Speculation, first tokens, their log-probabilities)``: the prefilled jobs'
         rows, their first tokens sampled and each job's choices forked."""
         prompts = [job.prompt for job in jobs]
+        for job in jobs:
+            job.matchers = (
+                [grammars.matcher(job.grammar) for _ in range(job.n)] if job.grammar else []
+            )
         batch, proc = _first_tokens(jobs, states, logits)
         draft_states = None
         if isinstance(self.drafter, DraftModel):
@@ -578,7 +593,11 @@ class Scheduler:
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
-        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
+        # a row with a grammar does not draft (its mask covers its window's first position)
+        k = tuple(
+            self.num_draft if self.drafter is not None and jobs[b].grammar is None else 0
+            for b, _ in origin
+        )
         tops = [job.logprobs for job, _ in batch.payload]
         lp = None if proc is None else proc.logprobs
         rows = None if lp is None else lp[mx.array([b for b, _ in origin])]
@@ -701,14 +720,33 @@ class Scheduler:
 
     def _try_round(self, spec, drafter) -> tuple:
         """One round; its forward through ``Processed`` when a row has processors or asks
-        for log-probabilities (``self._processed``, the last round's)."""
+        for log-probabilities (``self._processed``, the last round's). The rows' grammar
+        mask goes with it: inside ``Processed`` (after the processors, before the
+        log-probabilities), else through ``step``'s ``mask``."""
         forward = self.forward or speculative.eager(self.model)
         sampling, tops = spec.batch.sampling, [job.logprobs for job, _ in spec.batch.payload]
+        mask = self._mask(spec)
         self._processed = None
         if needed(sampling, tops):
             contexts = spec.context if any(s.processed for s in sampling) else None
-            forward = self._processed = Processed(forward, sampling, contexts, tops)
-        return speculative.step(self.model, spec, drafter=drafter, forward=forward)
+            forward = self._processed = Processed(forward, sampling, contexts, tops, mask)
+            mask = None
+        return speculative.step(self.model, spec, drafter=drafter, forward=forward, mask=mask)
+
+    def _mask(self, spec) -> Optional[Callable]:
+        """The rows' grammar mask, ``mask(logits) -> bitmask``: their matchers' words,
+        filled while the device runs the forward (``overlap``) or before it; ``None``
+        when no row has a grammar (the round builds no mask)."""
+        matchers = [job.matchers[c] if job.matchers else None for job, c in spec.batch.payload]
+        if not any(m is not None for m in matchers):
+            return None
+
+        def mask(logits):
+            if self.overlap:
+                mx.async_eval(logits)
+            return grammars.fill(matchers, logits.shape[-1])
+
+        return mask
 
     def _drop_drafter(self, exc: Exception) -> None:
         """The drafter failed: it is switched off, and the rows go on plain."""
@@ -794,10 +832,25 @@ class Scheduler:
             if i < len(lps):
                 job.tell("logprob", choice, lps[i])
             job.tell("token", choice, t)
-            stop = t in self.eos or t in job.stop
+            ended = self._advance(job, choice, t)
+            if job.error is not None:
+                return
+            stop = t in self.eos or t in job.stop or ended
             if stop or job.generated[choice] >= job.max_tokens:
                 job.tell("done", choice, "stop" if stop else "length")
                 job.cancel(choice)
+
+    def _advance(self, job: Job, choice: int, token: int) -> bool:
+        """The choice's matcher fed ``token``: whether its grammar ended (the reply is
+        complete). A token it refuses (the mask lets none through: a fault) ends the
+        job with an error."""
+        if not job.matchers:
+            return False
+        try:
+            return grammars.accept(job.matchers[choice], token)
+        except KVStateError as exc:
+            self._fail(job, str(exc))
+            return False
 
 
 def shares_prefixes(model: nn.Module, make: Optional[dict] = None) -> bool:
@@ -826,8 +879,15 @@ def _first_tokens(jobs: list, states, logits) -> tuple:
     )
     proc = None
     tops = [job.logprobs for job in jobs]
-    if needed(sampling, tops):
-        proc = Processed(lambda w, s: (None, s), sampling, [job.prompt for job in jobs], tops)
+    matchers = [job.matchers[0] if job.matchers else None for job in jobs]
+    mask = None
+    if any(m is not None for m in matchers):  # the first token keeps to the job's grammar too
+
+        def mask(lg):
+            return grammars.fill(matchers, lg.shape[-1])
+
+    if needed(sampling, tops) or mask is not None:
+        proc = Processed(lambda w, s: (None, s), sampling, [job.prompt for job in jobs], tops, mask)
         logits = proc.apply(logits[:, None, :], None)[:, 0, :]
     tokens, keys = sample_batch(logits, batch)
     return attrs.evolve(batch, tokens=tokens, keys=keys), proc

@@ -44,7 +44,14 @@ from ..core import ops
 from ..core.args import PerRowInts, per_row, row_list
 from ..core.records import _tuple, derived, forwarded
 from ..errors import bad, check
-from ..sampling import Sampling, filter_logprobs, next_tokens, sample_arrays, split_keys
+from ..sampling import (
+    Sampling,
+    apply_bitmask,
+    filter_logprobs,
+    next_tokens,
+    sample_arrays,
+    split_keys,
+)
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from .window import Window, bucket, expected_accepted
 
@@ -761,7 +768,12 @@ def _round_keys(keys: mx.array, K: int) -> tuple:
 
 
 def step(
-    target: Model, spec: Speculation, *, drafter: Drafter = None, forward: Forward | None = None
+    target: Model,
+    spec: Speculation,
+    *,
+    drafter: Drafter = None,
+    forward: Forward | None = None,
+    mask: Callable[[mx.array], mx.array | None] | None = None,
 ) -> tuple[Speculation, Round]:
     """One speculative round for every row: draft, verify in one target forward, roll back.
 
@@ -790,6 +802,13 @@ def step(
             (``None``: a plain decode step for every row).
         forward: ``(tokens [B, N], states) -> (logits [B, N, V], states)``;
             default ``eager(target)``; ``compiled(target)`` for a compiled verify.
+        mask: ``mask(logits)`` is called once the forward is built and returns the
+            rows' grammar bitmask ``[B, ceil(V/32)]`` int32 (or ``None``: no row is
+            constrained); every window position of row ``b`` is masked by row ``b``'s
+            words (``kvstate.sampling.apply_bitmask``) before verification and sampling, so a row
+            with a grammar must not draft (``num_draft`` 0: its one token comes from
+            position 0). It may ``mx.async_eval(logits)`` first, to fill on the host
+            while the device runs the forward (``kvstate.serving.grammar``).
 
     Returns:
         ``(new_spec, Round)``: the rows after the round, and per row the
@@ -827,6 +846,7 @@ def step(
     window = _window(batch.tokens, drafts_dev, K, width, B)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
+    logits = _masked(logits, mask)  # the rows' grammars: what they forbid is never emitted
     if K and last is not None:  # drafted late: the verify to the device, then the last
         # round read (it ran while this round was built)
         mx.async_eval(logits)
@@ -881,6 +901,12 @@ def step(
         unrecorded=unrecorded,
     )
     return new, Round(emitted, counts, accepted, width)
+
+
+def _masked(logits: mx.array, mask) -> mx.array:
+    """``logits`` ``[B, N, V]`` with ``mask(logits)``'s row words applied at every position."""
+    bitmask = None if mask is None else mask(logits)
+    return logits if bitmask is None else apply_bitmask(logits, bitmask[:, None, :])
 
 
 def _step_args(spec: Speculation, drafter: Drafter) -> tuple:
