@@ -758,7 +758,11 @@ def _legend(width: int = 0) -> str:
     width = width or max(len(name) for name, _ in COLUMNS)
     return "\n".join(
         textwrap.fill(
-            what, 88, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4)
+            what,
+            88,
+            initial_indent=f"  {name:<{width}}  ",
+            subsequent_indent=" " * (width + 4),
+            break_on_hyphens=False,
         )
         for name, what in COLUMNS
     )
