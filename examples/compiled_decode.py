@@ -45,7 +45,7 @@ def serve(model, step=None, steps=12):
 
 
 def main():
-    model, _ = load(__doc__.splitlines()[0])
+    model, _, _ = load(__doc__.splitlines()[0])
     eager = serve(model)
     decoder = kv.compiled_decoder(model, batch_buckets=(8, 16, 32, 64))
     compiled = serve(model, step=decoder)

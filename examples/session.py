@@ -34,8 +34,9 @@ def reply(model, batch, n):
 
 
 def main():
-    model, _ = load(__doc__.splitlines()[0])
-    turn1, turn2 = [5, 17, 42, 9, 33, 61, 2], [12, 88, 7]
+    model, tokenizer, _ = load(__doc__.splitlines()[0])
+    turn1 = tokenizer.encode("Tell me about the sea.")
+    turn2 = tokenizer.encode(" And the sky?")
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "chat.safetensors")
@@ -58,12 +59,16 @@ def main():
                 model(mx.array([turn1 + said[:-1]]), cache=cache)
                 save_prompt_cache(path, cache)
                 print(
-                    f"greedy: {answer} {'= mlx-lm' if answer == want else '!= mlx-lm'}; "
+                    f"greedy: {tokenizer.decode(answer)!r} "
+                    f"{'= mlx-lm' if answer == want else '!= mlx-lm'}; "
                     f"file {size} bytes, mlx-lm's save_prompt_cache of the same tokens "
                     f"{os.path.getsize(path)} bytes"
                 )
             else:
-                print(f"T=0.8: {answer} (without the save/load: {straight}); meta {meta}")
+                print(
+                    f"T=0.8: {tokenizer.decode(answer)!r} "
+                    f"(without the save/load: {tokenizer.decode(straight)!r}); meta {meta}"
+                )
     return 0 if ok else 1
 
 

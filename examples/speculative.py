@@ -49,9 +49,9 @@ def speculative_round(model, batch, k):
 
 
 def main(k=3, max_tokens=12):
-    model, _ = load(__doc__.splitlines()[0])
-    prompts = [mx.random.randint(1, 128, (n,), key=mx.random.key(n)).tolist() for n in (5, 9, 7)]
-    prompts[1] = prompts[1] + prompts[1]  # a repeating prompt: lookup drafts hit
+    model, tokenizer, _ = load(__doc__.splitlines()[0])
+    texts = ["Once upon a time", "one two three, one two three, one two", "The sea is"]
+    prompts = [tokenizer.encode(t) for t in texts]  # the second repeats: lookup drafts hit
     batch = bridge.admit(model, prompts, ids=[0, 1, 2], payload=[tuple(p) for p in prompts])
     out = {i: [t] for i, t in zip(batch.ids, batch.tokens.tolist())}
     rounds = 0
@@ -67,7 +67,8 @@ def main(k=3, max_tokens=12):
     for i, p in enumerate(prompts):
         got, ref = out[i][:max_tokens], mlx_lm_greedy(model, p, max_tokens)
         ok &= got == ref
-        print(f"row {i}: {got} {'= mlx-lm greedy' if got == ref else '!= mlx-lm ' + str(ref)}")
+        same = "= mlx-lm greedy" if got == ref else f"!= mlx-lm {tokenizer.decode(ref)!r}"
+        print(f"row {i}: {texts[i]!r} -> {tokenizer.decode(got)!r} {same}")
     print(f"{rounds} rounds of k={k} for {max_tokens} tokens per row")
     return 0 if ok else 1
 

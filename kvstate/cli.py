@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -35,7 +36,7 @@ import kvstate as kv
 
 from .models.load import fetch as fetch_model
 from .models.load import has_tokenizer, tiny_llama
-from .serving.budget import DEFAULT_PREFILL_BUDGET, default_kv_budget
+from .serving.budget import DEFAULT_PREFILL_BUDGET, bytes_per_token, default_kv_budget
 from .serving.chat import Chat
 from .serving.engine import (
     Completion,
@@ -294,10 +295,15 @@ def _generate_parser(sub):
     g = sub.add_parser(
         "generate",
         help="continuous batched generation on kvstate records",
-        description="Real prompts in, text out: requests are prefilled together, "
-        "decode as one batch and leave as they finish. Prints each completion, "
-        "then a table of requests, tokens, tokens/s, time to first token, peak "
-        "memory and cache bytes per token.",
+        description=textwrap.fill(
+            "Real prompts in, text out: requests are prefilled together, "
+            "decode as one batch and leave as they finish. Prints each completion, "
+            "then a table of requests, tokens, prompt and generation tokens/s, time to "
+            "first token, peak memory and cache bytes per token held and reserved.",
+            88,
+        ),
+        epilog="the table's columns:\n" + _legend(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _model_flags(g)
     g.add_argument(
@@ -369,7 +375,9 @@ def _generate_parser(sub):
     _draft_flags(g)
     _kv_flags(g)
     _int_flag(g, "--repeat", 1, "runs per engine, alternating engines; the fastest is reported")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--quiet", action="store_true", help="no progress bar, no legend under the table"
+    )
     return g
 
 
@@ -705,6 +713,7 @@ def run(engine, requests, args, err, on_finish=None, best=None):
     stats["completions"] = completions
     stats["prefilled"] = getattr(engine, "prefilled", sum(len(r.prompt) for r in requests))
     stats["peak_kv"] = getattr(engine, "peak_bytes", 0)
+    stats["held"] = bytes_per_token(engine.model, getattr(engine, "make", None))
     if best is not None:
         if [c.tokens for c in best["completions"]] != [c.tokens for c in completions]:
             raise SystemExit(f"kvstate generate: {engine.name} gave different tokens on a repeat")
@@ -712,42 +721,91 @@ def run(engine, requests, args, err, on_finish=None, best=None):
     return stats
 
 
-def _table(results, requests, out):
-    head = (
-        "engine",
-        "requests",
-        "prompt tok",
-        "gen tok",
-        "time s",
-        "tok/s",
-        "ttft s",
-        "peak MB",
-        "cache B/tok",
-        "prefilled",
-        "saved",
-        "peak KV MB",
+# The table's columns and what each means (``generate --help``'s epilog, the legend
+# under the table). The phases are timed as mlx-lm's BatchGenerator times its own.
+COLUMNS = (
+    ("engine", "the records the rows decode on (kvstate's, or mlx-lm's BatchGenerator)"),
+    ("requests", "requests served"),
+    ("prompt tok", "prompt tokens asked for"),
+    ("gen tok", "tokens generated"),
+    ("time s", "wall time of the run, first arrival to last token"),
+    (
+        "prompt tok/s",
+        "prompt tokens run through the model / seconds in prefill calls (their "
+        "first tokens sampled); as mlx_lm.generate's 'Prompt: ... tokens-per-sec'",
+    ),
+    (
+        "gen tok/s",
+        "tokens from decode rounds / seconds in those rounds; with continuous "
+        "batching prefill and decode interleave and each call is timed on its own",
+    ),
+    ("ttft s", "mean time from a request's arrival to its first token"),
+    ("peak MB", "the process's peak memory in the run (mx.get_peak_memory)"),
+    ("held B/tok", "KV bytes one held token occupies (every layer's keys and values)"),
+    (
+        "reserved B/tok",
+        "KV bytes resident / tokens held, averaged over rounds: padding and spare "
+        "capacity included, and the prefix cache's entries",
+    ),
+    ("prefilled", "prompt tokens run through the model"),
+    ("saved", "prompt tokens read from the prefix cache instead"),
+    ("peak KV MB", "the most KV bytes resident at once (rows and prefix cache)"),
+)
+
+
+def _legend(width: int = 0) -> str:
+    """One line per column: its name, then what it means."""
+    width = width or max(len(name) for name, _ in COLUMNS)
+    return "\n".join(
+        textwrap.fill(
+            what,
+            88,
+            initial_indent=f"  {name:<{width}}  ",
+            subsequent_indent=" " * (width + 4),
+            break_on_hyphens=False,
+        )
+        for name, what in COLUMNS
     )
-    print("".join(f"{h:>12}" if i else f"{h:<20}" for i, h in enumerate(head)), file=out)
+
+
+def _rate(tokens: int, seconds: float) -> str:
+    return f"{tokens / seconds:,.1f}" if seconds > 0 else "-"
+
+
+def _table(results, requests, out, legend: bool = True):
+    """The engines' figures, one row each, and (``legend``) what each column means."""
     prompt_tokens = sum(len(r.prompt) for r in requests)
+    rows = []
     for name, s in results:
         cs = s["completions"]
         gen = sum(len(c.tokens) for c in cs)
-        ttft = sum(c.ttft for c in cs) / len(cs)
-        row = (
-            name,
-            len(requests),
-            prompt_tokens,
-            gen,
-            f"{s['seconds']:.3f}",
-            f"{gen / s['seconds']:,.1f}",
-            f"{ttft:.3f}",
-            f"{s['peak'] / 2**20:,.1f}",
-            f"{s['bytes_per_token']:,.0f}",
-            s["prefilled"],
-            prompt_tokens - s["prefilled"],
-            f"{s['peak_kv'] / 2**20:,.2f}",
+        rows.append(
+            (
+                name,
+                len(requests),
+                prompt_tokens,
+                gen,
+                f"{s['seconds']:.3f}",
+                _rate(s.get("prompt_tokens_run", 0), s.get("prefill_s", 0.0)),
+                _rate(s.get("generated", 0), s.get("decode_s", 0.0)),
+                f"{sum(c.ttft for c in cs) / len(cs):.3f}",
+                f"{s['peak'] / 2**20:,.1f}",
+                f"{s.get('held', 0):,}",
+                f"{s['bytes_per_token']:,.0f}",
+                s["prefilled"],
+                prompt_tokens - s["prefilled"],
+                f"{s['peak_kv'] / 2**20:,.2f}",
+            )
         )
-        print("".join(f"{v:>12}" if i else f"{v:<20}" for i, v in enumerate(row)), file=out)
+    head = [name for name, _ in COLUMNS]
+    widths = [max(len(str(v)) for v in col) for col in zip(head, *rows)]
+    for row in [head, *rows]:
+        cells = [
+            f"{v!s:<{w}}" if i == 0 else f"{v!s:>{w}}" for i, (v, w) in enumerate(zip(row, widths))
+        ]
+        print("  ".join(cells), file=out)
+    if legend:
+        print(_legend(), file=out)
 
 
 def generate(args, out=None, err=None) -> int:
@@ -778,7 +836,7 @@ def generate(args, out=None, err=None) -> int:
             for i, (e, b) in enumerate(zip(engines, best))
         ]
     results = [(e.name, s) for e, s in zip(engines, best)]
-    _table(results, requests, table_out)
+    _table(results, requests, table_out, legend=not args.quiet)
     if isinstance(engines[0], SpeculativeEngine):
         e = engines[0]
         rate = f"{e.accepted / e.drafted:.0%}" if e.drafted else "-"

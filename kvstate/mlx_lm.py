@@ -20,7 +20,7 @@ and the leases are released when the model returns. Decisions are in
 from __future__ import annotations
 
 from functools import singledispatch
-from typing import Any, Callable, Optional, Sequence, cast
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, cast
 
 import attrs
 import mlx.core as mx
@@ -96,6 +96,7 @@ __all__ = [
     "extract_row",
     "admit",
     "advance",
+    "collect",
     "feed",
     "layer_count",
     "Decoder",
@@ -324,6 +325,48 @@ def advance(
         logits, states = step(batch.tokens, list(batch.states))
     tokens, keys = sample_batch(logits, batch)
     return attrs.evolve(batch, states=states, tokens=tokens, keys=keys)
+
+
+def collect(
+    batch: Batch,
+    out: Mapping,
+    *,
+    stop: Iterable[int] = (),
+    max_tokens: int | None = None,
+) -> tuple[Batch, dict]:
+    """Each row's emitted token added to its completion; the rows that finished leave.
+
+    A row finishes when its token is in ``stop`` (an end-of-sequence id: not added,
+    as mlx-lm's ``batch_generate`` leaves it out) or its completion reaches
+    ``max_tokens``. Pure: ``batch`` and ``out`` are left unchanged.
+
+    Args:
+        batch: a ``kv.Batch`` whose ``tokens`` are to be emitted (what ``admit``
+            and ``advance`` return); its ``ids`` name the completions.
+        out: ``{id: tuple of token ids}``, the completions so far (``{}`` at first).
+        stop: token ids that end a row.
+        max_tokens: the most tokens in a completion (``None``: no limit).
+
+    Returns:
+        ``(batch, out)``: the batch without the finished rows (``kv.filter_rows``),
+        and the completions with this step's tokens; every row's id is a key.
+
+    Raises:
+        KVStateError: ``max_tokens`` below 1, or ids that repeat.
+    """
+    if not isinstance(batch, Batch):
+        raise bad("batch", "a kv.Batch (kvstate.mlx_lm.admit makes one)", type(batch).__name__)
+    if max_tokens is not None and max_tokens < 1:
+        raise bad("max_tokens", "at least 1 (or None)", max_tokens)
+    if len(set(batch.ids)) != len(batch.ids):
+        raise bad("batch.ids", "one distinct id per row", list(batch.ids))
+    stop, out, keep = frozenset(stop), dict(out), []
+    for b, (i, token) in enumerate(zip(batch.ids, batch.tokens.tolist())):
+        ended = token in stop
+        out[i] = tuple(out.get(i, ())) + (() if ended else (token,))
+        if not ended and (max_tokens is None or len(out[i]) < max_tokens):
+            keep.append(b)
+    return (batch if len(keep) == batch.batch_size else ops.filter_rows(batch, keep)), out
 
 
 def feed(

@@ -252,3 +252,44 @@ def test_feed_appends_the_pending_token_then_the_turn(llama, turns):
     assert fed.lengths == tuple(len(w) for w in whole)
     with pytest.raises(kv.KVStateError, match="^tokens: expected 2 lists of token ids"):
         br.feed(llama, batch, [[1]])
+
+
+# --- collect: tokens into completions, finished rows out --------------------------------
+
+
+def test_collect_adds_tokens_drops_finished_rows_and_leaves_its_inputs(llama):
+    batch = kv.Batch(br.make_states(llama, 3), [7, 2, 5], ids=["a", "b", "c"])
+    out = {"a": (1,), "c": (4, 4)}
+    rows, new = br.collect(batch, out, stop=[2], max_tokens=3)
+    assert new == {"a": (1, 7), "b": (), "c": (4, 4, 5)}  # a stop token is not added
+    assert rows.ids == ("a",)  # b stopped, c reached max_tokens
+    assert out == {"a": (1,), "c": (4, 4)} and batch.ids == ("a", "b", "c")  # unchanged
+    same, _ = br.collect(batch, {}, stop=())  # no row finished: the batch itself
+    assert same is batch
+
+
+def test_collect_runs_a_text_loop_to_mlx_lms_greedy_tokens(llama):
+    prompts, n = [tm.prompt(1, 5), tm.prompt(2, 3), tm.prompt(3, 7)], 4
+    batch, out = br.admit(llama, prompts, ids=[0, 1, 2]), {}
+    while True:
+        batch, out = br.collect(batch, out, max_tokens=n)
+        if not batch.batch_size:
+            break
+        batch = br.advance(llama, batch)
+    for i, p in enumerate(prompts):
+        cache, want = make_prompt_cache(llama), []
+        logits = llama(mx.array([p]), cache=cache)[:, -1]
+        for _ in range(n):
+            want.append(int(mx.argmax(logits, axis=-1).item()))
+            logits = llama(mx.array([[want[-1]]]), cache=cache)[:, -1]
+        assert list(out[i]) == want
+
+
+def test_collect_refuses_bad_input_by_name(llama):
+    batch = kv.Batch(br.make_states(llama, 2), [1, 2], ids=["x", "x"])
+    with pytest.raises(kv.KVStateError, match="^batch.ids: expected one distinct id per row"):
+        br.collect(batch, {})
+    with pytest.raises(kv.KVStateError, match="^max_tokens: expected at least 1"):
+        br.collect(kv.Batch(br.make_states(llama, 1), [1]), {}, max_tokens=0)
+    with pytest.raises(kv.KVStateError, match="^batch: expected a kv.Batch"):
+        br.collect(br.make_states(llama, 1), {})

@@ -4,6 +4,7 @@ parity (and that a mismatch is reported), and bad arguments."""
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -30,21 +31,19 @@ SMALL = [
 
 
 def table(stdout):
-    """``{engine: {column: value}}`` from the printed table."""
+    """``{engine: {column: value}}`` from the printed table (columns two spaces apart
+    at least; a value or a name has single spaces only)."""
     lines = stdout.splitlines()
     i = next(i for i, line in enumerate(lines) if line.startswith("engine"))
-    head = ["engine"] + [h.strip() for h in _cells(lines[i])[1:]]
+    head = re.split(r"\s{2,}", lines[i].strip())
+    assert head == [name for name, _ in cli.COLUMNS]
     rows = {}
     for line in lines[i + 1 :]:
         if not line.startswith(("kvstate", "mlx-lm")):
             break
-        cells = _cells(line)
-        rows[cells[0].strip()] = dict(zip(head, (c.strip() for c in cells)))
+        cells = re.split(r"\s{2,}", line.strip())
+        rows[cells[0]] = dict(zip(head, cells))
     return rows
-
-
-def _cells(line):
-    return [line[:20]] + [line[j : j + 12] for j in range(20, len(line), 12)]
 
 
 def expected_tokens(argv_seed=0):
@@ -66,9 +65,14 @@ def test_python_m_kvstate_generate_compare():
         r = rows[name]
         assert int(r["requests"]) == 5
         assert int(r["prompt tok"]) == prompt and int(r["gen tok"]) == gen
-        assert float(r["time s"]) > 0 and float(r["tok/s"].replace(",", "")) > 0
+        assert float(r["time s"]) > 0
+        assert float(r["prompt tok/s"].replace(",", "")) > 0
+        assert float(r["gen tok/s"].replace(",", "")) > 0
         assert float(r["peak MB"].replace(",", "")) > 0
-        assert float(r["cache B/tok"].replace(",", "")) > 0
+        held, reserved = (int(r[c].replace(",", "")) for c in ("held B/tok", "reserved B/tok"))
+        assert 0 < held <= reserved  # padding and spare capacity are reserved, not held
+    for name, _ in cli.COLUMNS:  # every column explained under the table
+        assert f"  {name}  " in stdout
     assert "token parity: 5/5 requests identical" in stdout
     assert "speed ratio (mlx-lm time / kvstate time):" in stdout
     assert "\r" not in stderr  # no progress redraws where stderr is not a terminal

@@ -1,7 +1,10 @@
-"""Every program in ``examples/`` runs (a subprocess each, as a user runs it) and exits 0;
-each one checks its own tokens against mlx-lm and exits 1 when they differ."""
+"""Every program in ``examples/`` runs (a subprocess each, as a user runs it, on this
+checkout's kvstate) and exits 0; each one checks its own tokens against mlx-lm and exits
+1 when they differ. The programs print text, not token ids."""
 
 import ast
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +21,12 @@ PROGRAMS = [
     "speculative.py",
     "tour.py",
 ]
+TEXT = ["continuous_batching.py", "session.py", "speculative.py"]  # the ones that generate
 
 
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_example_runs(name):
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}  # this checkout's kvstate
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / name)],
         check=False,
@@ -29,8 +34,12 @@ def test_example_runs(name):
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert run.returncode == 0, f"{name} exited {run.returncode}:\n{run.stdout}\n{run.stderr}"
+    if name in TEXT:  # what the model wrote, quoted, and no list of token ids
+        assert re.search(r"'[^']+'", run.stdout), f"{name} prints no text:\n{run.stdout}"
+        assert not re.search(r"\[\d+, \d+", run.stdout), f"{name} prints ids:\n{run.stdout}"
 
 
 def code_lines(path: Path, function: str) -> int:
@@ -52,11 +61,15 @@ def code_lines(path: Path, function: str) -> int:
     )
 
 
-def test_continuous_batching_is_no_longer_than_mlx_lms_batch_generator():
+@pytest.mark.parametrize(
+    "ours, theirs, what",
+    [
+        ("kvstate_text", "mlx_lm_text", "text in, text out, stop tokens, a batch limit"),
+        ("kvstate_loop", "mlx_lm_loop", "arrivals and per-row sampling"),
+    ],
+)
+def test_continuous_batching_is_no_longer_than_mlx_lms_batch_generator(ours, theirs, what):
     path = EXAMPLES / "continuous_batching.py"
-    ours, theirs = code_lines(path, "kvstate_loop"), code_lines(path, "mlx_lm_loop")
-    print(
-        f"continuous batching with per-row sampling: kvstate {ours} lines, "
-        f"mlx-lm BatchGenerator {theirs} lines"
-    )
-    assert ours <= theirs
+    n, m = code_lines(path, ours), code_lines(path, theirs)
+    print(f"continuous batching, {what}: kvstate {n} lines, mlx-lm BatchGenerator {m} lines")
+    assert n <= m

@@ -91,8 +91,15 @@ def serve(
 
     Returns:
         ``(completions in the order of requests, stats)``; ``stats`` has
-        ``seconds``, ``steps`` and ``bytes_per_token`` (cache bytes over the
-        tokens the rows hold, averaged over decode steps).
+        ``seconds``, ``steps``, ``bytes_per_token`` (cache bytes resident over the
+        tokens the rows hold, averaged over decode steps: padding and spare
+        capacity included), and the two phases as mlx-lm's ``BatchGenerator``
+        counts them: ``prompt_tokens_run`` and ``prefill_s`` (prompt tokens run
+        through the model, and the wall time of the calls that run them and sample
+        each row's first token), ``generated`` and ``decode_s`` (tokens emitted by
+        decode rounds, and the wall time of those rounds). Under continuous
+        batching the phases interleave; each call is timed on its own, so
+        ``prefill_s + decode_s`` is at most ``seconds``.
     """
     return engine.serve(requests, batch_size, on_finish=on_finish, progress=progress)
 
@@ -128,6 +135,7 @@ class _Run:
         self.on_finish, self.progress = on_finish, progress
         self.steps, self.tokens = 0, 0
         self.per_token: list = []
+        self.phases: dict = {}
         self.start = time.perf_counter()
 
     def finish(self, c: Completion) -> None:
@@ -156,6 +164,7 @@ class _Run:
             "seconds": time.perf_counter() - self.start,
             "steps": self.steps,
             "bytes_per_token": sum(self.per_token) / max(len(self.per_token), 1),
+            **self.phases,
         }
         return [self.done[i] for i in self.order], stats
 
@@ -179,6 +188,47 @@ def _job(request: Request, run: _Run) -> Job:
 
 
 # --- engines: configurations of the scheduler, and mlx-lm's BatchGenerator -----------
+
+
+class _Timed(Scheduler):
+    """The scheduler with its two phases timed, as mlx-lm's ``BatchGenerator`` times
+    its own: ``prefill_s`` the wall time of admissions (prompt chunks run, first
+    tokens sampled and read), ``decode_s`` that of rounds (every row's next tokens,
+    read back, so the round has run on the device)."""
+
+    prefill_s = decode_s = 0.0
+    decoded = 0  # tokens handed out by rounds
+    _rounding = 0  # 1 while a round runs: first tokens, handed out at admission, are not decode's
+
+    def _admit(self, block: bool) -> None:
+        t = time.perf_counter()
+        try:
+            super()._admit(block)
+        finally:
+            self.prefill_s += time.perf_counter() - t
+
+    def _round(self) -> None:
+        t, self._rounding = time.perf_counter(), 1
+        try:
+            super()._round()
+        finally:
+            self.decode_s += time.perf_counter() - t
+            self._rounding = 0
+
+    def _hand(self, job: Job, choice: int, tokens, lps=()) -> None:
+        before = job.generated[choice]
+        super()._hand(job, choice, tokens, lps)
+        self.decoded += (job.generated[choice] - before) * self._rounding
+
+    def phases(self) -> dict:
+        """``serve``'s phase figures (``prompt_tokens_run``, ``prefill_s``,
+        ``generated``, ``decode_s``)."""
+        return {
+            "prompt_tokens_run": self.stats["prefilled"],
+            "prefill_s": self.prefill_s,
+            "generated": self.decoded,
+            "decode_s": self.decode_s,
+        }
 
 
 class KVStateEngine:
@@ -224,7 +274,7 @@ class KVStateEngine:
     def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
         """A scheduler of this configuration for one run (an empty prefix cache)."""
         cache = None if self.start_cache is None else self.start_cache.copy()
-        return Scheduler(
+        return _Timed(
             self.model,
             (),
             max_batch=batch_size,
@@ -248,7 +298,7 @@ class KVStateEngine:
                 run.idle()
                 continue
             run.stepped(sched.active_rows, sched.queued)
-        run.per_token = sched.bytes_per_token
+        run.per_token, run.phases = sched.bytes_per_token, sched.phases()
         self._took(sched)
         return run.result()
 
@@ -284,7 +334,7 @@ class SpeculativeEngine(KVStateEngine):
         self.drafter, self.num_draft, self.window = drafter, num_draft, window
 
     def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
-        return Scheduler(
+        return _Timed(
             self.model,
             (),
             max_batch=batch_size,
@@ -348,17 +398,24 @@ class MlxLmEngine:
         )
         tracks: dict = {}
         try:
-            while run.pending or tracks:
-                self._insert(gen, run, tracks)
-                if not tracks:
-                    run.idle()
-                    continue
-                _, generated = gen.next()
-                self._measure(gen, tracks, run)
-                self._emit(generated, tracks, run)
-                run.stepped(len(tracks), 0)
+            with gen.stats() as counted:
+                while run.pending or tracks:
+                    self._insert(gen, run, tracks)
+                    if not tracks:
+                        run.idle()
+                        continue
+                    _, generated = gen.next()
+                    self._measure(gen, tracks, run)
+                    self._emit(generated, tracks, run)
+                    run.stepped(len(tracks), 0)
         finally:
             gen.close()
+        run.phases = {  # mlx-lm's own counters (``BatchGenerator.stats``)
+            "prompt_tokens_run": counted.prompt_tokens,
+            "prefill_s": counted.prompt_time,
+            "generated": counted.generation_tokens,
+            "decode_s": counted.decode_time,
+        }
         return run.result()
 
     def _insert(self, gen, run: _Run, tracks: dict) -> None:
