@@ -37,7 +37,7 @@ import attrs
 
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
-from . import request
+from . import request, tools
 from .metrics import Metrics
 from .request import BadRequest, ServerError, number
 from .scheduler import DEADLINE, SHUTDOWN, Job, QueueFull, Scheduler, Stopped
@@ -62,6 +62,7 @@ class Params:
     sampling: dict = attrs.field(factory=dict)  # further kv.Sampling fields (request.sampling_of)
     stop_ids: frozenset = frozenset()  # stop_token_ids
     logprobs: Optional[int] = None  # top log-probabilities per token; None: no logprobs
+    tools: tuple = (None, None, True)  # (template tools, parser family, parallel): tools.options
 
     @property
     def prompt(self) -> list:
@@ -83,6 +84,7 @@ def parse(
     max_tokens_default: int = 256,
     max_n: int = 16,
     vocab: int = 2**31 - 1,
+    template: str = "",
 ) -> Params:
     """Validate an OpenAI request body; raises ``BadRequest`` naming the field.
 
@@ -93,8 +95,10 @@ def parse(
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     request.check_fields(body, chat)
+    tooling = tools.options(body, template) if chat else (None, None, True)
     if chat:
-        prompts = [tokenize(messages=request.messages_of(body))]
+        given = {"tools": tooling[0]} if tooling[0] else {}
+        prompts = [tokenize(messages=request.messages_of(body), **given)]
     else:
         prompts = request.prompts_of(body, lambda text: tokenize(text=text))
         request.check_ids(prompts, vocab)
@@ -117,6 +121,7 @@ def parse(
         sampling=request.sampling_of(body, vocab),
         stop_ids=request.stop_ids_of(body, vocab),
         logprobs=request.tops_of(body, chat),
+        tools=tooling,
     )
 
 
@@ -358,15 +363,20 @@ class Api:
     async def completions(self, request):
         return await self._complete(request, chat=False)
 
-    def _tokenize(self, *, messages=None, text=None) -> list:
+    def _tokenize(self, *, messages=None, text=None, tools=None) -> list:
         if messages is not None:
-            return self.tok.chat(messages, control_tokens=self.control_tokens)
+            return self.tok.chat(messages, control_tokens=self.control_tokens, tools=tools)
         return self.tok.encode(text)
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
         """The body decoded, validated and tokenized (in a worker thread)."""
         return parse(
-            _json(raw), chat=chat, tokenize=self._tokenize, context=self.context, vocab=self.vocab
+            _json(raw),
+            chat=chat,
+            tokenize=self._tokenize,
+            context=self.context,
+            vocab=self.vocab,
+            template=self.tok.template,
         )
 
     async def _complete(self, request, *, chat: bool):
@@ -483,8 +493,9 @@ class Api:
             if taken is None:
                 continue
             i, delta, finish = taken
-            if delta:
-                await self._send(response, head, kind, i, delta, None, reply)
+            for d in delta if isinstance(delta, list) else [delta]:  # (tool-call deltas)
+                if d:
+                    await self._send(response, head, kind, i, d, None, reply)
             if finish is not None:
                 await self._send(response, head, kind, i, "", finish, reply)
         if reply.params.include_usage:  # OpenAI's last chunk: no choices, the usage
@@ -552,6 +563,8 @@ class _Reply:
         self.logprobs: list = [[] for _ in range(params.choices)]  # (id, logprob, top)
         self._sent = [0] * params.choices  # log-probabilities streamed so far
         self._next_lp: list = [None] * params.choices
+        _, family, parallel = params.tools  # tool calls parsed out of each choice's text
+        self.tools = [family and tools.ToolStream(family, parallel) for _ in self.texts]
 
     @property
     def job(self) -> Job:
@@ -591,6 +604,8 @@ class _Reply:
         else:  # done
             delta = self.texts[i].flush()
             self.finish[i] = value
+        if self.tools[i]:
+            delta, self.finish[i] = tools.step(self.tools[i], delta, self.finish[i])
         return i, delta, self.finish[i]
 
     def logprobs_since(self, i: int) -> Optional[dict]:
@@ -653,7 +668,7 @@ def _whole(reply: _Reply, head: dict, kind: str):
         if p.logprobs is not None:
             c["logprobs"] = logprobs_body(reply.logprobs[i], reply.decode, p.chat)
         if p.chat:
-            c["message"] = {"role": "assistant", "content": t.text}
+            c["message"] = tools.message(reply.tools[i], t.text)
         else:
             c["text"] = t.text
         choices.append(c)
