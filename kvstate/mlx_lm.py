@@ -361,7 +361,7 @@ def collect(
     if len(set(batch.ids)) != len(batch.ids):
         raise bad("batch.ids", "one distinct id per row", list(batch.ids))
     stop, out, keep = frozenset(stop), dict(out), []
-    for b, (i, token) in enumerate(zip(batch.ids, batch.tokens.tolist())):
+    for b, (i, token) in enumerate(zip(batch.ids, cast(list, batch.tokens.tolist()))):
         ended = token in stop
         out[i] = tuple(out.get(i, ())) + (() if ended else (token,))
         if not ended and (max_tokens is None or len(out[i]) < max_tokens):

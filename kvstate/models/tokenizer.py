@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -46,7 +46,7 @@ class Tokenizer:
     _encode: Callable[[str], list]
     _encode_text: Callable[[str], list]  # special tokens written in the text stay text
     _decode: Callable[[list], str]
-    _render: Callable[[list], str] | None  # messages -> prompt text
+    _render: Callable[..., str] | None  # (messages, tools=...) -> prompt text
     eos_ids: tuple
     bos_id: int | None = None
     special_tokens: dict = attrs.field(factory=dict, eq=False)
@@ -80,8 +80,10 @@ class Tokenizer:
                 "bos_token": names.get(bos_id, "") if bos_id is not None else "",
             }
 
-            def render(messages):
-                return template.render(messages=messages, add_generation_prompt=True, **extra)
+            def render(messages, tools=None):
+                return template.render(
+                    messages=messages, tools=tools, add_generation_prompt=True, **extra
+                )
 
         literal = copy.deepcopy(backend)  # its own object: the flag is the backend's state
         literal.encode_special_tokens = True
@@ -107,8 +109,10 @@ class Tokenizer:
         render = None
         if getattr(hf, "chat_template", None):
 
-            def render(messages):
-                return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            def render(messages, tools=None):
+                return hf.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                )
 
         special = {t: hf.convert_tokens_to_ids(t) for t in getattr(hf, "all_special_tokens", [])}
         special.update(getattr(hf, "added_tokens_encoder", None) or {})
@@ -139,18 +143,36 @@ class Tokenizer:
         """The text of ``ids``; special tokens are left out."""
         return self._decode([int(i) for i in ids])
 
-    def render(self, messages: Sequence[dict]) -> str:
-        """The chat template applied to ``messages``, with the assistant's turn opened."""
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, OpenAI function
+        tools, where the template renders them), with the assistant's turn opened."""
+        self._check(messages)
+        return self._apply(self.for_template(messages, tools), tools)
+
+    def _check(self, messages: Sequence[dict]) -> None:
         if self._render is None:
             raise bad("tokenizer", "a chat template", "none (use encode on plain text)")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not {"role", "content"} <= m.keys():
                 raise bad(f"messages[{i}]", "a dict with 'role' and 'content'", repr(m))
-        return self._render(self.for_template(messages))
 
-    def for_template(self, messages: Sequence[dict]) -> list:
+    def _apply(self, prepared: list, tools) -> str:
+        """The template over messages ``for_template`` already prepared."""
+        self._check(prepared)
+        render = cast(Callable[..., str], self._render)  # _check refused None
+        return render(prepared, tools=tools if self.knows_tools else None)
+
+    @property
+    def knows_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list itself."""
+        return "tools" in self.template
+
+    def for_template(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list:
         """``messages`` as this template can render them (the module docstring):
-        ``developer`` as ``system`` and tool calls as content where it knows neither."""
+        ``developer`` as ``system`` and tool calls as content where it knows neither,
+        ``tools`` described in the system message where it does not render them."""
+        if tools and not self.knows_tools:
+            messages = _with_tools(messages, tools)
         out = []
         for m in messages:
             if not isinstance(m, dict):  # (render names it)
@@ -167,18 +189,24 @@ class Tokenizer:
             out.append(m)
         return out
 
-    def chat(self, messages: Sequence[dict], *, control_tokens: bool = False) -> list:
+    def chat(
+        self,
+        messages: Sequence[dict],
+        *,
+        control_tokens: bool = False,
+        tools: Sequence[dict] | None = None,
+    ) -> list:
         """Token ids of the chat template applied to ``messages``.
 
         The template's own markup is matched against the special tokens; the
         messages' ``content`` is encoded as text (a ``<|im_end|>`` typed in it is
         those characters), unless ``control_tokens``. Content with no special token
         in it encodes exactly as the rendered text does."""
-        messages = self.for_template(messages)
+        messages = self.for_template(messages, tools)
         if control_tokens or not self._forges(messages):
-            ids = self._encode(self.render(messages))
+            ids = self._encode(self._apply(messages, tools))
         else:
-            ids = self._literal_chat(messages)
+            ids = self._literal_chat(messages, tools)
         if self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
@@ -189,11 +217,11 @@ class Tokenizer:
         texts = [c for c in contents if isinstance(c, str)]
         return any(tok in c for c in texts for tok in self.special_tokens if tok)
 
-    def _literal_chat(self, messages: Sequence[dict]) -> list:
+    def _literal_chat(self, messages: Sequence[dict], tools=None) -> list:
         """The template rendered around placeholders: its markup encoded with special
         tokens matched, each content encoded as text in its place."""
         marks = [f"\x00kvstate-content-{i}\x00" for i in range(len(messages))]
-        text = self.render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        text = self._apply([{**m, "content": mark} for m, mark in zip(messages, marks)], tools)
         ids: list = []
         for mark, m in zip(marks, messages):
             if mark not in text:  # a message the template leaves out
@@ -208,3 +236,23 @@ def _hermes(call: dict) -> str:
     fn = call.get("function", call)
     body = {"name": fn.get("name"), "arguments": fn.get("arguments")}
     return "<tool_call>\n" + json.dumps(body) + "\n</tool_call>"
+
+
+TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def _with_tools(messages: Sequence[dict], tools: Sequence[dict]) -> list:
+    """``messages`` with ``tools`` described in the system message, in the Hermes form
+    Qwen's template writes (for a template that does not render tools itself)."""
+    text = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t) for t in tools))
+    messages = list(messages)
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        first = messages[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

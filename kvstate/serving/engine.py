@@ -271,7 +271,7 @@ class KVStateEngine:
         self.prompt_tokens = self.prefilled = self.peak_bytes = 0
         self.drafted = self.accepted = 0
 
-    def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
+    def scheduler(self, batch_size: int, jobs: int) -> _Timed:
         """A scheduler of this configuration for one run (an empty prefix cache)."""
         cache = None if self.start_cache is None else self.start_cache.copy()
         return _Timed(
@@ -333,7 +333,7 @@ class SpeculativeEngine(KVStateEngine):
         self.name = "kvstate (speculative, compiled)" if compiled else "kvstate (speculative)"
         self.drafter, self.num_draft, self.window = drafter, num_draft, window
 
-    def scheduler(self, batch_size: int, jobs: int) -> Scheduler:
+    def scheduler(self, batch_size: int, jobs: int) -> _Timed:
         return _Timed(
             self.model,
             (),

@@ -30,7 +30,7 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import attrs
 import mlx.core as mx
@@ -135,7 +135,7 @@ def _source(grammar: Grammar) -> str:
     kind = grammar.kind
     if kind in ("json_schema", "json_object"):
         schema = grammar.source if kind == "json_schema" else {"type": "object"}
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=cast(Any, JSON_OPTIONS))
     if kind == "regex":
         return LLMatcher.grammar_from_regex(grammar.source)
     if kind == "grammar":  # Lark, or GBNF / xgrammar's EBNF (``::=``) converted
@@ -178,7 +178,7 @@ def fill(matchers: Sequence, vocab_size: int, threads: int = 2) -> Optional[mx.a
     return mx.array(bitmask)
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: object) -> str:
     """The engine's reason, less its ``[time] file:line:`` prefix."""
     lines = str(exc).strip().splitlines() if str(exc).strip() else []
     return repr(re.sub(r"^\[[^\]]*\] \S+: ", "", lines[0]) if lines else type(exc).__name__)

@@ -38,7 +38,7 @@ import attrs
 
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
-from . import request
+from . import request, tools
 from .grammar import Grammars
 from .metrics import Metrics
 from .request import BadRequest, ServerError, number
@@ -65,6 +65,7 @@ class Params:
     stop_ids: frozenset = frozenset()  # stop_token_ids
     logprobs: Optional[int] = None  # top log-probabilities per token; None: no logprobs
     grammar: Any = None  # a Grammar (response_format, structured_outputs); Api compiles it
+    tools: tuple = (None, None, True)  # (template tools, parser family, parallel): tools.options
 
     @property
     def prompt(self) -> list:
@@ -86,6 +87,7 @@ def parse(
     max_tokens_default: int = 256,
     max_n: int = 16,
     vocab: int = 2**31 - 1,
+    template: str = "",
 ) -> Params:
     """Validate an OpenAI request body; raises ``BadRequest`` naming the field.
 
@@ -96,8 +98,10 @@ def parse(
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     request.check_fields(body, chat)
+    tooling = tools.options(body, template) if chat else (None, None, True)
     if chat:
-        prompts = [tokenize(messages=request.messages_of(body))]
+        given = {"tools": tooling[0]} if tooling[0] else {}
+        prompts = [tokenize(messages=request.messages_of(body), **given)]
     else:
         prompts = request.prompts_of(body, lambda text: tokenize(text=text))
         request.check_ids(prompts, vocab)
@@ -121,6 +125,7 @@ def parse(
         stop_ids=request.stop_ids_of(body, vocab),
         logprobs=request.tops_of(body, chat),
         grammar=request.grammar_of(body),
+        tools=tooling,
     )
 
 
@@ -366,16 +371,21 @@ class Api:
     async def completions(self, request):
         return await self._complete(request, chat=False)
 
-    def _tokenize(self, *, messages=None, text=None) -> list:
+    def _tokenize(self, *, messages=None, text=None, tools=None) -> list:
         if messages is not None:
-            return self.tok.chat(messages, control_tokens=self.control_tokens)
+            return self.tok.chat(messages, control_tokens=self.control_tokens, tools=tools)
         return self.tok.encode(text)
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
         """The body decoded, validated and tokenized, its grammar compiled (in a worker
         thread)."""
         p = parse(
-            _json(raw), chat=chat, tokenize=self._tokenize, context=self.context, vocab=self.vocab
+            _json(raw),
+            chat=chat,
+            tokenize=self._tokenize,
+            context=self.context,
+            vocab=self.vocab,
+            template=self.tok.template,
         )
         if p.grammar is None:
             return p
@@ -509,8 +519,9 @@ class Api:
             if taken is None:
                 continue
             i, delta, finish = taken
-            if delta:
-                await self._send(response, head, kind, i, delta, None, reply)
+            for d in delta if isinstance(delta, list) else [delta]:  # (tool-call deltas)
+                if d:
+                    await self._send(response, head, kind, i, d, None, reply)
             if finish is not None:
                 await self._send(response, head, kind, i, "", finish, reply)
         if reply.params.include_usage:  # OpenAI's last chunk: no choices, the usage
@@ -578,6 +589,8 @@ class _Reply:
         self.logprobs: list = [[] for _ in range(params.choices)]  # (id, logprob, top)
         self._sent = [0] * params.choices  # log-probabilities streamed so far
         self._next_lp: list = [None] * params.choices
+        _, family, parallel = params.tools  # tool calls parsed out of each choice's text
+        self.tools = [family and tools.ToolStream(family, parallel) for _ in self.texts]
 
     @property
     def job(self) -> Job:
@@ -617,6 +630,8 @@ class _Reply:
         else:  # done
             delta = self.texts[i].flush()
             self.finish[i] = value
+        if self.tools[i]:
+            delta, self.finish[i] = tools.step(self.tools[i], delta, self.finish[i])
         return i, delta, self.finish[i]
 
     def logprobs_since(self, i: int) -> Optional[dict]:
@@ -679,7 +694,7 @@ def _whole(reply: _Reply, head: dict, kind: str):
         if p.logprobs is not None:
             c["logprobs"] = logprobs_body(reply.logprobs[i], reply.decode, p.chat)
         if p.chat:
-            c["message"] = {"role": "assistant", "content": t.text}
+            c["message"] = tools.message(reply.tools[i], t.text)
         else:
             c["text"] = t.text
         choices.append(c)

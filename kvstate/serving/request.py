@@ -81,6 +81,7 @@ COMMON = (
     SAMPLING | STRUCTURED | {"model", "n", "max_tokens", "stream", "stream_options", "logprobs"}
 )
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}  # (serving/tools.py)
 COMPLETION_FIELDS = COMMON | {"prompt"}
 
 # Accepted and validated, with no effect on the reply: identifiers OpenAI uses for abuse
@@ -103,9 +104,6 @@ REFUSED: dict = {
     "web_search_options": ((), "is not supported (no web search)"),
     "functions": ((), "is not supported (deprecated by OpenAI; use tools)"),
     "function_call": ((), "is not supported (deprecated by OpenAI; use tool_choice)"),
-    "tools": ((), NOT_YET),
-    "tool_choice": ((), NOT_YET),
-    "parallel_tool_calls": ((), NOT_YET),
 }
 
 
