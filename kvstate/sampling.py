@@ -370,7 +370,9 @@ def parameters(
     )
 
 
-def history(contexts: Sequence[Sequence[int]], sizes: Sequence[int], window=None) -> mx.array:
+def history(
+    contexts: Sequence[Sequence[int]], sizes: Sequence[int], window: mx.array | None = None
+) -> mx.array:
     """The tokens each position's processors look back on, ``[B, W, N]`` int32 (-1: none).
 
     Args:
@@ -385,7 +387,7 @@ def history(contexts: Sequence[Sequence[int]], sizes: Sequence[int], window=None
     tails = [[-1] * (N - len(c[-n:])) + list(c[-n:]) for c, n in zip(contexts, sizes)]
     tail = mx.array(tails, mx.int32).reshape(len(tails), N)
     W = 1 if window is None else window.shape[1]
-    ext = tail if W == 1 else mx.concatenate([tail, window[:, 1:].astype(mx.int32)], axis=1)
+    ext = tail if window is None or W == 1 else _extended(tail, window)
     rel = mx.arange(N)[None, :]
     hist = ext[:, mx.arange(W)[:, None] + rel]  # [B, W, N]
     short = rel < (N - mx.array(list(sizes), mx.int32))[:, None]  # [B, N]: past a row's size
@@ -420,3 +422,8 @@ def process_logits(logits: mx.array, hist: mx.array, sampling: Sequence[Sampling
     pres = mx.array([s.presence_penalty for s in sampling], mx.float32)[:, None, None]
     freq = mx.array([s.frequency_penalty for s in sampling], mx.float32)[:, None, None]
     return lg - pres * present - freq * counts
+
+
+def _extended(tail: mx.array, window: mx.array) -> mx.array:
+    """``tail`` followed by the window's drafts (its tokens after the pending one)."""
+    return mx.concatenate([tail, window[:, 1:].astype(mx.int32)], axis=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import attrs
@@ -114,7 +115,7 @@ def kv_budget(value: Optional[int]) -> Optional[int]:
     return value
 
 
-def grown_bytes(states, n: int) -> int:
+def grown_bytes(states: Sequence[Any], n: int) -> int:
     """Bytes the records grow by when every row appends ``n`` more tokens: the whole
     growth steps each layer adds past its capacity (zero while the columns fit; a ring
     grows up to its size, a recurrent record never)."""

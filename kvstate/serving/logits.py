@@ -11,7 +11,7 @@ plain forward: the wrapper is not made.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, cast
+from typing import Any, Callable, Optional, cast
 
 import mlx.core as mx
 
@@ -23,7 +23,7 @@ __all__ = ["FORBIDDEN", "Processed", "needed", "token_logprobs"]
 FORBIDDEN = -9999.0
 
 
-def needed(sampling, tops) -> bool:
+def needed(sampling: Any, tops: Any) -> bool:
     """Whether some row has processors or asks for log-probabilities."""
     return any(s.processed for s in sampling) or any(t is not None for t in tops)
 
@@ -46,16 +46,16 @@ class Processed:
     def __init__(
         self,
         forward: Callable,
-        sampling,
+        sampling: Any,
         contexts: Optional[list],
         tops: list,
         mask: Optional[Callable] = None,
-    ):
+    ) -> None:
         self.forward, self.sampling, self.contexts, self.tops = forward, sampling, contexts, tops
         self.mask = mask
         self.logprobs: Optional[mx.array] = None
 
-    def __call__(self, window: mx.array, states):
+    def __call__(self, window: mx.array, states: Any) -> Any:
         logits, states = self.forward(window, states)
         logits = self.apply(logits, window)
         return logits, states
@@ -75,7 +75,7 @@ class Processed:
         return logits
 
 
-def token_logprobs(logprobs: Optional[mx.array], emitted, tops: list) -> list:
+def token_logprobs(logprobs: Optional[mx.array], emitted: Any, tops: list) -> list:
     """Per row, per emitted token, ``(logprob, ((id, logprob), ...))`` with the row's
     ``tops[b]`` most likely tokens, best first; ``[]`` for a row that asks for none.
 

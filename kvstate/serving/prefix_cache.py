@@ -32,7 +32,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import singledispatch
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 import mlx.core as mx
@@ -168,7 +168,7 @@ def _reach_composite(state: CompositeState) -> float:
     return min(map(reach, state.parts))
 
 
-def splits(states) -> bool:
+def splits(states: Any) -> bool:
     """Whether a prompt may run over these one-row records in pieces and end as
     if it ran in one forward: every kind but a ring (``reach``)."""
     return min(map(reach, states)) == math.inf
@@ -590,7 +590,9 @@ class Partial:
         return len(self.prompt) - self.done
 
 
-def begin(model, prompt: Sequence[int], cache: PrefixCache | None = None, **make) -> Partial:
+def begin(
+    model: Any, prompt: Sequence[int], cache: PrefixCache | None = None, **make: Any
+) -> Partial:
     """A ``Partial`` of ``prompt``: its longest cached prefix leased (at most all but
     the last token), nothing run yet.
 
@@ -608,7 +610,9 @@ def begin(model, prompt: Sequence[int], cache: PrefixCache | None = None, **make
     return Partial(prompt, tuple(hit.states), hit.matched, lease=hit)
 
 
-def advance(model, part: Partial, n: int, *, step_size: int | None = None, memo=None) -> Partial:
+def advance(
+    model: Any, part: Partial, n: int, *, step_size: int | None = None, memo: Any = None
+) -> Partial:
     """``part`` with up to ``n`` more prompt tokens run (in forwards of at most
     ``step_size``, cut where a whole-prompt prefill cuts, at multiples of
     ``step_size`` past the cached prefix); each forward runs the output layer

@@ -14,7 +14,7 @@ decisions and their reasons are in ``notes/serving.md``.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .grammar import Grammar
 
@@ -40,7 +40,7 @@ class BadRequest(Exception):
         param: Optional[str] = None,
         code: Optional[str] = None,
         status: int = 400,
-    ):
+    ) -> None:
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
 
@@ -63,7 +63,7 @@ class ServerError(BadRequest):
 
     kind = "server_error"
 
-    def __init__(self, message: str, code: str = "internal_error", status: int = 500):
+    def __init__(self, message: str, code: str = "internal_error", status: int = 500) -> None:
         super().__init__(message, None, code, status)
 
 
@@ -227,7 +227,7 @@ def _tool_call(call: Any, at: str) -> dict:
 # --- prompts ------------------------------------------------------------------------
 
 
-def prompts_of(body: dict, encode) -> list:
+def prompts_of(body: dict, encode: Callable[[str], list]) -> list:
     """``prompt``: a string, a list of token ids, or a list of either (one choice per
     prompt); the token ids of each prompt."""
     prompt = body.get("prompt")
