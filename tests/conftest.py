@@ -6,7 +6,7 @@ import os
 # the tests' float32 logits by 3e-4 to 2.1e-2 between two computations of the
 # same values (a batch against each row alone, a routed read against the
 # stock one); with it off the same comparisons differ by ~1e-5, as on the
-# CPU (notes/bridge.md, "Tests on CUDA"). An explicit setting is kept.
+# CPU (notes/testing.md, "Tests on CUDA"). An explicit setting is kept.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -134,7 +134,7 @@ IMPLEMENTATION = {
     "kvstate.speculative.window",
 }
 
-# Public modules whose __all__ still has unannotated functions (notes/core.md).
+# Public modules whose __all__ still has unannotated functions.
 NOT_YET_TYPED: dict = {}
 
 

@@ -254,12 +254,12 @@ def token_ids(model: Model, tokens: Any, arg: str = "tokens") -> tuple[mx.array,
     vocabulary is clamped into it (negative ids included: they are read as
     unsigned) and its row's logits become NaN. Returns ``(ids, poisoned)``:
     ``poisoned`` is ``None`` for host ids, else a bool ``[B]`` array of the
-    rows holding a bad id (``notes/core.md``).
+    rows holding a bad id (``notes/bridge.md``, "Token ids").
 
     The device guard is one ``minimum`` on the ids the embedding reads, and
     a compare, an ``any`` and a ``where`` over the logits off that path:
     ops that come first in the graph are what ``forward``'s early start
-    evaluates, so the guard keeps that part to one op (``notes/core.md``).
+    evaluates, so the guard keeps that part to one op (``notes/bridge.md``, "Token ids").
     """
     if not isinstance(tokens, mx.array):
         return mx.array(_host_ids(model, tokens, arg, 2)), None

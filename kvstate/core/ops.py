@@ -3,9 +3,9 @@
 Each function here is pure: the new record is returned and the input record
 (and every array it holds) is left unchanged. Implementations are registered beside
 their record kind: ``kvstate.kinds.rows`` (every kind with the padded row layout),
-``_dense`` (``CacheState``), ``_quantized`` and ``_ring``. A new record kind
-registers its implementations of these generics (and those listed in
-``notes/core.md``, "Adding a record kind") in its own module.
+``kvstate.kinds.dense`` (``CacheState``), ``kinds.quantized`` and ``kinds.rotating``.
+A new record kind registers its implementations of these generics (and those listed
+in ``notes/core.md``, "Adding a record kind") in its own module.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ only its own columns ``[left_pad[b], ends[b])`` of a fixed-capacity cache:
 a split-K kernel (``mx.fast.cuda_kernel``) computes partial softmax sums
 over column chunks, a second kernel merges them. No mask array is built,
 which is what makes ragged decode on the H200 about as cheap as aligned
-decode (``notes/compiled.md``, ``notes/figures.md``). Elsewhere (CPU,
+decode (``notes/kernels.md``, ``notes/figures.md``). Elsewhere (CPU,
 Metal, shapes the kernel does not cover) it is the masked fused SDPA, with
 the same result. ``kvstate.mlx_lm.Decoder(attention="kernel")`` routes a
 compiled step's dense decode reads here.

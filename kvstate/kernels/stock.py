@@ -35,7 +35,7 @@ def column_writer(ends: Any, N: int, *, slice_write: Optional[bool] = None) -> W
 
     On a GPU host writes are scatters: MLX 0.32's CUDA backend copies the
     whole plane for a dynamic-start ``slice_update`` (the step grows with the
-    capacity), while its scatter writes in place (``notes/compiled.md``).
+    capacity), while its scatter writes in place (``notes/kernels.md``).
     MLX does not bounds-check either write: the host guarantees
     ``ends + N <= C`` before the call.
     """

@@ -1,4 +1,4 @@
-"""Token ids the bridge embeds (``kvstate.mlx_lm.token_ids``; notes/core.md).
+"""Token ids the bridge embeds (``kvstate.mlx_lm.token_ids``; notes/bridge.md, "Token ids").
 
 Host ids outside the vocabulary are refused by name before anything runs;
 device ids are not read back, so a row holding one gets NaN logits while

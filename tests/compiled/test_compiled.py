@@ -456,7 +456,7 @@ def test_make_step_matches_the_bridge_step_signature():
 @pytest.mark.parametrize("write,wait", [("slice", False), ("slice", True), ("scatter", True)])
 def test_write_and_wait_options_equal_eager(monkeypatch, write, wait):
     # The eager reference reads as the compiled "mask" mode does: the model's own
-    # masked SDPA (on CUDA eager reads are routed to the kernels, notes/bridge.md)
+    # masked SDPA (on CUDA eager reads are routed to the kernels, notes/kernels.md)
     monkeypatch.setattr(routing, "routes_reads", lambda: False)
     model = tm.llama_model(layers=2)
     _, logits, states = prefill(model, [5, 9, 3], step=16)  # merged: rows share one end

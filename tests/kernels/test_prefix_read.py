@@ -153,7 +153,7 @@ def test_prefix_kernel_reads_rests_past_128_queries(monkeypatch, N, dtype):
     """A cached request's rest of up to 512 queries per row read over its prefix
     in the kernel (``PREFIX_QUERIES`` raised to ``N`` where it is lower: where
     the limit may go; the H200 measured the kernel faster than the cascade at
-    every width to 512, notes/kinds.md), against the same rows stored unshared."""
+    every width to 512, notes/kernels.md), against the same rows stored unshared."""
     monkeypatch.setattr(kernels, "PREFIX_QUERIES", max(kernels.PREFIX_QUERIES, N))
     H, gqa, D = 2, 3, 64
     state = _shared_rows(dtype, H, D, N, seed=N)
