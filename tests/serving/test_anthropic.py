@@ -7,21 +7,24 @@ the scheduler's handed-out tokens replaced by ones spelling a call (as
 test_tools_serve.py does), the rest of the path as it is."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 anthropic = pytest.importorskip("anthropic", reason="the tests call the server with anthropic")
 pytest.importorskip("openai", reason="the chat endpoint is called with openai")
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 
+from _faults import MARK, failing_sampler  # noqa: E402
 from _server import Server  # noqa: E402
 
+from kvstate.models import gguf  # noqa: E402
 from kvstate.models.gguf import Loaded  # noqa: E402
-from kvstate.models.load import tiny_llama  # noqa: E402
+from kvstate.models.load import fetch, tiny_llama  # noqa: E402
 from kvstate.serving import anthropic as api  # noqa: E402
 from kvstate.serving.prefix_cache import PrefixCache  # noqa: E402
 from kvstate.serving.request import BadRequest  # noqa: E402
@@ -33,10 +36,14 @@ GREEDY = {"temperature": 0}  # not in this SDK's signature: sent as extra_body
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm):
-    V = smollm.model.args.vocab_size
+def tiny():
+    """A tiny llama with SmolLM2's vocabulary, tokenizer and template (read from the
+    GGUF's metadata: the weights are not loaded)."""
+    _, meta = gguf.read(fetch())
+    tokenizer = gguf.tokenizer(meta)
+    V = len(meta["tokenizer.ggml.tokens"])
     model = tiny_llama(0, layers=2, hidden=64, heads=2, kv_heads=1, vocab=V)
-    return Loaded(model, smollm.tokenizer, "tiny llama, SmolLM2 tokenizer")
+    return Loaded(model, tokenizer, "tiny llama, SmolLM2 tokenizer")
 
 
 @pytest.fixture(scope="module")
@@ -360,6 +367,35 @@ def test_the_api_key_is_taken_as_x_api_key_or_bearer(tiny):
         s.close()
 
 
+# --- failures ---------------------------------------------------------------------------
+
+
+def test_failures_are_anthropics_errors_before_and_after_the_stream_starts(tiny, monkeypatch):
+    """A fault before the first token is a plain 500 (``api_error``), streamed or not; a
+    deadline passing mid-stream is the stream's last event, ``error`` (``timeout_error``)."""
+    failing_sampler(monkeypatch, "injected sampler fault")
+    s = Server(tiny, timeout=1.5)
+    real = s.scheduler._round
+    s.scheduler._round = lambda: (time.sleep(0.2), real())[1]
+    body = {"model": "m", "max_tokens": 40, "messages": WHERE}
+    try:
+        for stream in (False, True):
+            status, got = post(s, "/v1/messages", {**body, "temperature": MARK, "stream": stream})
+            assert status == 500 and got["error"]["type"] == "api_error"
+            assert "injected sampler fault" in got["error"]["message"]
+        with pytest.raises(anthropic.InternalServerError) as e:
+            client(s).messages.create(**body, extra_body={"temperature": MARK})
+        assert e.value.body["error"]["type"] == "api_error"
+        status, sse = post(s, "/v1/messages", {**body, "stream": True, **GREEDY})
+        got = events(sse)
+        assert status == 200 and got[0][0] == "message_start"
+        assert got[-1] == ("error", {"type": "error", "error": got[-1][1]["error"]})
+        assert got[-1][1]["error"]["type"] == "timeout_error"
+        assert "message_stop" not in [n for n, _ in got]
+    finally:
+        s.close()
+
+
 # --- the translation alone --------------------------------------------------------------
 
 JSON = st.recursive(
@@ -374,7 +410,6 @@ PLACES = ["model", "max_tokens", "system", "stop_sequences", "tools", "tool_choi
 PLACES += ["output_config", "temperature", "thinking", "cache_control", "messages"]
 
 
-@settings(max_examples=150, deadline=None)
 @given(
     place=st.sampled_from(PLACES),
     value=JSON | st.builds(lambda v: [{"role": "user", "content": [v]}], JSON),
@@ -397,7 +432,6 @@ def test_any_body_is_translated_or_refused_with_a_400(place, value, block):
             assert e.status == 400 and str(e)
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     pieces=st.lists(
         st.text(max_size=4) | st.sampled_from(["get", "put"]).map(lambda n: {"name": n}),
