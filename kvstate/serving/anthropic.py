@@ -477,9 +477,11 @@ def tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def message(head: dict, openai_message: dict, reason: str, stop: Optional[str], use: dict) -> dict:
+def message(
+    head: dict, openai_message: dict, reason: Optional[str], stop: Optional[str], use: dict
+) -> dict:
     """The whole reply: ``head`` (id, model), the OpenAI assistant message's content and
-    tool calls as content blocks."""
+    tool calls as content blocks (``message_start`` holds one with none, and no reason)."""
     content: list = []
     if openai_message.get("content"):
         content.append({"type": "text", "text": openai_message["content"]})

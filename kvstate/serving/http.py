@@ -512,8 +512,7 @@ class Api:
         await response.prepare(request)
         text = reply.texts[0]
         use = anthropic.usage(len(reply.params.prompt), reply.job.cached, len(text.tokens))
-        start = anthropic.message(head, {}, "", None, use)
-        start["stop_reason"] = None
+        start = anthropic.message(head, {}, None, None, use)
         await _sse(response, "message_start", {"type": "message_start", "message": start})
         blocks = anthropic.Blocks()
         try:
