@@ -38,7 +38,7 @@ import attrs
 
 from .. import mlx_lm as bridge
 from ..errors import KVStateError, bad
-from . import request, tools
+from . import anthropic, request, tools
 from .grammar import Grammars
 from .metrics import Metrics
 from .request import BadRequest, ServerError, number
@@ -100,8 +100,7 @@ def parse(
     request.check_fields(body, chat)
     tooling = tools.options(body, template) if chat else (None, None, True)
     if chat:
-        given = {"tools": tooling[0]} if tooling[0] else {}
-        prompts = [tokenize(messages=request.messages_of(body), **given)]
+        prompts = [chat_prompt(body, tokenize, tooling)]
     else:
         prompts = request.prompts_of(body, lambda text: tokenize(text=text))
         request.check_ids(prompts, vocab)
@@ -127,6 +126,13 @@ def parse(
         grammar=request.grammar_of(body),
         tools=tooling,
     )
+
+
+def chat_prompt(body: dict, tokenize: Callable, tooling: tuple) -> list:
+    """A chat body's prompt token ids: its messages (and the tools ``tools.options`` gave
+    for the template) through the chat template."""
+    given = {"tools": tooling[0]} if tooling[0] else {}
+    return tokenize(messages=request.messages_of(body), **given)
 
 
 def _max_tokens(body: dict, prompt: int, context: int, default: int, chat: bool) -> int:
@@ -206,6 +212,7 @@ class TextStream:
         self.tokens: list = []
         self.text = ""  # released so far
         self.stopped = False
+        self.matched: Optional[str] = None  # the stop string that ended the text
         self._hold = max((len(s) for s in stop), default=1) - 1
 
     def push(self, token: int) -> str:
@@ -217,7 +224,7 @@ class TextStream:
         for s in self.stop:
             at = full.find(s, max(len(self.text) - len(s), 0))
             if at >= 0:
-                self.stopped = True
+                self.stopped, self.matched = True, s
                 return self._release(full[:at])
         return self._release(full[: max(len(full) - self._hold, 0)])
 
@@ -235,10 +242,12 @@ class TextStream:
 # --- the HTTP side --------------------------------------------------------------------
 
 
-def _error(exc: BadRequest):
+def _error(exc: BadRequest, path: str = ""):
+    """The error response: Anthropic's shape on its routes, OpenAI's elsewhere."""
     from aiohttp import web
 
-    return web.json_response(exc.body(), status=exc.status)
+    body = anthropic.error_body(exc) if anthropic.is_messages(path) else exc.body()
+    return web.json_response(body, status=exc.status)
 
 
 def model_id(name: str) -> str:
@@ -249,8 +258,8 @@ def model_id(name: str) -> str:
 
 
 def _json_errors():
-    """aiohttp middleware: an unknown path (404) or method (405) answers OpenAI's JSON
-    error body, not aiohttp's plain text."""
+    """aiohttp middleware: an unknown path (404) or method (405) answers a JSON error
+    body (``_error``'s), not aiohttp's plain text."""
     from aiohttp import web
 
     @web.middleware
@@ -261,13 +270,15 @@ def _json_errors():
             if exc.status not in (404, 405):
                 raise
             what = "path" if exc.status == 404 else "method"
-            body = BadRequest(
+            error = BadRequest(
                 f"unknown {what}: {request.method} {request.path}",
                 code="not_found" if exc.status == 404 else "method_not_allowed",
                 status=exc.status,
-            ).body()
-            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-            return web.json_response(body, status=exc.status, headers=allow)
+            )
+            response = _error(error, request.path)
+            if "Allow" in exc.headers:
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
 
     return check
 
@@ -313,6 +324,8 @@ class Api:
         app = web.Application(client_max_size=4 * 1024 * 1024, middlewares=[json_errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{id:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -379,8 +392,11 @@ class Api:
     def _parse(self, raw: bytes, chat: bool) -> Params:
         """The body decoded, validated and tokenized, its grammar compiled (in a worker
         thread)."""
+        return self._parsed(_json(raw), chat)
+
+    def _parsed(self, body: Any, chat: bool) -> Params:
         p = parse(
-            _json(raw),
+            body,
             chat=chat,
             tokenize=self._tokenize,
             context=self.context,
@@ -404,22 +420,30 @@ class Api:
                 self._grammars = Grammars(self.tok, self.vocab_size)
             return self._grammars
 
-    async def _complete(self, request, *, chat: bool):
-        """One completion request: parsed, queued, then answered whole or streamed."""
+    async def _read(self, request) -> bytes:
         from aiohttp import web
 
-        arrived = time.perf_counter()
         try:
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:  # aiohttp's own answer is plain text
-                raise BadRequest(
-                    f"the request body is larger than {request.client_max_size} bytes",
-                    code="request_too_large",
-                    status=413,
-                ) from None
-            p = await asyncio.get_running_loop().run_in_executor(None, self._parse, raw, chat)
-            jobs, events = self._submit(p, arrived)
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:  # aiohttp's own answer is plain text
+            raise BadRequest(
+                f"the request body is larger than {request.client_max_size} bytes",
+                code="request_too_large",
+                status=413,
+            ) from None
+
+    async def _accept(self, request, parse: Callable[[bytes], Params]) -> tuple:
+        """``(params, jobs, events)``: the body read, ``parse``d in a worker thread, its
+        jobs queued."""
+        arrived = time.perf_counter()
+        raw = await self._read(request)
+        p = await asyncio.get_running_loop().run_in_executor(None, parse, raw)
+        return (p, *self._submit(p, arrived))
+
+    async def _complete(self, request, *, chat: bool):
+        """One completion request: parsed, queued, then answered whole or streamed."""
+        try:
+            p, jobs, events = await self._accept(request, lambda raw: self._parse(raw, chat))
         except BadRequest as exc:
             return _error(exc)
         kind = "chat.completion" if chat else "text_completion"
@@ -439,6 +463,93 @@ class Api:
             return _error(exc)
         finally:
             reply.cancel()  # no-op for finished choices; frees rows of a vanished client
+
+    # --- Anthropic's Messages API (kvstate.serving.anthropic) --------------------------
+
+    def _parse_messages(self, raw: bytes) -> Params:
+        """A Messages body as the chat-completions request it means, parsed by the one
+        parser (its errors named as Anthropic names the fields)."""
+        body = _json(raw)
+        chat, stops = anthropic.openai_body(body)
+        try:
+            return attrs.evolve(self._parsed(chat, True), stop=stops)
+        except BadRequest as exc:
+            raise anthropic.named(exc, body) from None
+
+    async def messages(self, request):
+        """``POST /v1/messages``: Anthropic's message, whole or as its stream events."""
+        from aiohttp import web
+
+        try:
+            p, jobs, events = await self._accept(request, self._parse_messages)
+        except BadRequest as exc:
+            return _error(exc, request.path)
+        head = {"id": "msg_" + jobs[0].id, "model": self.model_id}
+        reply = _Reply(jobs, p, self.tok.decode)
+        try:
+            if p.stream:
+                return await self._streamed_message(request, reply, events, head)
+            while not reply.finished:
+                reply.take(await _next(events, reply.job))
+            message = tools.message(reply.tools[0], reply.texts[0].text)
+            return web.json_response(anthropic.message(head, message, *_ending(reply)))
+        except ServerError as exc:
+            return _error(exc, request.path)
+        finally:
+            reply.cancel()
+
+    async def _streamed_message(self, request, reply: "_Reply", events, head: dict):
+        """Anthropic's events: ``message_start`` once the job is admitted (its cached
+        tokens known; a failure before is a plain error response), the content blocks
+        (``anthropic.Blocks``), ``message_delta`` and ``message_stop``; a failure after
+        the headers is an ``error`` event."""
+        from aiohttp import web
+
+        taken = reply.take(await _next(events, reply.job))
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        text = reply.texts[0]
+        use = anthropic.usage(len(reply.params.prompt), reply.job.cached, len(text.tokens))
+        start = anthropic.message(head, {}, None, None, use)
+        await _sse(response, "message_start", {"type": "message_start", "message": start})
+        blocks = anthropic.Blocks()
+        try:
+            while True:
+                if taken is not None:
+                    for name, data in blocks.push(taken[1]):
+                        await _sse(response, name, data)
+                    if taken[2] is not None:
+                        break
+                taken = reply.take(await _next(events, reply.job))
+        except ServerError as exc:
+            await _sse(response, "error", anthropic.error_body(exc))
+        else:
+            for name, data in blocks.finish(*_ending(reply)):
+                await _sse(response, name, data)
+        await response.write_eof()
+        return response
+
+    async def count_tokens(self, request):
+        """``POST /v1/messages/count_tokens``: the prompt's tokens, as ``messages`` would
+        render it."""
+        from aiohttp import web
+
+        try:
+            raw = await self._read(request)
+            n = await asyncio.get_running_loop().run_in_executor(None, self._count, raw)
+        except BadRequest as exc:
+            return _error(exc, request.path)
+        return web.json_response({"input_tokens": n})
+
+    def _count(self, raw: bytes) -> int:
+        body = _json(raw)
+        chat, _ = anthropic.openai_body(body, count=True)
+        try:
+            return len(chat_prompt(chat, self._tokenize, tools.options(chat, self.tok.template)))
+        except BadRequest as exc:
+            raise anthropic.named(exc, body) from None
 
     def _submit(self, p: Params, arrived: float) -> tuple:
         """``(jobs, events)``: one job per prompt queued, their events hopped onto this
@@ -551,6 +662,23 @@ class Api:
 
 async def _event(response, chunk: dict) -> None:
     await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+
+async def _sse(response, name: str, data: dict) -> None:
+    """A named server-sent event (Anthropic's streams name each one)."""
+    await response.write(f"event: {name}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n")
+
+
+def _ending(reply: "_Reply") -> tuple:
+    """A one-choice reply's ``(stop_reason, stop_sequence, usage)`` in Anthropic's terms."""
+    text = reply.texts[0]
+    reason = anthropic.stop_reason(reply.finish[0], text.matched)
+    stop = text.matched if reason == "stop_sequence" else None
+    return (
+        reason,
+        stop,
+        anthropic.usage(len(reply.params.prompt), reply.job.cached, len(text.tokens)),
+    )
 
 
 def _json(raw: bytes) -> Any:
@@ -811,26 +939,34 @@ def _probe(model, make: Optional[dict]) -> None:
 
 
 def require_key(key: str):
-    """aiohttp middleware: a ``/v1`` request without ``Authorization: Bearer <key>``
-    gets 401 with OpenAI's error body (``code: "invalid_api_key"``); the header is
-    compared in constant time. ``/health`` and ``/metrics`` stay open."""
+    """aiohttp middleware: a ``/v1`` request without ``Authorization: Bearer <key>`` or
+    ``x-api-key: <key>`` (Anthropic's header) gets 401 with the route's error body
+    (OpenAI's ``code: "invalid_api_key"``, Anthropic's ``authentication_error``); both
+    headers are compared in constant time. ``/health`` and ``/metrics`` stay open."""
     from aiohttp import web
 
-    want = f"Bearer {key}".encode()
+    bearer, plain = f"Bearer {key}".encode(), key.encode()
 
     @web.middleware
     async def check(request, handler):
         if not request.path.startswith("/v1"):
             return await handler(request)
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if hmac.compare_digest(given, want):
+        headers = request.headers
+        given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        other = headers.get("x-api-key", "").encode("utf-8", "surrogateescape")
+        # both compared, always: the time taken does not tell which header was close
+        by_bearer, by_key = hmac.compare_digest(given, bearer), hmac.compare_digest(other, plain)
+        if by_bearer or by_key:
             return await handler(request)
         exc = BadRequest(
-            "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+            "missing or incorrect API key: send 'Authorization: Bearer <key>' or "
+            "'x-api-key: <key>'",
             code="invalid_api_key",
             status=401,
         )
-        return web.json_response(exc.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
+        response = _error(exc, request.path)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     return check
 
