@@ -53,7 +53,7 @@ __all__ = [
     "tokenizer_info",
 ]
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "lark")
 # JSON without optional whitespace: a small model cannot pad forever
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -66,7 +66,8 @@ class Grammar:
         kind: one of ``KINDS``.
         source: the JSON schema (a dict) for ``json_schema``; the pattern for
             ``regex``; the EBNF text for ``grammar``; the strings for ``choice``
-            (a tuple); ``None`` for ``json_object``.
+            (a tuple); ``None`` for ``json_object``; llguidance's Lark text, taken as
+            it is, for ``lark`` (what ``tools.tool_grammar`` writes).
         arg: the request field it came from (named in errors).
     """
 
@@ -142,6 +143,8 @@ def _source(grammar: Grammar) -> str:
         return LLMatcher.grammar_from_regex(grammar.source)
     if kind == "grammar":  # Lark, or GBNF / xgrammar's EBNF (``::=``) converted
         return LLMatcher.grammar_from_lark(any_to_lark(grammar.source))
+    if kind == "lark":
+        return LLMatcher.grammar_from_lark(grammar.source)
     return LLMatcher.grammar_from_lark(_lark_choice(grammar.source))
 
 
