@@ -231,7 +231,9 @@ def tool_grammar(
 
 
 # The calls' JSON as chat templates write it (``{"name": "f", "arguments": {...}}``).
-CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CALL_JSON = MappingProxyType(
+    {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+)
 
 
 DEFS = ("$defs", "definitions")
@@ -276,7 +278,7 @@ NESTED = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "i
 
 def _embedded(schema: dict) -> str:
     """A JSON schema as llguidance's Lark ``%json`` takes it, with the calls' JSON form."""
-    return json.dumps({**schema, "x-guidance": CALL_JSON})
+    return json.dumps({**schema, "x-guidance": dict(CALL_JSON)})
 
 
 def _literal(marker: str, special: dict) -> str:
