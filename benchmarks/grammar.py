@@ -22,10 +22,18 @@ every row under its own JSON-schema matcher against none: the cost per token of
 structured output as served (the fill overlaps the forward; the mask is applied
 in the sampling step).
 
+``--speculative N``: structured output with lookup speculation against structured
+output alone, side by side in one process: ``N`` rounds, each running the same B
+JSON-schema requests (every row a grammar row, greedy) through the scheduler once
+with ``Lookup()`` and once without, in alternating order; the tokens must be equal.
+Prompts give a JSON list that the reply repeats (where lookup drafting helps).
+Reports tokens per second of each and their ratio per round (median, spread).
+
 xgrammar is not a kvstate dependency: its half runs where it is installed, and
 is skipped with a message otherwise.
 
     python -m benchmarks grammar --batch 32 --repeats 5
+    python -m benchmarks grammar --engines --decode 0 --batch 8 --speculative 3
 """
 
 from __future__ import annotations
@@ -216,6 +224,88 @@ def decode_rounds(loaded, B: int, rounds: int, grammar: bool) -> list:
     return out
 
 
+RECORDS = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "city": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "city", "age"],
+        "additionalProperties": False,
+    },
+    "minItems": 3,
+    "maxItems": 3,
+}
+PEOPLE = [
+    [("Ann", "Oslo", 31), ("Bob", "Rome", 45), ("Cyd", "Lima", 27)],
+    [("Dan", "Kyiv", 52), ("Eve", "Cork", 38), ("Fay", "Bern", 19)],
+]
+
+
+def speculative_rounds(loaded, B: int, max_tokens: int, window: str, drafted: bool) -> tuple:
+    """``(tokens per row, seconds)``: ``B`` JSON-schema requests (each a list of the
+    prompt's records to repeat) run through the scheduler to their end, with
+    ``Lookup()`` drafting (``window``: ``fixed``, every row up to 4 drafts; ``cost``:
+    ``Window()``) or plain."""
+    from kvstate.serving.grammar import Grammar, Grammars
+    from kvstate.serving.scheduler import Job, Scheduler
+    from kvstate.speculative import Window
+    from kvstate.speculative.drafts import Lookup
+
+    tok = loaded.tokenizer
+    compiled = Grammars(tok, int(loaded.model.args.vocab_size)).compile(
+        Grammar("json_schema", RECORDS)
+    )
+    options: dict = {}
+    if drafted:
+        options = dict(drafter=Lookup(), num_draft=4)
+        options["window"] = Window() if window == "cost" else None
+    sched = Scheduler(loaded.model, tok.eos_ids, max_batch=B, prefill_budget=None, **options)
+    out: list = [[] for _ in range(B)]
+    for b in range(B):
+        people = [dict(name=n, city=c, age=a) for n, c, a in PEOPLE[b % len(PEOPLE)]]
+        text = json.dumps(people, separators=(",", ":"))
+        q = f"People as JSON: {text}\nWrite the same list as JSON again."
+        job = Job(
+            prompt=tok.chat([{"role": "user", "content": q}]),
+            max_tokens=max_tokens,
+            grammar=compiled,
+        )
+        job.emit = lambda kind, _c, v, b=b: out[b].append(v) if kind == "token" else None
+        sched.submit(job)
+    t0 = time.perf_counter()
+    while sched.step():
+        pass
+    return out, time.perf_counter() - t0
+
+
+def speculative(loaded, B: int, rounds: int, max_tokens: int, window: str) -> None:
+    """Structured output with lookup speculation against without, side by side."""
+    speculative_rounds(loaded, 2, 4, window, True)  # warm-up: grammar view, first shapes
+    ratios, rates = [], {False: [], True: []}
+    for r in range(rounds):
+        got = {}
+        for drafted in (r % 2 == 1, r % 2 == 0):  # alternating order
+            tokens, seconds = speculative_rounds(loaded, B, max_tokens, window, drafted)
+            got[drafted] = tokens
+            rates[drafted].append(sum(map(len, tokens)) / seconds)
+        assert got[True] == got[False], "speculation changed the tokens"
+        ratios.append(rates[True][-1] / rates[False][-1])
+        print(
+            f"round {r}: {rates[True][-1]:.2f} tok/s with lookup ({window}), "
+            f"{rates[False][-1]:.2f} without: {ratios[-1]:.3f}x"
+        )
+    n = sum(map(len, got[True]))
+    print(
+        f"B={B} structured + lookup ({window}) / structured alone: "
+        f"{statistics.median(ratios):.3f}x [{min(ratios):.3f}-{max(ratios):.3f}] "
+        f"over {rounds} rounds ({n} tokens a run)"
+    )
+
+
 def _engines(names: list, tok, V: int, threads: int) -> list:
     """The engines asked for that are installed (xgrammar is not a kvstate dependency)."""
     kinds = {"xgrammar": Xgrammar, "llguidance": Llguidance}
@@ -256,7 +346,15 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5, help="passes over the instances (5)")
     ap.add_argument("--threads", type=int, default=2, help="engine threads (2: this CPU's cores)")
-    ap.add_argument("--engines", nargs="+", default=["xgrammar", "llguidance"])
+    ap.add_argument("--engines", nargs="*", default=["xgrammar", "llguidance"])
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        help="rounds of structured output with and without lookup speculation (0: skip)",
+    )
+    ap.add_argument("--max-tokens", type=int, default=64, help="per row, --speculative (64)")
+    ap.add_argument("--draft-window", choices=["fixed", "cost"], default="fixed")
     ap.add_argument(
         "--decode", type=int, default=12, help="scheduler rounds timed with and without (0: skip)"
     )
@@ -273,6 +371,8 @@ def main(argv=None):
         for grammar in (False, True):
             t = decode_rounds(loaded, args.batch, args.decode, grammar)
             print(f"decode round, B={args.batch}, grammar rows {grammar}: {_median(t)}")
+    if args.speculative:
+        speculative(loaded, args.batch, args.speculative, args.max_tokens, args.draft_window)
 
 
 if __name__ == "__main__":

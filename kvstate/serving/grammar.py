@@ -8,14 +8,16 @@ grammar is compiled once per request, on the HTTP side (``Grammars.compile``,
 llguidance); each of the request's rows then holds its own matcher (a copy),
 which the scheduler advances with every token the row emits (``accept``). Each
 round the matchers of the rows that have one fill one bitmask for the whole
-batch (``fill``, llguidance's parallel fill on its own threads) and every token
-a row's matcher forbids is set to ``-inf`` after the row's logits processors
-and before its log-probabilities, filters and temperature
-(``kvstate.sampling.apply_bitmask``)::
+batch (``fill``, llguidance's parallel fill on its own threads), one word row
+per position of the round's verify window (a drafting row's matcher steps over
+its drafts and back), and every token a row's matcher forbids at a position is
+set to ``-inf`` after the row's logits processors and before its
+log-probabilities, filters and temperature (``kvstate.sampling.apply_bitmask``)::
 
-    round t:   forward(rows) ──▶ logits [B, V] ──▶ apply_bitmask ──▶ sample ──▶ tokens
-                                                      ▲                          │
-               matchers ── fill [B, ceil(V/32)] ──────┘              accept ◀────┘
+    round t:   forward([y d1..dk]) ──▶ logits [B, N, V] ──▶ apply_bitmask ──▶ verify ──▶ tokens
+                                                              ▲                           │
+               matchers ── fill [B, N, ceil(V/32)] ───────────┘              accept ◀─────┘
+               (consume d1..dk, fill each position, roll back)    (the emitted tokens only)
 
 A row without a grammar gets an all-ones mask word row (nothing forbidden);
 a batch without any grammar builds no mask at all. A row whose matcher has
@@ -51,7 +53,7 @@ __all__ = [
     "tokenizer_info",
 ]
 
-KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "lark")
 # JSON without optional whitespace: a small model cannot pad forever
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -64,7 +66,8 @@ class Grammar:
         kind: one of ``KINDS``.
         source: the JSON schema (a dict) for ``json_schema``; the pattern for
             ``regex``; the EBNF text for ``grammar``; the strings for ``choice``
-            (a tuple); ``None`` for ``json_object``.
+            (a tuple); ``None`` for ``json_object``; llguidance's Lark text, taken as
+            it is, for ``lark`` (what ``tools.tool_grammar`` writes).
         arg: the request field it came from (named in errors).
     """
 
@@ -140,6 +143,8 @@ def _source(grammar: Grammar) -> str:
         return LLMatcher.grammar_from_regex(grammar.source)
     if kind == "grammar":  # Lark, or GBNF / xgrammar's EBNF (``::=``) converted
         return LLMatcher.grammar_from_lark(any_to_lark(grammar.source))
+    if kind == "lark":
+        return LLMatcher.grammar_from_lark(grammar.source)
     return LLMatcher.grammar_from_lark(_lark_choice(grammar.source))
 
 
@@ -163,19 +168,54 @@ def _executor(threads: int):
     return llg.LLExecutor(threads)
 
 
-def fill(matchers: Sequence, vocab_size: int, threads: int = 2) -> Optional[mx.array]:
-    """The batch bitmask ``[B, ceil(V/32)]`` int32 of rows whose matcher is
-    ``matchers[b]`` (``None``: the row is free, every bit set), or ``None`` when no
-    row has one. The matchers are read, not changed (llguidance's parallel fill,
-    on ``threads`` threads)."""
+def fill(
+    matchers: Sequence, vocab_size: int, drafts: Optional[Sequence] = None, threads: int = 2
+) -> Optional[mx.array]:
+    """The batch bitmask ``[B, N, ceil(V/32)]`` int32, one word row per position of the
+    round's window, of rows whose matcher is ``matchers[b]`` (``None``: the row is
+    free, every bit set), or ``None`` when no row has one.
+
+    Position 0 is each matcher's own state; position ``i`` is its state after
+    ``drafts[b][:i]`` (``N = 1 + len(drafts[b])``; ``drafts=None``: ``N = 1``). A
+    draft the grammar refuses ends the row's masks there: later positions keep
+    every bit (their logits are never used: that draft is rejected by the mask
+    before it). The matchers are left as they were: each consumes its drafts
+    (``try_consume_tokens``, which refuses without entering llguidance's error
+    state) and rolls them back (``rollback``), so a round that is retried or
+    dropped changes no matcher; the tokens a round emits are fed afterwards
+    (``accept``). Each position is one parallel fill (llguidance's, on
+    ``threads`` threads) over the rows still inside their grammar.
+    """
     from llguidance.numpy import fill_next_token_bitmask_par
 
-    rows = [(m, b) for b, m in enumerate(matchers) if m is not None]
+    rows = [b for b, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
-    bitmask = np.full((len(matchers), (vocab_size + 31) // 32), -1, np.int32)
-    fill_next_token_bitmask_par(_executor(threads), rows, bitmask)
-    return mx.array(bitmask)
+    N = 1 + max((len(drafts[b]) for b in rows), default=0) if drafts is not None else 1
+    B, words = len(matchers), (vocab_size + 31) // 32
+    bitmask = np.full((B * N, words), -1, np.int32)
+    consumed = dict.fromkeys(rows, 0)
+    live = rows
+    try:
+        for i in range(N):
+            pairs = [(matchers[b], b * N + i) for b in live]
+            fill_next_token_bitmask_par(_executor(threads), pairs, bitmask)
+            if i + 1 == N or drafts is None:
+                break
+            nxt = []
+            for b in live:
+                draft = drafts[b]
+                if i < len(draft) and matchers[b].try_consume_tokens([int(draft[i])]) == 1:
+                    consumed[b] += 1
+                    nxt.append(b)
+            live = nxt
+            if not live:
+                break
+    finally:
+        for b, n in consumed.items():
+            if n:
+                matchers[b].rollback(n)
+    return mx.array(bitmask.reshape(B, N, words))
 
 
 def _first_line(exc: object) -> str:

@@ -64,7 +64,9 @@ class Params:
     sampling: dict = attrs.field(factory=dict)  # further kv.Sampling fields (request.sampling_of)
     stop_ids: frozenset = frozenset()  # stop_token_ids
     logprobs: Optional[int] = None  # top log-probabilities per token; None: no logprobs
-    grammar: Any = None  # a Grammar (response_format, structured_outputs); Api compiles it
+    grammar: Any = (
+        None  # a Grammar (response_format, structured_outputs, tool_choice); Api compiles it
+    )
     tools: tuple = (None, None, True)  # (template tools, parser family, parallel): tools.options
 
     @property
@@ -88,17 +90,26 @@ def parse(
     max_n: int = 16,
     vocab: int = 2**31 - 1,
     template: str = "",
+    special: Optional[dict] = None,
 ) -> Params:
     """Validate an OpenAI request body; raises ``BadRequest`` naming the field.
 
     Every field is checked here, on the HTTP side, before anything is queued:
     a value the scheduler would refuse (a seed out of range) is a 400, never a
     fault in the scheduler's thread; a field the server does not implement is a
-    400 too (``kvstate.serving.request``)."""
+    400 too (``kvstate.serving.request``). ``special``: the tokenizer's special
+    tokens (text to id), for the markup of a forced tool call (``tools.tool_grammar``)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     request.check_fields(body, chat)
-    tooling = tools.options(body, template) if chat else (None, None, True)
+    tooling = tools.options(body, template, special) if chat else (None, None, True, None)
+    grammar = request.grammar_of(body)
+    if tooling[3] is not None and grammar is not None:
+        raise BadRequest(
+            "'tool_choice' constrains the reply to tool "
+            f"calls: it cannot be combined with '{grammar.arg}'",
+            "tool_choice",
+        )
     if chat:
         prompts = [chat_prompt(body, tokenize, tooling)]
     else:
@@ -123,8 +134,8 @@ def parse(
         sampling=request.sampling_of(body, vocab),
         stop_ids=request.stop_ids_of(body, vocab),
         logprobs=request.tops_of(body, chat),
-        grammar=request.grammar_of(body),
-        tools=tooling,
+        grammar=tooling[3] or grammar,
+        tools=tooling[:3],
     )
 
 
@@ -402,6 +413,7 @@ class Api:
             context=self.context,
             vocab=self.vocab,
             template=self.tok.template,
+            special=self.tok.special_tokens,
         )
         if p.grammar is None:
             return p

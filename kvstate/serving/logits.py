@@ -37,8 +37,9 @@ class Processed:
         sampling: per row, its ``kv.Sampling``.
         contexts: per row, every token so far (its last is the pending token).
         tops: per row, the top log-probabilities it asks for (``None``: none).
-        mask: ``mask(logits) -> [B, ceil(V/32)] int32 bitmask or None``: the rows'
-            grammars (``kvstate.serving.grammar``), applied after the processors and
+        mask: ``mask(logits, window) -> [B, W | 1, ceil(V/32)] int32 bitmask or
+            None``: the rows' grammars at each window position
+            (``kvstate.speculative.step``'s ``mask``), applied after the processors and
             before the log-probabilities, as vLLM reports them: a token the grammar
             forbids has log-probability ``-inf`` (reported as ``-9999.0``).
     """
@@ -66,9 +67,9 @@ class Processed:
             sizes = [s.context_size for s in self.sampling]
             hist = history(self.contexts or [], sizes, window)
             logits = process_logits(logits, hist, self.sampling)
-        bitmask = None if self.mask is None else self.mask(logits)
+        bitmask = None if self.mask is None else self.mask(logits, window)
         if bitmask is not None:
-            logits = apply_bitmask(logits, bitmask[:, None, :])
+            logits = apply_bitmask(logits, bitmask)
         if any(t is not None for t in self.tops):
             lg = logits.astype(mx.float32)
             self.logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)

@@ -593,11 +593,7 @@ class Scheduler:
         batch, draft_states, origin = _forked(jobs, batch, draft_states)
         first = cast(list, batch.tokens.tolist())  # [B]
         context = [list(jobs[b].prompt) + [t] for (b, _), t in zip(origin, first)]
-        # a row with a grammar does not draft (its mask covers its window's first position)
-        k = tuple(
-            self.num_draft if self.drafter is not None and jobs[b].grammar is None else 0
-            for b, _ in origin
-        )
+        k = (self.num_draft if self.drafter is not None else 0,) * len(origin)
         tops = [job.logprobs for job, _ in batch.payload]
         lp = None if proc is None else proc.logprobs
         rows = None if lp is None else lp[mx.array([b for b, _ in origin])]
@@ -734,17 +730,22 @@ class Scheduler:
         return speculative.step(self.model, spec, drafter=drafter, forward=forward, mask=mask)
 
     def _mask(self, spec) -> Optional[Callable]:
-        """The rows' grammar mask, ``mask(logits) -> bitmask``: their matchers' words,
-        filled while the device runs the forward (``overlap``) or before it; ``None``
-        when no row has a grammar (the round builds no mask)."""
+        """The rows' grammar mask, ``mask(logits, window) -> bitmask``: their matchers'
+        words at each position of the verify window (stepping over the row's drafts
+        and back: ``grammar.fill``), filled while the device runs the forward
+        (``overlap``) or before it; ``None`` when no row has a grammar (the round
+        builds no mask)."""
         matchers = [job.matchers[c] if job.matchers else None for job, c in spec.batch.payload]
         if not any(m is not None for m in matchers):
             return None
 
-        def mask(logits):
+        def mask(logits, window):
             if self.overlap:
                 mx.async_eval(logits)
-            return grammars.fill(matchers, logits.shape[-1])
+            drafts = None
+            if window is not None and window.shape[1] > 1:
+                drafts = [row[1:] for row in cast(list, window.tolist())]
+            return grammars.fill(matchers, logits.shape[-1], drafts)
 
         return mask
 
@@ -883,7 +884,7 @@ def _first_tokens(jobs: list, states, logits) -> tuple:
     mask = None
     if any(m is not None for m in matchers):  # the first token keeps to the job's grammar too
 
-        def mask(lg):
+        def mask(lg, _window):
             return grammars.fill(matchers, lg.shape[-1])
 
     if needed(sampling, tops) or mask is not None:

@@ -28,10 +28,11 @@ import json
 import re
 import uuid
 from types import MappingProxyType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import attrs
 
+from .grammar import Grammar
 from .request import BadRequest, _short
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "options",
     "parse",
     "step",
+    "tool_grammar",
     "tools_of",
 ]
 
@@ -99,28 +101,40 @@ def _function(fn: dict, at: str) -> dict:
     return dict(fn)
 
 
-CHOICES = "'auto' or 'none'"
+CHOICES = "'auto', 'none', 'required' or {'type': 'function', 'function': {'name': str}}"
+
+# A choice as ``tool_grammar`` takes it: "auto", "none", "required", or ("function", name).
+Choice = Union[str, tuple]
 
 
-def choice_of(body: dict, tools: Optional[list]) -> str:
-    """``tool_choice``: ``"auto"`` (the default with tools) or ``"none"``. ``"required"``
-    and a named function need decoding constrained by a grammar, which this server
-    does not have yet: they are refused, not silently treated as ``"auto"``."""
+def choice_of(body: dict, tools: Optional[list]) -> Choice:
+    """``tool_choice``: ``"auto"`` (the default with tools), ``"none"``, ``"required"``
+    or a named function ``{"type": "function", "function": {"name": str}}`` (returned as
+    ``("function", name)``; the name one of the ``tools``). ``required`` and a named
+    function are enforced by a grammar (``tool_grammar``)."""
     choice = body.get("tool_choice")
     if choice is None:
         return "auto" if tools else "none"
-    if choice in ("auto", "none"):
-        if choice == "auto" and not tools:
-            raise BadRequest("'tool_choice' is 'auto' but no 'tools' are given", "tool_choice")
+    if choice in ("auto", "none", "required"):
+        if choice != "none" and not tools:
+            raise BadRequest(f"'tool_choice' is '{choice}' but no 'tools' are given", "tool_choice")
         return choice
-    if choice == "required" or isinstance(choice, dict):
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if (
+        not isinstance(fn, dict)
+        or choice.get("type") != "function"
+        or set(choice) != {"type", "function"}
+        or set(fn) != {"name"}
+    ):
+        raise BadRequest(f"'tool_choice' must be {CHOICES}, got {_short(choice)}", "tool_choice")
+    names = [t["function"]["name"] for t in tools or []]
+    if fn["name"] not in names:
         raise BadRequest(
-            f"'tool_choice' {_short(choice)} is not supported yet (forcing a call needs "
-            f"constrained decoding); use {CHOICES}",
+            f"'tool_choice.function.name' must name one of the tools {names}, "
+            f"got {_short(fn['name'])}",
             "tool_choice",
-            "unsupported",
         )
-    raise BadRequest(f"'tool_choice' must be {CHOICES}, got {_short(choice)}", "tool_choice")
+    return ("function", fn["name"])
 
 
 def parallel_of(body: dict) -> bool:
@@ -135,14 +149,142 @@ def parallel_of(body: dict) -> bool:
     return value
 
 
-def options(body: dict, template: str) -> tuple:
-    """A chat request's ``(tools for the template, parser family or None, parallel)``:
-    with ``tool_choice: "none"`` the template gets no tools and nothing is parsed."""
+def options(body: dict, template: str, special: Optional[dict] = None) -> tuple:
+    """A chat request's ``(tools for the template, parser family or None, parallel,
+    grammar or None)``: with ``tool_choice: "none"`` the template gets no tools and
+    nothing is parsed; ``required`` and a named function give the reply's grammar
+    (``tool_grammar``; ``special``: the tokenizer's special tokens, text to id)."""
     tools = tools_of(body)
     choice, parallel = choice_of(body, tools), parallel_of(body)
     if choice == "none":
-        return None, None, parallel
-    return tools, family_of(template), parallel
+        return None, None, parallel, None
+    family = family_of(template)
+    return tools, family, parallel, tool_grammar(tools, choice, family, parallel, special)
+
+
+# --- tool_choice as a grammar -------------------------------------------------------
+
+
+def tool_grammar(
+    tools: Optional[list],
+    choice: Choice,
+    family: "Family",
+    parallel: bool = True,
+    special: Optional[dict] = None,
+) -> Optional[Grammar]:
+    """The grammar a tool choice constrains the reply to (``None``: free text).
+
+    The one mapping from a tool choice to decoding, for every endpoint: OpenAI's
+    ``tool_choice`` (``choice_of``) and Anthropic's (``any`` is ``"required"``,
+    ``{"type": "tool", "name": n}`` is ``("function", n)``).
+
+    - ``"auto"``, ``"none"``: ``None`` (the model may write text or calls).
+    - ``"required"``: one call of any tool (one or more, one after another, when
+      ``parallel``); ``("function", name)``: exactly one call of that tool.
+
+    The calls are written in the family's own markup (the form its parser reads:
+    Hermes ``<tool_call>\n{"name": .., "arguments": ..}\n</tool_call>``, Llama 3
+    ``{"name": .., "parameters": ..}``, Mistral ``[TOOL_CALLS][{"name": ..,
+    "arguments": ..}]``), with each tool's arguments following its ``parameters``
+    schema (an empty object without one); a tool with ``strict: true`` has every
+    object of its schema closed (``additionalProperties: false`` where the schema
+    says nothing: only the listed properties, OpenAI's strict mode). A marker that
+    is one of the tokenizer's ``special`` tokens is written as that token.
+
+    Args:
+        tools: the request's tools (``tools_of``).
+        choice: ``"auto"``, ``"none"``, ``"required"`` or ``("function", name)``.
+        family: the template's call markup (``family_of``).
+        parallel: whether ``"required"`` may make several calls.
+        special: the tokenizer's special tokens, text to id.
+    """
+    if choice in ("auto", "none") or not tools:
+        return None
+    fns = [t["function"] for t in tools]
+    if isinstance(choice, tuple):
+        fns = [f for f in fns if f["name"] == choice[1]]
+        parallel = False
+    args_key = "parameters" if family.name == "llama3" else "arguments"
+    calls = [_call_schema(f, args_key) for f in fns]
+    # a parameters schema's own definitions move to the root its "#/$defs/.." refs name
+    defs = {k: {n: d for c in calls for n, d in c.pop(k, {}).items()} for k in DEFS}
+    call = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    root = {k: v for k, v in defs.items() if v}
+    special = special or {}
+    if family.name == "mistral":
+        many = {} if parallel else {"maxItems": 1}
+        array = {"type": "array", "items": call, "minItems": 1, **many, **root}
+        opens = _literal("[TOOL_CALLS]", special)
+        lark = f"start: {opens} calls\ncalls: %json {_embedded(array)}\n"
+    elif family.name == "llama3":
+        more = ' ("; " call)*' if parallel else ""
+        lark = f"start: call{more}\ncall: %json {_embedded({**call, **root})}\n"
+    else:
+        opens, closes = _literal("<tool_call>", special), _literal("</tool_call>", special)
+        more = ' ("\\n" call)*' if parallel else ""
+        lark = (
+            f"start: call{more}\n"
+            f'call: {opens} "\\n" body "\\n" {closes}\n'
+            f"body: %json {_embedded({**call, **root})}\n"
+        )
+    return Grammar("lark", lark, "tool_choice")
+
+
+# The calls' JSON as chat templates write it (``{"name": "f", "arguments": {...}}``).
+CALL_JSON = MappingProxyType(
+    {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+)
+
+
+DEFS = ("$defs", "definitions")
+
+
+def _call_schema(fn: dict, args_key: str) -> dict:
+    """One call of ``fn``: ``{"name": fn's name, args_key: its parameters}`` (the
+    parameters' definitions beside, at the call's root)."""
+    params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+    if fn.get("strict"):
+        params = _closed(params)
+    defs = {k: params.pop(k) for k in DEFS if isinstance(params.get(k), dict)}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn["name"]}, args_key: params},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+        **defs,
+    }
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does
+    not set it (a copy)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in NESTED else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {n: _closed(s) for n, s in schema[key].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and (
+        "additionalProperties" not in schema
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+NESTED = frozenset({"items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else"})
+
+
+def _embedded(schema: dict) -> str:
+    """A JSON schema as llguidance's Lark ``%json`` takes it, with the calls' JSON form."""
+    return json.dumps({**schema, "x-guidance": dict(CALL_JSON)})
+
+
+def _literal(marker: str, special: dict) -> str:
+    """A Lark terminal for ``marker``: the special token when it is one, else its text."""
+    token = special.get(marker)
+    return f"<[{token}]>" if token is not None else json.dumps(marker)
 
 
 # --- the families -------------------------------------------------------------------

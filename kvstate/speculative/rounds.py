@@ -802,13 +802,18 @@ def step(
             (``None``: a plain decode step for every row).
         forward: ``(tokens [B, N], states) -> (logits [B, N, V], states)``;
             default ``eager(target)``; ``compiled(target)`` for a compiled verify.
-        mask: ``mask(logits)`` is called once the forward is built and returns the
-            rows' grammar bitmask ``[B, ceil(V/32)]`` int32 (or ``None``: no row is
-            constrained); every window position of row ``b`` is masked by row ``b``'s
-            words (``kvstate.sampling.apply_bitmask``) before verification and sampling, so a row
-            with a grammar must not draft (``num_draft`` 0: its one token comes from
-            position 0). It may ``mx.async_eval(logits)`` first, to fill on the host
-            while the device runs the forward (``kvstate.serving.grammar``).
+        mask: ``mask(logits, window)`` is called once the forward of the verify
+            window ``[B, N]`` (each row's pending token, its drafts, pad) is built and
+            returns the rows' grammar bitmask ``[B, N, ceil(V/32)]`` int32, position
+            ``i`` of row ``b`` the words its grammar allows after the window's first
+            ``i + 1`` tokens (``[B, 1, ...]``: one row of words for every position;
+            ``None``: no row is constrained). The logits are masked
+            (``kvstate.sampling.apply_bitmask``) before verification and sampling, so a
+            draft its grammar forbids is rejected and every emitted token keeps to it.
+            The pending tokens must be the ones the caller's grammars last consumed
+            (their round read: not pipelined). It may ``mx.async_eval(logits)``
+            first, to fill on the host while the device runs the forward
+            (``kvstate.serving.grammar``).
 
     Returns:
         ``(new_spec, Round)``: the rows after the round, and per row the
@@ -846,7 +851,7 @@ def step(
     window = _window(batch.tokens, drafts_dev, K, width, B)
     cp = ops.checkpoint(batch.states) if K else None
     logits, states = forward(window, list(batch.states))
-    logits = _masked(logits, mask)  # the rows' grammars: what they forbid is never emitted
+    logits = _masked(logits, mask, window)  # the rows' grammars: what they forbid is never emitted
     if K and last is not None:  # drafted late: the verify to the device, then the last
         # round read (it ran while this round was built)
         mx.async_eval(logits)
@@ -903,10 +908,11 @@ def step(
     return new, Round(emitted, counts, accepted, width)
 
 
-def _masked(logits: mx.array, mask) -> mx.array:
-    """``logits`` ``[B, N, V]`` with ``mask(logits)``'s row words applied at every position."""
-    bitmask = None if mask is None else mask(logits)
-    return logits if bitmask is None else apply_bitmask(logits, bitmask[:, None, :])
+def _masked(logits: mx.array, mask, window: mx.array) -> mx.array:
+    """``logits`` ``[B, N, V]`` with ``mask(logits, window)``'s words ``[B, N | 1, W]``
+    applied at each position."""
+    bitmask = None if mask is None else mask(logits, window)
+    return logits if bitmask is None else apply_bitmask(logits, bitmask)
 
 
 def _step_args(spec: Speculation, drafter: Drafter) -> tuple:

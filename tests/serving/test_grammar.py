@@ -268,7 +268,7 @@ SCHEMA_B = {
 def test_grammar_rows_batched_with_free_rows_equal_each_alone(smollm, grammars, drafter):
     """Rows of two schemas, a regex and no grammar in one batch: every row's greedy
     tokens equal its run alone, and a grammar row's reply keeps to its grammar (with
-    speculation on, grammar rows do not draft; free rows still do)."""
+    speculation on, every row drafts)."""
     tok = smollm.tokenizer
     asks = [
         ("A person as JSON:", Grammar("json_schema", SCHEMA_A)),

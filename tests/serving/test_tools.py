@@ -202,18 +202,32 @@ def test_bad_tools_are_400s_naming_the_field(tools_value, param, words):
 
 
 @pytest.mark.parametrize(
-    ("choice", "code"),
+    ("choice", "words"),
     [
-        ("required", "unsupported"),
-        ({"type": "function", "function": {"name": "get_weather"}}, "unsupported"),
-        ("sometimes", None),
+        ("sometimes", "must be 'auto', 'none', 'required'"),
+        ({"type": "function", "function": {"name": "nope"}}, "one of the tools ['get_weather']"),
+        ({"type": "function", "name": "get_weather"}, "must be 'auto'"),
+        ({"type": "function", "function": {"name": "get_weather", "x": 1}}, "must be 'auto'"),
     ],
 )
-def test_tool_choice_that_needs_a_grammar_is_refused_naming_what_works(choice, code):
+def test_a_bad_tool_choice_is_a_400_naming_it(choice, words):
     with pytest.raises(BadRequest) as e:
         _parse(tools=[TOOL], tool_choice=choice)
-    assert e.value.param == "tool_choice" and e.value.code == code
-    assert "'auto' or 'none'" in str(e.value)
+    assert e.value.param == "tool_choice" and words in str(e.value), str(e.value)
+
+
+def test_required_and_named_choices_constrain_the_reply_with_a_grammar():
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        p, given_tools = _parse(tools=[TOOL], tool_choice=choice)
+        assert given_tools == [TOOL] and p.grammar.kind == "lark"
+        assert p.grammar.arg == "tool_choice" and "<tool_call>" in p.grammar.source
+    assert _parse(tools=[TOOL])[0].grammar is None  # auto: free text
+    with pytest.raises(BadRequest, match="no 'tools'") as e:
+        _parse(tool_choice="required")
+    with pytest.raises(BadRequest, match="cannot be combined") as e:
+        _parse(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"})
+    assert e.value.param == "tool_choice"
 
 
 def test_tool_choice_auto_without_tools_and_bad_parallel_are_400s():
