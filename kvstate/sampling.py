@@ -16,9 +16,11 @@ top token's; 0 keeps every token) and ``top_k`` (0 keeps every token). Each
 keeps the tokens at or above a threshold, so applying them in sequence (as
 mlx-lm does) equals keeping the tokens at or above the largest of the three
 thresholds, which is what ``filter_logprobs`` computes. A row whose
-temperature is 0 takes the argmax of its logits (mlx-lm's greedy sampler).
-Sampling is Gumbel-max over the filtered logits divided by the temperature,
-with the noise drawn from the row's own key.
+temperature is 0 (below ``GREEDY_BELOW``, 1e-5, as vLLM) takes the argmax of its
+logits (mlx-lm's greedy sampler). Sampling is Gumbel-max over the filtered
+log-probabilities divided by the temperature (``tempered``: shifted so that the
+best is 0, so no temperature overflows them), with the noise drawn from the row's
+own key; a token with a ``-inf`` logit (a grammar's mask) is never drawn.
 
 Before the filters, ``process_logits`` applies mlx-lm's logits processors
 (``mlx_lm.sample_utils.make_logits_processors``), per row and in mlx-lm's
@@ -41,6 +43,7 @@ from .core.args import as_int
 from .errors import bad
 
 __all__ = [
+    "GREEDY_BELOW",
     "Sampling",
     "apply_bitmask",
     "filter_logprobs",
@@ -50,6 +53,7 @@ __all__ = [
     "sample",
     "sample_arrays",
     "split_keys",
+    "tempered",
 ]
 
 PerRow = float | int | Sequence | mx.array
@@ -297,11 +301,34 @@ def sample_arrays(
     logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     kept = filter_logprobs(logprobs, top_p, top_k, min_p)
-    greedy = temperature == 0
-    scaled = kept / mx.where(greedy, 1.0, temperature)[:, None]
-    drawn = mx.argmax(scaled + mx.vmap(lambda k: _gumbel(k, V))(use), axis=-1)
+    greedy, scaled = tempered(kept, temperature)
+    noise = mx.maximum(mx.vmap(lambda k: _gumbel(k, V))(use), _FLOOR)  # (finite: see tempered)
+    drawn = mx.argmax(scaled + noise, axis=-1)
     tokens = mx.where(greedy, mx.argmax(logits, axis=-1), drawn)
     return tokens, carry
+
+
+#: Temperatures below this are greedy (the argmax), as in vLLM (``_SAMPLING_EPS``):
+#: dividing by a subnormal temperature overflows every finite logit to ``-inf``.
+GREEDY_BELOW = 1e-5
+
+_FLOOR = float(mx.finfo(mx.float32).min)
+
+
+def tempered(kept: mx.array, temperature: mx.array) -> tuple:
+    """``(greedy [B], scaled [B, V])``: which rows are greedy (temperature below
+    ``GREEDY_BELOW``), and the filtered log-probabilities ``kept`` over each row's
+    temperature, shifted so that the row's best token is 0 (its other tokens at most
+    0, a removed one ``-inf``): nothing overflows to ``+inf`` or NaN, and the best
+    allowed token stays finite whatever the temperature, so a token the filters, a
+    grammar or a ``-inf`` bias removed is never drawn (``sample_arrays``, and the
+    distribution ``kvstate.speculative.rounds.probabilities`` verifies with)."""
+    greedy = temperature < GREEDY_BELOW
+    removed = kept == _NEG_INF
+    shifted = kept - mx.max(kept, axis=-1, keepdims=True)
+    # (a temperature past float32's range is inf: every allowed token then scales to 0)
+    scaled = shifted / mx.where(greedy, 1.0, temperature)[:, None]
+    return greedy, mx.where(removed, _NEG_INF, scaled)
 
 
 def next_tokens(logits: mx.array, keys, params: tuple | None) -> tuple:

@@ -31,7 +31,7 @@ from .. import mlx_lm as bridge
 from ..core.args import as_int
 from ..core.records import CompositeState, RecurrentState, RotatingState
 from ..errors import bad, check
-from ..kinds.shared import SharedState
+from ..kinds.shared import SUFFIX_STEP, SharedState
 from . import prefix_cache
 
 __all__ = [
@@ -149,8 +149,8 @@ class Parked:
         spec: the row as a one-row ``Speculation`` whose records are empty
             placeholders (``unpark`` puts the row's records back).
         layers: per layer, the record as a ``_Held`` tree: its arrays as host
-            bytes, a ``SharedState``'s prefix records left on the device (the
-            cache entry or the rows they are shared with hold them too).
+            bytes, but a ``SharedState``'s prefix records that others hold (the
+            prefix cache, the rows still running) left on the device.
         nbytes: the bytes the row's own arrays held.
         order: the row's admission order (parked rows rejoin oldest first).
     """
@@ -178,18 +178,27 @@ class _HostArray:
     shape: tuple
 
 
-def _to_host(value) -> Any:
+def _to_host(value, keep: frozenset = frozenset()) -> Any:
     """``value`` with every array copied to host memory (records walked field by
-    field; a ``SharedState``'s prefixes stay as they are)."""
+    field); a ``SharedState``'s prefix records whose ``id`` is in ``keep`` stay as
+    they are (on the device: others hold them too)."""
     if isinstance(value, mx.array):
         return _HostArray(np.array(value.view(mx.uint8)), value.dtype, tuple(value.shape))
     if isinstance(value, tuple):
-        return tuple(map(_to_host, value))
+        return tuple(_to_host(v, keep) for v in value)
     if not attrs.has(type(value)):
         return value
-    fields = {f.name: getattr(value, f.name) for f in attrs.fields(type(value))}
-    keep = {"prefixes"} if isinstance(value, SharedState) else set()
-    return _Held(type(value), {k: v if k in keep else _to_host(v) for k, v in fields.items()})
+    shared = isinstance(value, SharedState)
+    fields = {
+        f.name: _to_host(getattr(value, f.name), keep)
+        for f in attrs.fields(type(value))
+        if not (shared and f.name == "prefixes")
+    }
+    if shared:
+        fields["prefixes"] = tuple(
+            p if id(p) in keep else _to_host(p, keep) for p in value.prefixes
+        )
+    return _Held(type(value), fields)
 
 
 def _to_device(value) -> Any:
@@ -205,7 +214,7 @@ def _to_device(value) -> Any:
 
 def _host_bytes(value) -> int:
     if isinstance(value, _Held):
-        return sum(_host_bytes(v) for k, v in value.fields.items() if k != "prefixes")
+        return sum(map(_host_bytes, value.fields.values()))
     if isinstance(value, _HostArray):
         return value.raw.nbytes
     if isinstance(value, tuple):
@@ -213,12 +222,14 @@ def _host_bytes(value) -> int:
     return 0
 
 
-def park(spec: Any, placeholder: list, order: tuple) -> Parked:
+def park(spec: Any, placeholder: list, order: tuple, keep: frozenset = frozenset()) -> Parked:
     """``spec`` (one row; compact records, ``extract_row``'s) with its records'
-    arrays copied to host memory; ``placeholder``: empty one-row records standing
-    in for them (``make_states(model, 1)``)."""
+    arrays copied to host memory, but for the prefix records whose ``id`` is in
+    ``keep`` (a prefix-cache entry, a prompt the rows still running share: they
+    stay resident anyway); ``placeholder``: empty one-row records standing in for
+    them (``make_states(model, 1)``)."""
     check(spec.batch_size == 1, "spec batch size", "1 (one row)", spec.batch_size)
-    layers = tuple(_to_host(s) for s in spec.batch.states)
+    layers = tuple(_to_host(s, keep) for s in spec.batch.states)
     held = attrs.evolve(spec, batch=attrs.evolve(spec.batch, states=list(placeholder)))
     return Parked(held, layers, _host_bytes(layers), order)
 
@@ -230,18 +241,33 @@ def unpark(parked: Parked) -> Any:
 
 
 def device_records(parked: Parked) -> list:
-    """The records a parked row still reads on the device (a shared row's prefixes)."""
+    """The records a parked row still reads on the device (the prefixes ``park`` kept)."""
     shared = [layer for layer in parked.layers if layer.kind is SharedState]
-    return [p for layer in shared for p in layer.fields["prefixes"]]
+    return [p for layer in shared for p in layer.fields["prefixes"] if not isinstance(p, _Held)]
 
 
 #: The growth step of a dense record (``kv.empty``): a row holds whole steps of columns.
 STEP = 256
 
 
-def projected(tokens: int, token_bytes: int) -> int:
-    """The KV bytes a row of ``tokens`` tokens can hold: whole growth steps of them."""
-    return -(-tokens // STEP) * STEP * token_bytes
+def projected(prompt: int, max_tokens: int, token_bytes: int, extra: int = 0) -> int:
+    """The most KV bytes one row of a request can hold, at ``token_bytes`` a token.
+
+    A prefilled prompt is a record of its own (a prefix-cache entry, or the batch
+    ``prefill`` made), held in whole growth steps (``STEP``); a dense row reads it
+    as a shared prefix and appends its own tokens (the completion, the prompt's
+    last token where the prompt was cached up to it, ``extra`` draft columns) to a
+    suffix of its own, held in whole steps of ``SUFFIX_STEP``. A row whose records
+    are copies (rings, chunked, recurrent, composite) holds prompt and completion
+    in one record, in whole steps of ``STEP``. The bound is the larger of the two."""
+    own = max_tokens + 1 + extra
+    shared = _steps(prompt, STEP) + _steps(own, SUFFIX_STEP)
+    return max(shared, _steps(prompt + own, STEP)) * token_bytes
+
+
+def _steps(tokens: int, step: int) -> int:
+    """``tokens`` rounded up to whole steps of ``step`` columns."""
+    return -(-tokens // step) * step
 
 
 def newest(payload) -> int:

@@ -53,7 +53,7 @@ from ..batch import Batch, sample_batch
 from ..core import ops
 from ..core.records import CacheState, QuantizedState
 from ..errors import KVStateError
-from ..kinds.shared import fork, resident_bytes
+from ..kinds.shared import fork, resident_bytes, resident_records
 from ..sampling import Sampling, row_keys
 from ..speculative import rounds as speculative
 from ..speculative.drafts import DraftModel
@@ -337,15 +337,25 @@ class Scheduler:
 
     def _run(self) -> None:
         """``step`` until stopped. A fault the isolation below did not place (a bug in
-        the scheduler itself) ends every job in flight, and the loop goes on empty."""
-        while not self._stop.is_set():
-            try:
-                self.step(block=not self.active_rows)
-            except Exception as exc:
-                log.exception("scheduler fault; every job in flight ends")
-                self._fail_all(_describe(exc))
-        if self._then is not None:
-            self._then(self)
+        the scheduler itself) ends every job in flight, and the loop goes on empty.
+
+        Last, the thread frees MLX's state for it (``mx.clear_streams``: its streams,
+        their compiled functions, its random state) while it still holds the
+        interpreter. Left to the thread's exit, that state is freed after
+        ``Thread.join`` has returned, and when the main thread is finalizing the
+        interpreter by then, freeing it aborts the process ("terminate called
+        without an active exception", status -6: ``notes/serving.md``)."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.step(block=not self.active_rows)
+                except Exception as exc:
+                    log.exception("scheduler fault; every job in flight ends")
+                    self._fail_all(_describe(exc))
+            if self._then is not None:
+                self._then(self)
+        finally:
+            _end_thread()
 
     def _jobs(self) -> list:
         """Every job running, pending or queued, each once."""
@@ -617,14 +627,22 @@ class Scheduler:
         logits, states = bridge.prefill(
             self.model, prompts, prefill_step_size=self.prefill_step_size, **self.make
         )
-        return logits, fork(states, 0, 0), [None] * len(prompts), [len(p) for p in prompts]
+        if self.kv_budget is not None and len(prompts) > 1:
+            # each prompt its own record: prompts prefilled together share one as wide as
+            # the longest, which outlives the rows that fit it and is more than their
+            # projections (``budget.projected``: each prompt in its own growth steps)
+            rows = [[ops.extract_row(s, b) for s in states] for b in range(len(prompts))]
+            return logits, bridge.merge_rows([fork(r, 0, 0) for r in rows]), *_none(prompts)
+        return logits, fork(states, 0, 0), *_none(prompts)
 
     # --- the KV byte budget ------------------------------------------------------------
 
     def _projected(self, job: Job) -> int:
-        """The most KV bytes ``job``'s rows can hold: prompt and ``max_tokens`` per row,
-        in whole growth steps."""
-        return job.n * budget.projected(len(job.prompt) + job.max_tokens, self.token_bytes)
+        """The most KV bytes ``job``'s rows can hold (``budget.projected``: the prompt's
+        record and each row's own columns, ``max_tokens`` and draft ones, in whole
+        growth steps)."""
+        draft = self.num_draft if self.drafter is not None else 0
+        return job.n * budget.projected(len(job.prompt), job.max_tokens, self.token_bytes, draft)
 
     def _fits(self, job: Job, taking: list) -> bool:
         """Whether ``job``'s projected bytes fit beside those of the running, starting
@@ -669,10 +687,13 @@ class Scheduler:
         one = attrs.evolve(one, batch=attrs.evolve(one.batch, states=states))
         job, choice = one.batch.payload[0]
         placeholder = bridge.make_states(self.model, 1, **self.make)
-        self._parked.append(budget.park(one, placeholder, (job.submitted, choice)))
-        self._parked.sort(key=lambda p: p.order)
         stay = [r for r in range(self.spec.batch_size) if r != b]
-        self.spec = speculative.leave(self.spec, stay)
+        rest = speculative.leave(self.spec, stay)
+        # (prefixes that stay resident anyway: the rows', the cache's, prompts', parked rows')
+        keep = frozenset(id(x) for r in self._records(rest) for x in resident_records(r))
+        self._parked.append(budget.park(one, placeholder, (job.submitted, choice), keep))
+        self._parked.sort(key=lambda p: p.order)
+        self.spec = rest
         self.stats["parked"] += 1
 
     def _resume(self) -> None:
@@ -905,6 +926,19 @@ def _forked(jobs: list, batch: Batch, draft_states) -> tuple:
                 draft_states = fork(draft_states, b, job.n - 1)
             origin += [(b, c) for c in range(1, job.n)]
     return attrs.evolve(batch, payload=[(jobs[b], c) for b, c in origin]), draft_states, origin
+
+
+def _end_thread() -> None:
+    """Free MLX's state of the calling thread (``mx.clear_streams``, MLX's own advice at
+    the end of a thread that ran MLX work); the thread must run no MLX work after it."""
+    clear = getattr(mx, "clear_streams", None)  # (older MLX has none)
+    if clear is not None:
+        clear()
+
+
+def _none(prompts: list) -> tuple:
+    """``(leases, prefilled)`` of prompts prefilled whole with no prefix cache."""
+    return [None] * len(prompts), [len(p) for p in prompts]
 
 
 def _describe(exc: BaseException) -> str:

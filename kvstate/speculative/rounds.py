@@ -45,12 +45,14 @@ from ..core.args import PerRowInts, per_row, row_list
 from ..core.records import _tuple, derived, forwarded
 from ..errors import bad, check
 from ..sampling import (
+    GREEDY_BELOW,
     Sampling,
     apply_bitmask,
     filter_logprobs,
     next_tokens,
     sample_arrays,
     split_keys,
+    tempered,
 )
 from .drafts import DraftModel, Lookup, lookup, validate_drafter
 from .window import Window, bucket, expected_accepted
@@ -240,9 +242,10 @@ def probabilities(
     """The distribution ``kv.sample_arrays`` draws from, per row and position.
 
     ``logits`` ``[B, V]`` or ``[B, N, V]``; the parameters ``[B]``, one per row
-    (``kvstate.batch.sampling_arrays``). A row at temperature 0 gets the
-    one-hot of its argmax (the greedy sampler, as a distribution); other rows
-    the softmax of their filtered log-probabilities over the temperature.
+    (``kvstate.batch.sampling_arrays``). A row at temperature 0 (below
+    ``kvstate.sampling.GREEDY_BELOW``) gets the one-hot of its argmax (the greedy
+    sampler, as a distribution); other rows the softmax of their filtered
+    log-probabilities over the temperature (``kvstate.sampling.tempered``).
     """
     shape = logits.shape
     B, V = shape[0], shape[-1]
@@ -250,10 +253,10 @@ def probabilities(
     x = logits.astype(mx.float32).reshape(B * N, V)
     t, tp, tk, mp = (mx.repeat(a, N, axis=0) for a in (temperature, top_p, top_k, min_p))
     kept = filter_logprobs(x - mx.logsumexp(x, axis=-1, keepdims=True), tp, tk, mp)
-    greedy = (t == 0)[:, None]
-    soft = mx.softmax(kept / mx.where(greedy, 1.0, t[:, None]), axis=-1)
+    greedy, scaled = tempered(kept, t)
+    soft = mx.softmax(scaled, axis=-1)
     hard = (mx.arange(V)[None, :] == mx.argmax(x, axis=-1)[:, None]).astype(mx.float32)
-    return mx.where(greedy, hard, soft).reshape(shape)
+    return mx.where(greedy[:, None], hard, soft).reshape(shape)
 
 
 def accept_greedy(drafts: Sequence[Sequence[int]], target: Sequence[Sequence[int]]) -> tuple:
@@ -948,7 +951,7 @@ def _plan(spec: Speculation, drafter, draft_model, rule: Window | None) -> tuple
         row's draft request (``_asked``), the draft model's steps (0 without one),
         and the rows' sampling arrays (``None``: every row greedy).
     """
-    sampled = any(s.temperature > 0 for s in spec.batch.sampling)
+    sampled = any(s.temperature >= GREEDY_BELOW for s in spec.batch.sampling)
     alphas = [rule.alpha(x) for x in spec.seen] if rule is not None else []
     # after a plain round (or none): an entry into drafting (``Window.hysteresis``)
     entry = not (spec.unrecorded and spec.unrecorded[-1].drafted)

@@ -98,7 +98,7 @@ def test_a_round_runs_at_most_the_budget_of_prompt_tokens(model, monkeypatch):
 
 import hypothesis.strategies as st  # noqa: E402
 from hypothesis import note, settings  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
 
 from kvstate.errors import KVStateError  # noqa: E402
 from kvstate.serving import budget  # noqa: E402
@@ -133,53 +133,83 @@ def test_a_request_that_can_never_fit_is_refused_at_submit(model):
     assert sched.queued == 1
 
 
-def test_parked_rows_resume_with_the_tokens_of_an_unconstrained_run(model):
-    """Rows of different lengths pad one another; a budget that their projections fit
-    but their padded batch outgrows parks the newest rows, which resume exactly."""
-    per = budget.bytes_per_token(model)
-    asks = [(_prompt(s, n), m) for s, n, m in ((1, 200, 100), (2, 20, 230), (3, 30, 220))]
-    sched = Scheduler(
-        model, (), max_batch=8, kv_budget=4 * budget.STEP * per, prefill_budget=None, measure=True
-    )
-    outs = []
-    for prompt, m in asks:  # one a round: each joins the batch left-padded to its width
-        job, got = _collecting(prompt, m)
-        sched.submit(job)
+#: A long answer, then two short ones joining when it has 200 tokens: their suffixes are
+#: left-padded to its width, more than their projections (one suffix step each).
+PADDED = ((1, 20, 250, 200), (2, 20, 10, 1), (3, 30, 10, 1))
+
+
+def _padded(sched, outs: list) -> list:
+    """Submit ``PADDED`` to ``sched`` (each followed by its steps); the jobs."""
+    jobs = []
+    for seed, n, m, steps in PADDED:
+        got: dict = {}
+        jobs.append(Job(_prompt(seed, n), m, seed=0, emit=_sink(got)))
         outs.append(got)
-        sched.step()
-    while sched.active_rows or sched.queued:
-        sched.step()
+        sched.submit(jobs[-1])
+        for _ in range(steps):
+            sched.step()
+    return jobs
+
+
+def _projections(model) -> int:
+    per = budget.bytes_per_token(model)
+    return sum(budget.projected(n, m, per) for _, n, m, _ in PADDED)
+
+
+def test_parked_rows_resume_with_the_tokens_of_an_unconstrained_run(model):
+    """A budget that the rows' projections fit but their padded batch outgrows parks
+    the newest rows, which resume exactly (their own prefill records parked with them)."""
+    limit = _projections(model)
+    sched = Scheduler(model, (), max_batch=8, kv_budget=limit, prefill_budget=None, measure=True)
+    outs: list = []
+    jobs = _padded(sched, outs)
+    _drain(sched, jobs)
     assert sched.stats["parked"] >= 1  # the budget bit: the control for what follows
     assert sched.stats["peak_bytes"] <= sched.kv_budget
-    for (prompt, m), got in zip(asks, outs):
-        assert got[0] == _greedy_alone(model, prompt, m)
+    for job, got in zip(jobs, outs):
+        assert "error" not in got and got[0] == _greedy_alone(model, job.prompt, job.max_tokens)
 
 
 class BudgetMachine(RuleBasedStateMachine):
-    """submit / step / cancel against a small KV budget: the bytes held never pass it,
-    and every request's greedy tokens are those of an unconstrained run (a prefix of
-    them when cancelled)."""
+    """submit / step / cancel against a small KV budget, with or without a prefix cache
+    and chunked prefill: the bytes held never pass it (the chunk a join or a round's
+    growth allocates included), and every request's greedy tokens are those of an
+    unconstrained run (a prefix of them when cancelled)."""
 
     model = llama_model(seed=3, layers=2)
     per = budget.bytes_per_token(model)
 
     def __init__(self):
         super().__init__()
+        self.sched: Scheduler | None = None
+        self.jobs: list = []
+
+    @initialize(cached=st.booleans(), chunk=st.sampled_from([None, 48]))
+    def start(self, cached, chunk):
+        note(f"start {cached=} {chunk=}")
         self.sched = Scheduler(
             self.model,
             (),
             max_batch=4,
             kv_budget=3 * budget.STEP * self.per,
-            prefill_budget=48,
-            prefix_cache=PrefixCache(1 << 22),
+            prefill_budget=chunk,
+            prefix_cache=PrefixCache(1 << 22) if cached else None,
             measure=True,
         )
-        self.jobs: list = []
 
-    @rule(seed=st.integers(0, 5), length=st.integers(2, 180), max_tokens=st.integers(1, 90))
-    def submit(self, seed, length, max_tokens):
-        job, got = _collecting(_prompt(seed, length), max_tokens)
-        note(f"submit {seed=} {length=} {max_tokens=}")
+    @rule(
+        seed=st.integers(0, 5),
+        length=st.integers(2, 180),
+        max_tokens=st.integers(1, 90),
+        n=st.sampled_from([1, 1, 2]),
+    )
+    def submit(self, seed, length, max_tokens, n):
+        job, got = _collecting(_prompt(seed, length), max_tokens, n)
+        note(f"submit {seed=} {length=} {max_tokens=} {n=}")
+        if n * budget.projected(length, max_tokens, self.per) > self.sched.kv_budget:
+            with pytest.raises(KVStateError, match="kv_budget"):
+                self.sched.submit(job)  # it could never fit: refused, nothing queued
+            return
         self.sched.submit(job)
         self.jobs.append((job, got, _prompt(seed, length), max_tokens))
 
@@ -195,30 +225,26 @@ class BudgetMachine(RuleBasedStateMachine):
 
     @invariant()
     def within_budget(self):
-        assert self.sched.stats["peak_bytes"] <= self.sched.kv_budget
-        assert self.sched.nbytes() <= self.sched.kv_budget
+        if self.sched is not None:
+            assert self.sched.stats["peak_bytes"] <= self.sched.kv_budget
+            assert self.sched.nbytes() <= self.sched.kv_budget
 
     def teardown(self):
+        if self.sched is None:
+            return
         while self.sched.active_rows or self.sched.queued:
             self.sched.step()
         assert self.sched.stats["peak_bytes"] <= self.sched.kv_budget
         for job, got, prompt, max_tokens in self.jobs:
             want = _greedy_alone(self.model, prompt, max_tokens)
-            if job.cancelled and len(got[0]) < max_tokens:
-                assert got[0] == want[: len(got[0])]
-            else:
-                assert got[0] == want
+            for tokens in got.values():
+                if job.cancelled and len(tokens) < max_tokens:
+                    assert tokens == want[: len(tokens)]
+                else:
+                    assert tokens == want
 
 
 TestBudgetMachine = BudgetMachine.TestCase
-# A known open bug, found by this machine: some sequences of joins (three short
-# requests at once is one) hold a record chunk (64 KiB here) past the budget for a
-# round before room is made. Not strict: which draw finds it depends on the code
-# around it; run with BUDGET_MACHINE_EXAMPLES=60 to see it.
-TestBudgetMachine = pytest.mark.xfail(
-    reason="known bug: a join can hold one record chunk past the KV budget for a round",
-    strict=False,
-)(TestBudgetMachine)
 TestBudgetMachine.settings = settings(
     max_examples=int(os.environ.get("BUDGET_MACHINE_EXAMPLES", 8)),
     stateful_step_count=12,
@@ -272,20 +298,13 @@ def test_a_fault_in_a_part_prefilled_prompt_ends_only_its_job(model):
     assert sched.stats["failed"] == 1
 
 
-def _parking(model, steps=4, **options):
-    """A scheduler with a row parked (a budget of ``steps`` growth steps of one row,
-    less than the three rows' padded batch grows to): ``(scheduler, jobs, outs)``."""
-    per = budget.bytes_per_token(model)
-    sched = Scheduler(
-        model, (), max_batch=8, kv_budget=steps * budget.STEP * per, prefill_budget=None, **options
-    )
-    outs, jobs = [], []
-    for seed, n, m in ((1, 200, 100), (2, 20, 230), (3, 30, 220)):
-        got: dict = {}
-        jobs.append(Job(_prompt(seed, n), m, seed=0, emit=_sink(got)))
-        outs.append(got)
-        sched.submit(jobs[-1])
-        sched.step()
+def _parking(model, **options):
+    """A scheduler with a row parked (``PADDED`` against their projections' sum):
+    ``(scheduler, jobs, outs)``."""
+    limit = _projections(model)
+    sched = Scheduler(model, (), max_batch=8, kv_budget=limit, prefill_budget=None, **options)
+    outs: list = []
+    jobs = _padded(sched, outs)
     for _ in range(300):
         if sched._parked:
             return sched, jobs, outs
@@ -306,18 +325,17 @@ def test_a_parked_job_past_its_deadline_is_told_and_its_snapshot_freed(model):
             assert got[0] == _greedy_alone(model, job.prompt, job.max_tokens)
 
 
-def test_a_cancelled_parked_job_leaves_and_unpins_what_it_read(model):
-    cache = PrefixCache(1 << 24)
-    sched, jobs, outs = _parking(model, steps=3, prefix_cache=cache)
+def test_a_cancelled_parked_job_leaves_and_its_snapshot_is_freed(model):
+    sched, jobs, outs = _parking(model)
     parked = sched._parked[0].spec.batch.payload[0][0]
     parked.cancel()  # the client went away
     sched.step()
-    assert sched._parked == [] or all(
-        p.spec.batch.payload[0][0] is not parked for p in sched._parked
-    )
+    assert all(p.spec.batch.payload[0][0] is not parked for p in sched._parked)
     assert "error" not in outs[jobs.index(parked)]
     _drain(sched, jobs)
-    assert cache.pinned == 0
+    for job, got in zip(jobs, outs):
+        if job is not parked:
+            assert got[0] == _greedy_alone(model, job.prompt, job.max_tokens)
 
 
 # --- many clients against a budget too small for all of them ----------------------------
@@ -383,7 +401,7 @@ def test_every_family_gives_the_same_tokens_chunked_and_within_a_kv_budget(famil
     m = _families()[family]()
     asks = [(_prompt(s, 30 + 55 * s), 12, 2 if s == 1 else 1) for s in range(3)]
     whole, _ = _run(m, asks, prefill_budget=None)
-    limit = 2 * budget.projected(140 + 12, budget.bytes_per_token(m))
+    limit = 2 * budget.projected(140, 12, budget.bytes_per_token(m))
     cache = PrefixCache(1 << 24)
     got, sched = _run(m, asks, prefill_budget=16, kv_budget=limit, prefix_cache=cache, measure=True)
     assert got == whole
