@@ -302,7 +302,10 @@ def _generate_parser(sub):
             "first token, peak memory and cache bytes per token held and reserved.",
             88,
         ),
-        epilog="the table's columns:\n" + _legend(),
+        epilog="the table's columns:\n"
+        + _legend()
+        + "\n\n--json: one object per request, one line each, with the fields:\n"
+        + _legend(JSON_FIELDS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _model_flags(g)
@@ -663,7 +666,7 @@ def show_completion(c: Completion, tokenizer, out, as_json: bool):
         text = tokenizer.decode(c.tokens) if tokenizer else None
         print(
             json.dumps(
-                {
+                {  # the fields of JSON_FIELDS, in its order
                     "id": r.id,
                     "prompt": r.text,
                     "completion": text,
@@ -753,9 +756,25 @@ COLUMNS = (
 )
 
 
-def _legend(width: int = 0) -> str:
-    """One line per column: its name, then what it means."""
-    width = width or max(len(name) for name, _ in COLUMNS)
+# The fields of each ``--json`` line and what each means (``generate --help``'s epilog,
+# notes/cli.md); ``show_completion`` writes them in this order.
+JSON_FIELDS = (
+    ("id", "the request's index: --prompt's, then --prompts' lines, each --samples times"),
+    ("prompt", "the prompt's text (a chat's last message); null for random token ids"),
+    ("completion", "the generated text, decoded; null without a tokenizer (--model tiny)"),
+    ("token_ids", "the generated token ids, the stop token included when it ended at one"),
+    ("prompt_tokens", "tokens the model reads before generating: chat template included"),
+    ("generated_tokens", "tokens generated: the length of token_ids"),
+    ("finish_reason", "'stop' (a stop token), 'length' (max tokens) or 'error'"),
+    ("error", "why the request failed; present only when finish_reason is 'error'"),
+    ("ttft_s", "seconds from the request's arrival to its first token"),
+    ("seconds", "seconds from the request's arrival to its last token"),
+)
+
+
+def _legend(rows=COLUMNS, width: int = 0) -> str:
+    """One line per column (or field, ``rows``): its name, then what it means."""
+    width = width or max(len(name) for name, _ in rows)
     return "\n".join(
         textwrap.fill(
             what,
@@ -764,7 +783,7 @@ def _legend(width: int = 0) -> str:
             subsequent_indent=" " * (width + 4),
             break_on_hyphens=False,
         )
-        for name, what in COLUMNS
+        for name, what in rows
     )
 
 

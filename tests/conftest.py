@@ -27,7 +27,8 @@ import pytest  # noqa: E402
 import tiny_models as tm  # noqa: E402
 
 # --- fixtures shared by several test files ------------------------------------------------
-# The models are built once per test module (scope="module"), as each file built its own.
+# The tiny models are built once per test module (scope="module"), as each file built its
+# own; the real model once per test process (scope="session": a load costs seconds).
 # A file that needs another model of the same name defines its own fixture, which
 # overrides these (tests/core/test_handles.py's two-layer llama).
 
@@ -45,10 +46,11 @@ def gemma():
     return tm.gemma3_model()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm():
     """The real model (SmolLM2-135M-Instruct from its GGUF file, fetched and cached on first
-    use), dequantized to float32."""
+    use), dequantized to float32; loaded once per test process (about 4 s of CPU a load),
+    shared by every file that asks for it: no test changes its weights."""
     from kvstate.models import load as models
 
     return models.load_model(None, dequantize=True)

@@ -3,10 +3,12 @@ continuous-batching scheduler, ``--model`` on a local directory, ``--compare``
 parity (and that a mismatch is reported), and bad arguments."""
 
 import dataclasses
+import io
 import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -76,6 +78,30 @@ def test_python_m_kvstate_generate_compare():
     assert "token parity: 5/5 requests identical" in stdout
     assert "speed ratio (mlx-lm time / kvstate time):" in stdout
     assert "\r" not in stderr  # no progress redraws where stderr is not a terminal
+
+
+def test_json_lines_have_the_documented_fields(capsys):
+    """Each ``--json`` line has the fields of ``cli.JSON_FIELDS`` in its order, ``error``
+    only on a failed request; ``generate --help`` and notes/cli.md explain each field
+    with that one legend's words."""
+    names = [name for name, _ in cli.JSON_FIELDS]
+    rows, _ = run_json(SMALL, capsys)
+    assert len(rows) == 5
+    for row in rows:
+        assert list(row) == [n for n in names if n != "error"]
+        assert row["generated_tokens"] == len(row["token_ids"]) > 0
+        assert row["prompt"] is None and row["completion"] is None  # random ids, no tokenizer
+    failed = cli.Completion(cli.Request(3, (1, 2), 4), (5,), "error", 0.5, 0.75, "a fault")
+    out = io.StringIO()
+    cli.show_completion(failed, None, out, as_json=True)
+    row = json.loads(out.getvalue())
+    assert list(row) == names and row["error"] == "a fault" and row["finish_reason"] == "error"
+    assert cli.main(["generate", "--help"]) == 0
+    helped = " ".join(capsys.readouterr().out.split())
+    note = " ".join((Path(cli.__file__).parents[1] / "notes" / "cli.md").read_text().split())
+    for name, what in cli.JSON_FIELDS:
+        assert f"{name} {what}" in helped
+        assert f"`{name}`: {what}" in note
 
 
 def test_rows_join_and_leave_mid_generation():

@@ -113,13 +113,10 @@ def test_a_traced_read_that_bypasses_the_cascade_is_refused(monkeypatch):
 
 
 @pytest.mark.slow
-def test_real_model_compiled_shared_decode_equals_eager_and_dense():
+def test_real_model_compiled_shared_decode_equals_eager_and_dense(smollm):
     """SmolLM2-135M (float32, 30 layers): 4 forks of one prompt, 3 greedy steps (~15 s)."""
-    from kvstate.models import load as models
-
-    loaded = models.load_model(None, dequantize=True)
-    model = loaded.model
-    prompt = loaded.tokenizer.encode("The capital of France is")
+    model = smollm.model
+    prompt = smollm.tokenizer.encode("The capital of France is")
     _, states = bridge.forward(model, mx.array([prompt]), bridge.make_states(model, 1))
     rows = kv.fork(states, 0, 3)
     first = [1, 2, 3, 4]

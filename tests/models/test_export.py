@@ -8,13 +8,12 @@ from kvstate.models import load as models
 
 
 @pytest.mark.slow
-def test_mlx_lm_loads_the_export_and_gives_the_same_greedy_tokens(tmp_path):
+def test_mlx_lm_loads_the_export_and_gives_the_same_greedy_tokens(tmp_path, smollm):
     import mlx_lm
 
-    path = models.fetch()
-    out = gguf.export_mlx_lm(path, tmp_path / "m")
+    out = gguf.export_mlx_lm(models.fetch(), tmp_path / "m")
     theirs, tok = mlx_lm.load(str(out))
-    ours = models.load_model(path, dequantize=True)
+    ours = smollm  # models.load_model of the same file, dequantized
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = ours.tokenizer.chat(msgs)
     assert list(tok.apply_chat_template(msgs, add_generation_prompt=True)) == prompt
