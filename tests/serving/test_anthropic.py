@@ -309,14 +309,9 @@ def test_tool_use_comes_back_whole_and_streamed_and_results_go_in(scripted, tiny
     [
         ({"type": "auto", "disable_parallel_tool_use": True}, "auto"),
         ({"type": "none"}, "none"),
-        ({"type": "any"}, "required"),
-        (
-            {"type": "tool", "name": "get_weather"},
-            {"type": "function", "function": {"name": "get_weather"}},
-        ),
     ],
 )
-def test_tool_choice_is_served_or_refused_as_the_chat_endpoint_decides(
+def test_tool_choice_is_served_as_the_chat_endpoint_serves_it(
     scripted, anthropic_choice, openai_choice
 ):
     s, prompts = scripted
@@ -332,12 +327,12 @@ def test_tool_choice_is_served_or_refused_as_the_chat_endpoint_decides(
         {"model": "m", "max_tokens": 64, "messages": WHERE, "tools": [OPENAI_WEATHER]}
         | {"tool_choice": openai_choice},
     )
-    assert a_status == o_status
-    if a_status != 200:
-        assert a["error"]["type"] == "invalid_request_error"
-        assert "tool_choice" in a["error"]["message"]
-        return
+    assert a_status == o_status == 200
     assert prompts[-2] == prompts[-1]
+    _same_reply(a, o)
+
+
+def _same_reply(a: dict, o: dict) -> None:
     message = o["choices"][0]["message"]
     texts = [b["text"] for b in a["content"] if b["type"] == "text"]
     inputs = [b["input"] for b in a["content"] if b["type"] == "tool_use"]
@@ -345,6 +340,56 @@ def test_tool_choice_is_served_or_refused_as_the_chat_endpoint_decides(
     calls = message.get("tool_calls") or []
     assert inputs == [json.loads(c["function"]["arguments"]) for c in calls]
     assert a["stop_reason"] == ("tool_use" if calls else "end_turn")
+
+
+# A closed, bounded schema: a random model forced by the grammar ends its call in time.
+CLOSED = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["c", "f"]}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "anthropic_choice, openai_choice",
+    [
+        ({"type": "any"}, "required"),
+        (
+            {"type": "tool", "name": "get_weather"},
+            {"type": "function", "function": {"name": "get_weather"}},
+        ),
+    ],
+)
+def test_forced_tool_choice_calls_the_tool_as_the_chat_endpoint_does(
+    tiny, anthropic_choice, openai_choice
+):
+    """``any`` and ``tool`` reach the chat endpoint's grammar (``tools.tool_grammar``):
+    the tiny random model, forced, calls the tool with arguments on its schema, and the
+    greedy reply equals the chat endpoint's."""
+    tool = WEATHER | {"input_schema": CLOSED}
+    openai_tool = {
+        "type": "function",
+        "function": OPENAI_WEATHER["function"] | {"parameters": CLOSED},
+    }
+    s = Server(tiny)
+    try:
+        greedy = {"model": "m", "max_tokens": 64, "messages": WHERE, "temperature": 0}
+        a_status, a = post(
+            s, "/v1/messages", greedy | {"tools": [tool], "tool_choice": anthropic_choice}
+        )
+        o_status, o = post(
+            s,
+            "/v1/chat/completions",
+            greedy | {"tools": [openai_tool], "tool_choice": openai_choice},
+        )
+    finally:
+        s.close()
+    assert a_status == o_status == 200, (a, o)
+    uses = [b for b in a["content"] if b["type"] == "tool_use"]
+    assert uses and all(b["name"] == "get_weather" for b in uses)
+    assert all(b["input"]["unit"] in ("c", "f") for b in uses)
+    _same_reply(a, o)
 
 
 # --- the API key ----------------------------------------------------------------------
