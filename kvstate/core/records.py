@@ -484,6 +484,17 @@ class RotatingState(_Unpadded):
 # --- compressed rows (kvstate.kinds.compressed) ---------------------------------
 
 
+def _marks(value) -> tuple:
+    """``CompressedState.evictions``: per row a tuple of ``(length, count)`` int pairs
+    (a file gives lists)."""
+    try:
+        return tuple(tuple((operator.index(t), operator.index(n)) for t, n in row) for row in value)
+    except (TypeError, ValueError):
+        raise bad(
+            "evictions", "per row a sequence of (length, count) int pairs", repr(value)
+        ) from None
+
+
 @owns_arrays("keys", "values", "pos", "dropped", "score", "recent")
 @attrs.frozen
 class CompressedState(_Unpadded):
@@ -530,7 +541,7 @@ class CompressedState(_Unpadded):
     kept: tuple = attrs.field(converter=_tuple_of_ints)
     floor: tuple = attrs.field(converter=_tuple_of_ints)
     budget: tuple = attrs.field(converter=_tuple_of_ints)
-    evictions: tuple = attrs.field(converter=_tuple)
+    evictions: tuple = attrs.field(converter=_marks)
     policy: str = attrs.field(default="sinks", kw_only=True)
     sinks: int = attrs.field(default=4, kw_only=True)
     window: int = attrs.field(default=16, kw_only=True)

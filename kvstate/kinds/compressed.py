@@ -38,6 +38,7 @@ from ..core.invariants import clear_hidden, distinct_row_ids, validate
 from ..core.records import Checkpoint, CompressedState, derived
 from ..errors import bad, check
 from . import rows as _rows
+from .shared import fork, fork_copied
 
 #: ``dropped`` (and ``pos``) of a column that is not marked (hidden columns hold it in both).
 LIVE = 1 << 30
@@ -568,6 +569,10 @@ def extract_row_compressed(state, row):
         }
     return derived(state, row_ids=(state.row_ids[row],), **fields)
 
+
+# A fork copies the row (``shared.fork_copied``): marks and scores are per row, so a
+# prefix record nobody writes cannot hold them.
+fork.register(CompressedState, fork_copied)
 
 _STATIC = ("policy", "sinks", "window", "margin", "observe")
 
