@@ -32,6 +32,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from ..compiled import boundary as compiled
 from ..core import ops
 from ..core.args import as_int, per_row, row_count, row_index, row_list
 from ..core.invariants import clear_hidden, distinct_row_ids, validate
@@ -608,6 +609,25 @@ def merge_rows_compressed(first, states):
         ps = [getattr(s, name) for s in parts]
         fields[name] = None if ps[0] is None else mx.concatenate(ps, axis=0)
     return derived(first, row_ids=ids, step=first.step, **fields)
+
+
+# --- the compile boundary: refused -----------------------------------------------------
+
+
+def _untraceable(state, *args, **kwargs):
+    """Refused: a compressed row's marks (``kept``, ``evictions``, ``floor``) are host
+    bookkeeping that changes every token, so a trace would be one per token (its
+    ``Spec``); decode with ``kvstate.mlx_lm.step`` (``notes/kinds.md``)."""
+    raise bad(
+        "state",
+        "a record the compiled decoder can trace (compressed rows mark columns on the "
+        "host every token: decode with kvstate.mlx_lm.step)",
+        "a CompressedState",
+    )
+
+
+compiled.prepare.register(CompressedState, _untraceable)
+compiled.host_positions.register(CompressedState, _untraceable)
 
 
 # --- invariants -------------------------------------------------------------------------
