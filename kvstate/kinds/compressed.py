@@ -347,16 +347,22 @@ def scored(state, weights):
         take = np.zeros((1, N, 1), np.float32)
         take[0, max(0, N - state.observe) :] = 1
         weights = _pool(state, weights * mx.array(take))
-    onehot = np.zeros((B, R, N), np.float32)
-    fold_new = np.zeros((B, N), np.float32)
+    slot = np.zeros((B, R), np.int32)  # the query each slot takes, if any
+    takes = np.zeros((B, R, 1), bool)
+    fold_new = np.zeros((B, N, 1), bool)
     for b, L in enumerate(state.lengths):
         for i in range(N):
             if L - N + i >= L - R:
-                onehot[b, (L - N + i) % R, i] = 1
+                slot[b, (L - N + i) % R], takes[b, (L - N + i) % R] = i, True
             else:
-                fold_new[b, i] = 1
-    score = state.score + (mx.array(fold_new)[:, :, None] * weights).sum(axis=1)
-    return derived(state, score=score, recent=state.recent + mx.array(onehot) @ weights)
+                fold_new[b, i] = True
+    # ``where``, never a product or a matmul with 0/1: a rejected query's NaN
+    # weights (a poisoned draft) must not reach any other slot (0 * NaN)
+    zero = mx.array(0.0, mx.float32)
+    score = state.score + mx.where(mx.array(fold_new), weights, zero).sum(axis=1)
+    mine = mx.take_along_axis(weights, mx.array(slot)[:, :, None], axis=1)
+    recent = mx.where(mx.array(takes), state.recent + mine, state.recent)
+    return derived(state, score=score, recent=recent)
 
 
 def _rotate(state, n):
@@ -370,9 +376,10 @@ def _rotate(state, n):
             keep[b, q % R] = 0
     if keep.all():
         return state
-    k = mx.array(keep)
-    recent = state.recent
-    return derived(state, score=state.score + ((1 - k) * recent).sum(axis=1), recent=recent * k)
+    k = mx.array(keep.astype(bool))
+    recent, zero = state.recent, mx.array(0.0, mx.float32)
+    folded = state.score + mx.where(k, zero, recent).sum(axis=1)
+    return derived(state, score=folded, recent=mx.where(k, recent, zero))
 
 
 def _pool(state, w):
@@ -506,7 +513,7 @@ def _back_to(state, target, arg):
         for b, (tb, L) in enumerate(zip(target, state.lengths)):
             for q in range(tb, L):
                 stay[b, q % R] = 0
-        planes["recent"] = planes["recent"] * mx.array(stay)
+        planes["recent"] = mx.where(mx.array(stay.astype(bool)), planes["recent"], 0.0)
     return derived(
         state, lengths=target, held=held, kept=kept, evictions=log, **_hide(state, held, **planes)
     )
