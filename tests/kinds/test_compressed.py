@@ -476,3 +476,76 @@ def test_fork_copies_the_row_and_save_load_round_trips(tmp_path):
         np.array(C.read(a, q, scale=0.5)[0]), np.array(C.read(b, q, scale=0.5)[0])
     )
     assert kv.rollback(a, kv.checkpoint(s), 0).lengths == s.lengths
+
+
+# --- speculative decoding on compressed rows ----------------------------------------------
+
+
+def _greedy(model, prompts, T, **make):
+    logits, states = km.prefill(model, prompts, **make)
+    y = mx.argmax(logits, axis=-1)
+    out = [[t] for t in y.tolist()]
+    for _ in range(T):
+        logits, states = km.step(model, y, states)
+        y = mx.argmax(logits, axis=-1)
+        for o, t in zip(out, y.tolist()):
+            o.append(t)
+    return out, states
+
+
+def _speculate(model, prompts, T, **make):
+    from kvstate.speculative import rounds as sp
+    from kvstate.speculative.drafts import Lookup
+
+    drafter = Lookup(min_ngram=1)
+    batch = sp.start(model, prompts, drafter=drafter, num_draft=3, **make)
+    accepted = 0
+    while min(len(c) - len(p) for c, p in zip(batch.context, prompts)) < T + 1:
+        batch, r = sp.step(model, batch, drafter=drafter)
+        accepted += sum(r.accepted)
+    return (
+        [list(c[len(p) : len(p) + T + 1]) for c, p in zip(batch.context, prompts)],
+        batch,
+        accepted,
+    )
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_speculative_greedy_equals_plain_within_the_budget(model, policy):
+    """Verify blocks, per-row rollback and their scores through the bridge: with the
+    budget above every length, speculation gives the plain loop's tokens."""
+    prompts = [(prompt(3, 4) * 4)[:13], (prompt(4, 3) * 4)[:9]]
+    make = {"kv_budget": 64, "policy": policy}
+    got, _, accepted = _speculate(model, prompts, 10, **make)
+    want, _ = _greedy(model, prompts, 10, **make)
+    assert got == want and accepted > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_speculative_rounds_keep_rows_bounded_and_valid(model, policy):
+    """Past the budget: rounds give back rejected drafts within the margin, and every
+    row keeps at most its budget (plus the last block) after each round."""
+    prompts = [(prompt(5, 4) * 6)[:21], (prompt(6, 3) * 6)[:15]]
+    make = {"kv_budget": 8, "policy": policy, "kv_sinks": 1, "kv_window": 2, "kv_margin": 6}
+    got, batch, _ = _speculate(model, prompts, 12, **make)
+    assert all(len(g) == 13 for g in got)
+    for s in batch.states:
+        kv.CompressedState(
+            **{
+                f: getattr(s, f)
+                for f in ("lengths", "held", "kept", "floor", "budget", "evictions")
+            },
+            policy=s.policy,
+            sinks=s.sinks,
+            window=s.window,
+            margin=s.margin,
+            observe=s.observe,
+            step=s.step,
+            keys=s.keys,
+            values=s.values,
+            pos=s.pos,
+            dropped=s.dropped,
+            score=s.score,
+            recent=s.recent,
+        )  # validated
+        assert all(k <= 8 + 4 for k in s.kept)  # budget + the last verify block (1 + 3)
