@@ -7,10 +7,13 @@ The policies differ only in the scores:
 
 * ``sinks`` (StreamingLLM): no scores, so the oldest non-sink column goes:
   the first ``sinks`` tokens and the newest ``budget - sinks``.
-* ``snapkv``: a block longer than ``observe`` (a prompt, or its chunks) adds
-  the attention its last ``observe`` queries pay each column (summed over
-  heads, max-pooled over ``POOL`` neighbouring kept columns); decode steps and
-  verify blocks add nothing, so once out of the window they go first.
+* ``snapkv``: a block longer than ``observe`` (a prompt chunk) marks nothing
+  and sets every column's score to the attention its last ``observe`` queries
+  pay it (summed over heads, max-pooled over ``POOL`` neighbouring kept
+  columns): the prompt's end ranks the whole prompt, as SnapKV compresses
+  once after prefill (the first decode step marks). Decode steps and verify
+  blocks score nothing, so once out of the window they go first; nothing
+  before a scored block's end can be rolled back to.
 * ``h2o``: every query adds its attention (heavy hitters).
 
 Eviction is lazy and reversible. Before appending, a row marks its excess
@@ -27,7 +30,7 @@ Decisions: ``notes/kinds.md``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -56,7 +59,7 @@ def compressed(
     sinks: int = 4,
     window: int = 16,
     margin: int = 16,
-    observe: Optional[int] = None,
+    observe: int = 32,
     step: int = 256,
 ) -> CompressedState:
     """Empty compressed rows: each keeps at most ``budget`` columns (an int, or one per row).
@@ -67,8 +70,9 @@ def compressed(
         window: the newest positions never evicted; ``budget >= sinks + window``.
         margin: tokens a rollback or trim can give back (``>= 1``); the
             marked columns and per-query scores held for it.
-        observe: ``snapkv``'s observation window (the last queries of a
-            block that score the columns); default ``window``.
+        observe: ``snapkv``'s observation window: a block longer than this
+            is a prompt chunk, whose last ``observe`` queries score the columns
+            (32, SnapKV's; keep verify blocks shorter).
         step: capacity grows in multiples of this.
     """
     B = row_count(batch_size, "batch_size")
@@ -79,7 +83,7 @@ def compressed(
         as_int(window, "window"),
         as_int(margin, "margin"),
     )
-    observe = window if observe is None else as_int(observe, "observe")
+    observe = as_int(observe, "observe")
     step = as_int(step, "step")
     check(sinks >= 0, "sinks", ">= 0", sinks)
     check(window >= 1, "window", ">= 1", window)
@@ -246,7 +250,9 @@ def _start(state, k, v):
 def settle(state, n):
     """What an append of ``n`` tokens does before writing: mark the excess
     columns, compact what no rollback reaches, make room for ``n`` columns."""
-    state = _compact(_mark(state), n)
+    if not (state.policy == "snapkv" and n > state.observe):  # a prompt chunk marks nothing
+        state = _mark(state)
+    state = _compact(state, n)
     need = max((h + n for h in state.held), default=0)
     C = state.capacity
     fit = _rows.round_up(need, state.step)
@@ -344,9 +350,12 @@ def scored(state, weights):
     if state.policy == "snapkv":
         if N <= state.observe:  # decode steps and verify blocks: not a prompt
             return state
-        take = np.zeros((1, N, 1), np.float32)
-        take[0, max(0, N - state.observe) :] = 1
-        weights = _pool(state, weights * mx.array(take))
+        # the block's last ``observe`` queries rank every column anew (the prompt's
+        # end, its question, decides); nothing before the block's end is given back
+        zero = mx.array(0.0, mx.float32)
+        tail = mx.split(weights, [N - state.observe], axis=1)[1]
+        tail = mx.where(mx.isnan(tail), zero, tail)
+        return derived(state, score=_pool(state, tail).sum(axis=1), floor=tuple(state.lengths))
     slot = np.zeros((B, R), np.int32)  # the query each slot takes, if any
     takes = np.zeros((B, R, 1), bool)
     fold_new = np.zeros((B, N, 1), bool)

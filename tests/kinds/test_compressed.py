@@ -228,13 +228,13 @@ def _replay(blocks, budget, policy, sinks=1, window=2, observe=3):
     kept, score, t, out = [], {}, 0, None
     for k, _v, q in blocks:
         N = k.shape[1]
-        if len(kept) > budget:
+        if len(kept) > budget and not (policy == "snapkv" and N > observe):
             cand = sorted((score[p], p) for p in kept if p >= sinks and p < t - window)
             gone = {p for _, p in cand[: len(kept) - budget]}
             kept = [p for p in kept if p not in gone]
         kept = kept + list(range(t, t + N))
         for i in range(N):
-            score.setdefault(t + i, 0.0)
+            score[t + i] = 0.0
         out = np.zeros((H_Q, N, DIM))
         contrib = np.zeros((N, len(kept)))
         for i in range(N):
@@ -259,8 +259,7 @@ def _replay(blocks, budget, policy, sinks=1, window=2, observe=3):
             half = C.POOL // 2
             pad = np.pad(c, ((0, 0), (half, half)))
             pooled = np.max([pad[:, s : s + len(kept)] for s in range(C.POOL)], axis=0)
-            for j, x in enumerate(kept):
-                score[x] += pooled[:, j].sum()
+            score = {x: pooled[:, j].sum() for j, x in enumerate(kept)}
         t += N
     return kept, score, out
 
