@@ -320,14 +320,14 @@ def read_mask(state, n):
     return (state.pos[:, None, None, :] <= p) & (state.dropped[:, None, None, :] > p)
 
 
-def read(state, q, *, scale):
+def read(state, q, *, scale, weights=True):
     """Attention of the last ``N`` appended positions' queries ``q`` ``[B, Hq, N, D]``
     over exactly the columns each may see. Returns ``(out, weights)``; ``weights``
-    ``[B, N, C]`` (float32, summed over heads) for a scored policy, else ``None``."""
+    ``[B, N, C]`` (float32, summed over heads) when ``weights`` and the policy scores, else ``None``."""
     B, Hq, N, D = q.shape
     keys, values = state.keys, state.values
     mask = read_mask(state, N)
-    if not state.scored:
+    if not (state.scored and weights):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), None
     Hk, C = keys.shape[1], keys.shape[2]
     rep = Hq // Hk
@@ -415,7 +415,8 @@ def _pool(state, w):
 def attend_and_score(state, q, *, scale, n):
     """``(out, new_state)``: the read of the last ``n`` positions and their scores added."""
     check(q.shape[2] == n, "q queries (shape[2])", n, q.shape[2])
-    out, w = read(state, q, scale=scale)
+    wanted = state.policy == "h2o" or (state.policy == "snapkv" and n > state.observe)
+    out, w = read(state, q, scale=scale, weights=wanted)
     return out, (state if w is None else scored(state, w))
 
 
