@@ -323,7 +323,8 @@ def read_mask(state, n):
 def read(state, q, *, scale, weights=True):
     """Attention of the last ``N`` appended positions' queries ``q`` ``[B, Hq, N, D]``
     over exactly the columns each may see. Returns ``(out, weights)``; ``weights``
-    ``[B, N, C]`` (float32, summed over heads) when ``weights`` and the policy scores, else ``None``."""
+    ``[B, N, C]`` (float32, summed over heads) when asked and the policy scores,
+    else ``None`` (then the read is the fused SDPA)."""
     B, Hq, N, D = q.shape
     keys, values = state.keys, state.values
     mask = read_mask(state, N)
