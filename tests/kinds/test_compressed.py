@@ -4,6 +4,8 @@ eviction, rollback laws, and bad arguments."""
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -552,3 +554,25 @@ def test_speculative_rounds_keep_rows_bounded_and_valid(model, policy):
             recent=s.recent,
         )  # validated
         assert all(k <= 8 + 4 for k in s.kept)  # budget + the last verify block (1 + 3)
+
+
+_LIES = [
+    (dict(kept=(9, 0)), "row 0 (kept, held, lengths): expected 0 <= kept <= held <= lengths"),
+    (dict(evictions=((), ())), "evictions[0]: expected"),
+    (dict(evictions=(("x",), ())), "evictions: expected per row a sequence of (length, count)"),
+    (dict(budget=(2, 5)), "budget[0]: expected >= sinks + window = 3"),
+    (dict(policy="lru"), "policy: expected one of"),
+    (dict(floor=(99, 0)), "floor[0]: expected in [0,"),
+    (dict(pos=mx.zeros((2, 3), mx.int32)), "pos: expected shape"),
+    (dict(lengths=(1,)), "held: expected 1 values"),
+]
+
+
+@pytest.mark.parametrize("lie, msg", _LIES, ids=[m.split(":")[0] for _, m in _LIES])
+def test_lies_are_refused(lie, msg):
+    """Every constructor (``attrs.evolve`` here) validates a compressed record."""
+    import attrs
+
+    s = _filled([6, 2])
+    with pytest.raises(kv.KVStateError, match=re.escape(msg)):
+        attrs.evolve(s, **lie)
