@@ -579,8 +579,13 @@ class CompressedState(_Unpadded):
 
     @property
     def planes(self) -> tuple:
+        """Every stored array, in field order (what crosses the compile boundary):
+        ``keys, values, pos, dropped`` and, for scored policies, ``score, recent``."""
         keys = self.keys
-        return () if keys is None else (keys, self.values)
+        if keys is None:
+            return ()
+        arrays = (keys, self.values, self.pos, self.dropped, self.score, self.recent)
+        return tuple(a for a in arrays if a is not None)
 
     @property
     def capacity(self) -> int:
@@ -589,8 +594,7 @@ class CompressedState(_Unpadded):
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.keys, self.values, self.pos, self.dropped, self.score, self.recent)
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in self.planes)
 
 
 # --- recurrent, composite and chunked layers (kvstate.kinds.recurrent, .composite, .chunked) ---

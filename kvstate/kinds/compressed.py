@@ -122,29 +122,47 @@ def _total(state):
     return state.score + state.recent.sum(axis=1)
 
 
-def _mark(state):
-    """Mark each row's excess columns dropped (at its length): the eviction rule."""
-    excess = tuple(max(0, k - n) for k, n in zip(state.kept, state.budget))
-    if not any(excess):
-        return state
-    t = mx.array(state.lengths, dtype=mx.int32)[:, None]
-    pos, dropped = state.pos, state.dropped
-    cand = (dropped == LIVE) & (pos >= state.sinks) & (pos < t - state.window)
-    need = mx.array(excess, dtype=mx.int32)[:, None]
-    if state.scored:
-        key = mx.where(cand, _total(state), mx.array(float("inf"), mx.float32))
+def _excess(state) -> tuple:
+    """Per row, the columns the next append marks (host ints)."""
+    return tuple(max(0, k - n) for k, n in zip(state.kept, state.budget))
+
+
+def _marks_of(pos, dropped, total, t, need, *, sinks, window):
+    """``dropped`` with each row's ``need`` excess columns marked at ``t`` (int32
+    ``[B, 1]`` each): the eviction rule, on arrays (eager and traced alike).
+    ``total``: the scores (``None``: the oldest candidates go)."""
+    cand = (dropped == LIVE) & (pos >= sinks) & (pos < t - window)
+    if total is not None:
+        key = mx.where(cand, total, mx.array(float("inf"), mx.float32))
         rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1)  # stable: oldest first on ties
         evict = cand & (rank < need)
     else:
         evict = cand & (mx.cumsum(cand.astype(mx.int32), axis=-1) <= need)
-    log = tuple(
+    return mx.where(evict, t, dropped)
+
+
+def _marked_log(state, excess) -> tuple:
+    return tuple(
         e + ((t_, n),) if n else e for e, t_, n in zip(state.evictions, state.lengths, excess)
+    )
+
+
+def _mark(state):
+    """Mark each row's excess columns dropped (at its length): the eviction rule."""
+    excess = _excess(state)
+    if not any(excess):
+        return state
+    t = mx.array(state.lengths, dtype=mx.int32)[:, None]
+    need = mx.array(excess, dtype=mx.int32)[:, None]
+    total = _total(state) if state.scored else None
+    dropped = _marks_of(
+        state.pos, state.dropped, total, t, need, sinks=state.sinks, window=state.window
     )
     return derived(
         state,
-        dropped=mx.where(evict, t, dropped),
+        dropped=dropped,
         kept=tuple(k - n for k, n in zip(state.kept, excess)),
-        evictions=log,
+        evictions=_marked_log(state, excess),
     )
 
 
@@ -192,11 +210,13 @@ def _gather(planes, src):
     return out
 
 
-def _compact(state, n):
+def _compact(state, n, always=False):
     """Drop marked columns no rollback reaches (marked below ``floor``), when a row
-    would otherwise hold more than ``budget + margin`` columns after ``n`` more."""
+    would otherwise hold more than ``budget + margin`` columns after ``n`` more
+    (``always``: whenever a row holds one, ``compiled.prepare``'s)."""
     gone = tuple(sum(c for t, c in log if t < f) for log, f in zip(state.evictions, state.floor))
-    if not any(g and h + n > b + state.margin for g, h, b in zip(gone, state.held, state.budget)):
+    over = zip(gone, state.held, state.budget)
+    if not (any(gone) if always else any(g and h + n > b + state.margin for g, h, b in over)):
         return state
     C = state.capacity
     cols = _cols(C)
@@ -315,19 +335,23 @@ def update_and_read_compressed(state, k, v, plans=None):
 
 def read_mask(state, n):
     """Bool ``[B, 1, n, C]``: the last ``n`` positions' view (``pos <= p < dropped``)."""
-    p = mx.array([[L - n + i for i in range(n)] for L in state.lengths], dtype=mx.int32)
-    p = p[:, None, :, None]
-    return (state.pos[:, None, None, :] <= p) & (state.dropped[:, None, None, :] > p)
+    return _view(state.pos, state.dropped, mx.array(state.lengths, dtype=mx.int32), n)
 
 
-def read(state, q, *, scale, weights=True):
+def _view(pos, dropped, lengths, n):
+    """``read_mask`` on arrays: ``lengths`` int32 ``[B]``, after the append of ``n``."""
+    p = (lengths[:, None] - n + mx.arange(n, dtype=mx.int32)[None, :])[:, None, :, None]
+    return (pos[:, None, None, :] <= p) & (dropped[:, None, None, :] > p)
+
+
+def read(state, q, *, scale, weights=True, mask=None):
     """Attention of the last ``N`` appended positions' queries ``q`` ``[B, Hq, N, D]``
     over exactly the columns each may see. Returns ``(out, weights)``; ``weights``
     ``[B, N, C]`` (float32, summed over heads) when asked and the policy scores,
     else ``None`` (then the read is the fused SDPA)."""
     B, Hq, N, D = q.shape
     keys, values = state.keys, state.values
-    mask = read_mask(state, N)
+    mask = read_mask(state, N) if mask is None else mask
     if not (state.scored and weights):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), None
     Hk, C = keys.shape[1], keys.shape[2]
@@ -353,26 +377,39 @@ def scored(state, weights):
             return state
         # the block's last ``observe`` queries rank every column anew (the prompt's
         # end, its question, decides); nothing before the block's end is given back
-        zero = mx.array(0.0, mx.float32)
-        tail = mx.split(weights, [N - state.observe], axis=1)[1]
-        tail = mx.where(mx.isnan(tail), zero, tail)
-        return derived(state, score=_pool(state, tail).sum(axis=1), floor=tuple(state.lengths))
-    slot = np.zeros((B, R), np.int32)  # the query each slot takes, if any
-    takes = np.zeros((B, R, 1), bool)
-    fold_new = np.zeros((B, N, 1), bool)
-    for b, L in enumerate(state.lengths):
-        for i in range(N):
-            if L - N + i >= L - R:
-                slot[b, (L - N + i) % R], takes[b, (L - N + i) % R] = i, True
-            else:
-                fold_new[b, i] = True
+        return derived(state, score=_ranked(state, weights), floor=tuple(state.lengths))
+    score, recent = _taken(
+        state.score, state.recent, weights, mx.array(state.lengths, dtype=mx.int32), R
+    )
+    return derived(state, score=score, recent=recent)
+
+
+def _taken(score, recent, weights, lengths, R):
+    """``(score, recent)`` with the weights ``[B, N, C]`` of the last ``N`` queries
+    (``lengths`` int32 ``[B]``, after their append) added: a query among the last
+    ``R`` positions into its slot (``position % R``), an older one into ``score``."""
+    N = weights.shape[1]
     # ``where``, never a product or a matmul with 0/1: a rejected query's NaN
     # weights (a poisoned draft) must not reach any other slot (0 * NaN)
+    if N > R:  # the block's first ``N - R`` queries fold at once
+        old = mx.split(weights, [N - R], axis=1)[0]
+        score = score + old.sum(axis=1)
+    # slot s holds the query at L - 1 - d, d = (L - 1 - s) mod R: the block's query N - 1 - d
+    d = (lengths[:, None] - 1 - mx.arange(R, dtype=mx.int32)[None, :]) % R  # [B, R]
+    takes = (d < N)[:, :, None]
+    idx = mx.maximum(N - 1 - d, 0)
+    mine = mx.take_along_axis(weights, idx[:, :, None], axis=1)
+    return score, mx.where(takes, recent + mine, recent)
+
+
+def _ranked(state, weights):
+    """``snapkv``'s scores from a prompt chunk's weights ``[B, N, C]``: its last
+    ``observe`` queries', max-pooled over kept neighbours (``_pool``)."""
+    N = weights.shape[1]
     zero = mx.array(0.0, mx.float32)
-    score = state.score + mx.where(mx.array(fold_new), weights, zero).sum(axis=1)
-    mine = mx.take_along_axis(weights, mx.array(slot)[:, :, None], axis=1)
-    recent = mx.where(mx.array(takes), state.recent + mine, state.recent)
-    return derived(state, score=score, recent=recent)
+    tail = mx.split(weights, [N - state.observe], axis=1)[1]
+    tail = mx.where(mx.isnan(tail), zero, tail)
+    return _pool(state, tail).sum(axis=1)
 
 
 def _rotate(state, n):
@@ -380,16 +417,22 @@ def _rotate(state, n):
     queries fall out of the last ``margin`` positions, and empty them (the new
     positions' slots start empty, whether or not their queries are scored)."""
     R = state.margin
-    keep = np.ones((state.batch_size, R, 1), np.float32)
-    for b, t0 in enumerate(state.lengths):
-        for q in range(max(0, t0 - R), min(t0, t0 + n - R)):
-            keep[b, q % R] = 0
-    if keep.all():
+    if not any(t0 > 0 and t0 + n > R for t0 in state.lengths):
         return state
-    k = mx.array(keep.astype(bool))
-    recent, zero = state.recent, mx.array(0.0, mx.float32)
-    folded = state.score + mx.where(k, zero, recent).sum(axis=1)
-    return derived(state, score=folded, recent=mx.where(k, recent, zero))
+    score, recent = _rotated(
+        state.score, state.recent, mx.array(state.lengths, dtype=mx.int32), n, R
+    )
+    return derived(state, score=score, recent=recent)
+
+
+def _rotated(score, recent, lengths, n, R):
+    """``_rotate`` on arrays (``lengths`` int32 ``[B]``, before the append)."""
+    # slot s holds the query at t0 - R + d, d = (s - t0) mod R; it leaves if that
+    # position exists and is older than the last R after the append
+    d = (mx.arange(R, dtype=mx.int32)[None, :] - lengths[:, None]) % R
+    out = ((d < n) & (d >= R - lengths[:, None]))[:, :, None]
+    zero = mx.array(0.0, mx.float32)
+    return score + mx.where(out, recent, zero).sum(axis=1), mx.where(out, zero, recent)
 
 
 def _pool(state, w):
@@ -629,23 +672,158 @@ def merge_rows_compressed(first, states):
     return derived(first, row_ids=ids, step=first.step, **fields)
 
 
-# --- the compile boundary: refused -----------------------------------------------------
+# --- the compile boundary (kvstate.compiled) ------------------------------------------
+#
+# Every host field an append changes (lengths, held, kept, floor, evictions) follows
+# from host ints alone: how many columns a row marks is its excess over its budget;
+# which ones is decided on the device. So a compiled step gets (lengths, held,
+# excess) as int32 arrays and marks, rotates the recent slots, writes and reads
+# with fixed shapes; ``advanced`` gives the host fields. The one host-side move is
+# ``prepare``'s: when a row would pass the capacity, the marked columns no rollback
+# reaches are compacted away (one gather per plane) and the capacity grows or
+# shrinks to its bucket, outside the compiled call. Inside it, marked columns just
+# stay masked, so the step holds no gather.
 
 
-def _untraceable(state, *args, **kwargs):
-    """Refused: a compressed row's marks (``kept``, ``evictions``, ``floor``) are host
-    bookkeeping that changes every token, so a trace would be one per token (its
-    ``Spec``); decode with ``kvstate.mlx_lm.step`` (``notes/kinds.md``)."""
-    raise bad(
-        "state",
-        "a record the compiled decoder can trace (compressed rows mark columns on the "
-        "host every token: decode with kvstate.mlx_lm.step)",
-        "a CompressedState",
+def _prompt_chunk(state, n) -> bool:
+    """A block ``snapkv`` ranks the row with (and marks nothing before)."""
+    return state.policy == "snapkv" and n > state.observe
+
+
+@compiled.host_positions.register(CompressedState)
+def host_positions_compressed(state):
+    return (state.lengths, state.held, _excess(state))
+
+
+def _fit(state, n):
+    """The capacity a step of ``n`` needs, or ``None`` when the present one serves."""
+    need = max((h + n for h in state.held), default=0)
+    C, fit = state.capacity, _rows.round_up(need, state.step)
+    return None if need <= C <= fit + state.step else max(fit, need)
+
+
+@compiled.with_capacity.register(CompressedState)
+def with_capacity_compressed(state, capacity: int):
+    capacity = compiled.check_capacity(state, capacity)
+    check(capacity >= state.width, "capacity", f">= {state.width} (columns a row holds)", capacity)
+    return _resize(state, capacity)
+
+
+@compiled.prepare.register(CompressedState)
+def prepare_compressed(state, n: int = 1):
+    n = compiled.check_room(state, n)
+    if _fit(state, n) is None:
+        return state
+    state = _compact(state, n, always=True)
+    C = _fit(state, n)
+    return state if C is None else _resize(state, C)
+
+
+@compiled.room.register(CompressedState)
+def room_compressed(state) -> int:
+    if state.keys is None or _fit(state, 1) is not None:
+        return 0
+    return state.capacity - state.width
+
+
+@compiled.advanced.register(CompressedState)
+def advanced_compressed(state, n: int = 1) -> dict:
+    excess = (0,) * state.batch_size if _prompt_chunk(state, n) else _excess(state)
+    lengths = tuple(L + n for L in state.lengths)
+    floor = (
+        lengths
+        if _prompt_chunk(state, n)
+        else tuple(max(f, L - state.margin) for f, L in zip(state.floor, lengths))
     )
+    return {
+        "lengths": lengths,
+        "held": tuple(h + n for h in state.held),
+        "kept": tuple(k - e + n for k, e in zip(state.kept, excess)),
+        "floor": floor,
+        "evictions": _marked_log(state, excess),
+    }
 
 
-compiled.prepare.register(CompressedState, _untraceable)
-compiled.host_positions.register(CompressedState, _untraceable)
+_PLANES = ("keys", "values", "pos", "dropped", "score", "recent")
+
+
+def _named(view):
+    return dict(zip(_PLANES, view.planes))
+
+
+@compiled.traced_offset.register(CompressedState)
+def traced_offset_compressed(proto, view: compiled.Traced, ctx: compiled.TraceContext):
+    return view.positions[0]
+
+
+@compiled.traced_update.register(CompressedState)
+def traced_update_compressed(proto, view: compiled.Traced, k, v, ctx: compiled.TraceContext):
+    """Mark, rotate the recent slots, write ``N`` tokens after each row's held columns."""
+    p = _named(view)
+    lengths, held, excess = view.positions
+    N = k.shape[2]
+    check(
+        k.shape[1:] == p["keys"].shape[1:2] + (N,) + p["keys"].shape[3:],
+        "k (heads, key dim)",
+        p["keys"].shape[1::2],
+        k.shape[1::2],
+    )
+    t = lengths[:, None]
+    if not _prompt_chunk(proto, N):
+        total = p["score"] + p["recent"].sum(axis=1) if proto.scored else None
+        p["dropped"] = _marks_of(
+            p["pos"],
+            p["dropped"],
+            total,
+            t,
+            excess[:, None],
+            sinks=proto.sinks,
+            window=proto.window,
+        )
+    if proto.scored:
+        p["score"], p["recent"] = _rotated(p["score"], p["recent"], lengths, N, proto.margin)
+    steps = mx.arange(N, dtype=mx.int32)[None, :]
+    at = held[:, None] + steps  # [B, N]: in range (prepare made room)
+    idx = at[:, None, :, None]
+    p["keys"] = mx.put_along_axis(p["keys"], idx, k, axis=2)
+    p["values"] = mx.put_along_axis(p["values"], idx, v, axis=2)
+    p["pos"] = mx.put_along_axis(p["pos"], at, t + steps, axis=1)
+    planes = tuple(p[name] for name in _PLANES[: len(view.planes)])
+    after = (lengths + N, held + N, excess)
+    return compiled.Traced(proto, planes, after, view.same_end), p["keys"], p["values"]
+
+
+@compiled.traced_mask.register(CompressedState)
+def traced_mask_compressed(proto, view: compiled.Traced, n: int, window, ctx):
+    """What ``next_mask`` answers: the routed read (``traced_read``) builds its own."""
+    check(window is None, "window", "None (compressed rows hold full-attention layers)", window)
+    return None if n == 1 else "causal"
+
+
+@compiled.traced_read.register(CompressedState)
+def traced_read_compressed(proto, view: compiled.Traced, q, scale, ctx):
+    """``attend_and_score`` on the view: the read over exactly the columns each
+    query may see, and the scores its policy takes."""
+    p = _named(view)
+    N = q.shape[2]
+    lengths = view.positions[0]
+    mask = ctx.shared(
+        ("compressed-view", N),
+        (p["pos"], p["dropped"], lengths),
+        lambda: _view(p["pos"], p["dropped"], lengths, N),
+    )
+    wanted = proto.policy == "h2o" or _prompt_chunk(proto, N)
+    like = derived(proto, keys=p["keys"], values=p["values"])
+    out, w = read(like, q, scale=scale, weights=wanted, mask=mask)
+    if w is None:
+        return out, view
+    if proto.policy == "snapkv":
+        like = derived(like, pos=p["pos"], dropped=p["dropped"])
+        p["score"] = _ranked(like, w)
+    else:
+        p["score"], p["recent"] = _taken(p["score"], p["recent"], w, lengths, proto.margin)
+    planes = tuple(p[name] for name in _PLANES[: len(view.planes)])
+    return out, compiled.Traced(proto, planes, view.positions, view.same_end)
 
 
 # --- invariants -------------------------------------------------------------------------
