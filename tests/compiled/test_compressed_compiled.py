@@ -42,12 +42,15 @@ def _kept_scores(s):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_compiled_decode_equals_eager_through_eviction(model, policy):
+def test_compiled_decode_equals_eager_through_eviction(model, policy, monkeypatch):
+    flattened = []  # the steps that took the general path (prepare, flatten)
+    real = kc.flatten
+    monkeypatch.setattr(kc, "flatten", lambda *a, **k: flattened.append(t) or real(*a, **k))
     logits, states = _rows(model, policy)
     dec = km.compiled_decoder(model, attention="mask")
     te = tc = mx.argmax(logits, axis=-1)
     se = sc = states
-    worst, traces, compacted, caps = 0.0, None, False, set()
+    worst, traces, compacted, caps, t = 0.0, None, False, set(), -1
     for t in range(56):
         le, se = km.step(model, te, se)
         before = _squeezed(sc)[0].held
@@ -67,6 +70,8 @@ def test_compiled_decode_equals_eager_through_eviction(model, policy):
     assert all(len(e) > 0 for e in _squeezed(sc)[0].evictions)
     assert compacted and len(caps) <= 2
     assert dec.traces == traces, dec.trace_reasons
+    # the steady path (no per-layer host work) between compactions
+    assert 0 < len(set(flattened)) < 12, sorted(set(flattened))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
