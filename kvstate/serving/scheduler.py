@@ -198,6 +198,8 @@ class Scheduler:
         overlap: the rows' grammar masks are filled on the host while the device runs
             the round's forward (``mx.async_eval``, then the fill); off, the fill comes
             first and the forward runs after it (``notes/serving.md`` measures both).
+        pipelined: a plain round's tokens are read one round late, while the device
+            runs the next round (``_round``); off, each round is read as it ends.
     """
 
     def __init__(
@@ -219,6 +221,7 @@ class Scheduler:
         prefill_budget: Optional[int] = DEFAULT_PREFILL_BUDGET,
         kv_budget: Optional[int] = None,
         overlap: bool = True,
+        pipelined: bool = True,
     ) -> None:
         self.model, self.eos = model, frozenset(eos)
         self.make = dict(make or {})
@@ -240,6 +243,8 @@ class Scheduler:
         # ((job, choice), (token,), log-probabilities) of rows joined, not yet handed out
         self._first: list = []
         self.overlap = overlap
+        self.pipelined = pipelined
+        self._unread: Optional[tuple] = None  # (payload, Round, Processed): a round not read yet
         self.bytes_per_token: list = []
         self._queue: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
@@ -372,7 +377,7 @@ class Scheduler:
     def _fail_all(self, message: str) -> None:
         """End every job (running, pending, queued) with ``message``; no rows stay."""
         jobs = self._jobs()
-        self.spec = None
+        self.spec, self._unread = None, None
         self._pending.clear()
         self._prefilling, self._parked, self._first = [], [], []
         for job in jobs:
@@ -711,7 +716,22 @@ class Scheduler:
 
     def _round(self) -> None:
         """One round over every row. Where building it raises, the rows are as they
-        were: the faulty ones are found and end, the others run the round again."""
+        were: the faulty ones are found and end, the others run the round again.
+
+        Pipelined (``pipelined``), a plain round's tokens are handed to the device
+        (``mx.async_eval``) and read one round later: the previous round's tokens are
+        read and handed out while the device runs this one, as mlx-lm's
+        ``BatchGenerator`` does, so the host's emission and the next round's graph
+        overlap the device. A row that ended in the previous round has run one round
+        more (its token is dropped). A round whose rows have grammars or processors
+        (their next round needs the last tokens on the host) hands out the previous
+        round first and its own at once."""
+        spec = cast(Any, self.spec)
+        deferrable = self.pipelined and self._deferrable(spec)
+        if not deferrable and self._unread is not None:
+            self._hand_out(*self._take_unread())
+            if self.spec is None:
+                return
         try:
             spec, r = self._try_round(self.spec, self.drafter)
         except Exception as exc:
@@ -723,17 +743,47 @@ class Scheduler:
         self.stats["rounds"] += 1
         self.stats["drafted"] += sum(r.drafted)
         self.stats["accepted"] += sum(r.accepted)
+        this = (spec.batch.payload, r, self._processed)
+        del spec  # (the round's input records held by nothing: its appends write in place)
+        tokens = r.unread if deferrable else None
+        if tokens is not None:  # to the device now; read at the next round
+            mx.async_eval(tokens)
+        if self._unread is not None:
+            self._hand_out(*self._take_unread())
+        if tokens is None:
+            self._hand_out(*this)
+        elif self.spec is not None:
+            self._unread = this
+
+    def _deferrable(self, spec) -> bool:
+        """Whether a round of ``spec``'s rows may be read one round late: no row has a
+        grammar (its mask needs the last token accepted) or processors or asks for
+        log-probabilities (``Processed`` reads the contexts)."""
+        payload = spec.batch.payload
+        if any(job.matchers for job, _ in payload):
+            return False
+        return not needed(spec.batch.sampling, [job.logprobs for job, _ in payload])
+
+    def _take_unread(self) -> tuple:
+        out, self._unread = self._unread, None
+        return cast(tuple, out)
+
+    def _hand_out(self, payload: list, r, proc) -> None:
+        """A round's tokens (read now: the round runs on the device if it has not) to
+        the rows that ran it (``payload``); finished rows leave."""
         try:  # reading the tokens runs the round on the device
             emitted = r.emitted
-            proc = self._processed
             lps = None if proc is None else token_logprobs(proc.logprobs, emitted, proc.tops)
         except Exception as exc:  # the rows' records moved on: none can be kept
             log.warning("a round failed on the device: %s", _describe(exc))
-            for job in {job for job, _ in spec.batch.payload}:
+            rows = [] if self.spec is None else self.spec.batch.payload
+            for job in {job for job, _ in list(payload) + list(rows)}:
                 self._fail(job, _describe(exc))
-            self.spec = None
+            self.spec, self._unread = None, None
             return
-        self._emit(zip(spec.batch.payload, emitted, lps or [()] * len(emitted)))
+        self._emit(zip(payload, emitted, lps or [()] * len(emitted)))
+        if self.spec is None:
+            self._unread = None  # (every row it held has ended)
 
     def _try_round(self, spec, drafter) -> tuple:
         """One round; its forward through ``Processed`` when a row has processors or asks
@@ -842,7 +892,7 @@ class Scheduler:
         """The bytes held now (before finished rows leave): the peak, and per token held."""
         resident = self.nbytes()
         self.stats["peak_bytes"] = max(self.stats["peak_bytes"], resident)
-        tokens = sum(len(c) - 1 for c in self.spec.context)  # (less each row's pending token)
+        tokens = sum(self.spec.lengths) - self.spec.batch_size  # (less each row's pending token)
         self.bytes_per_token.append(resident / max(tokens, 1))
 
     def _hand(self, job: Job, choice: int, tokens, lps=()) -> None:

@@ -213,6 +213,17 @@ class Speculation:
     def batch_size(self) -> int:
         return len(self._context)
 
+    @property
+    def lengths(self) -> tuple:
+        """Per row, the length of its context, without reading a plain round's
+        tokens from the device (``context`` would wait for it)."""
+        c = self._context
+        if isinstance(c, tuple):
+            return tuple(map(len, c))
+        if c._rows is not None:
+            return tuple(map(len, c._rows))
+        return tuple(len(b) + len(c.reads) for b in c.before)
+
     states = forwarded("batch.states", "The target's records.")
 
 
@@ -231,6 +242,15 @@ class Round:
         from the device if nothing read them yet)."""
         e = self._emitted
         return e if isinstance(e, tuple) else tuple((t,) for t in e.host())
+
+    @property
+    def unread(self) -> mx.array | None:
+        """A plain round's next tokens ``[B]`` on the device while nothing has read
+        them yet (a caller may ``mx.async_eval`` them, then build the next round
+        before reading these: ``step``'s pipelining); ``None`` once read, or for a
+        drafting round (read inside ``step``)."""
+        e = self._emitted
+        return None if isinstance(e, tuple) or e.read else e.tokens
 
 
 # --- distributions and the acceptance rules ------------------------------------------
