@@ -106,6 +106,9 @@ from .core.records import (
     CompositeState as CompositeState,
 )
 from .core.records import (
+    CompressedState as CompressedState,
+)
+from .core.records import (
     QuantizedState as QuantizedState,
 )
 from .core.records import (
@@ -121,6 +124,7 @@ from .errors import KVStateError as KVStateError
 from .errors import LeaseError as LeaseError
 from .kinds.chunked import chunked_state as chunked_state
 from .kinds.composite import composite_state as composite_state
+from .kinds.compressed import compressed as compressed
 from .kinds.dense import empty as empty
 from .kinds.dense import from_arrays as from_arrays
 from .kinds.quantized import quantized as quantized
@@ -182,6 +186,7 @@ __all__ = [
     "ChunkedState",
     "CompositeState",
     "SharedState",
+    "CompressedState",
     "Batch",
     "Checkpoint",
     "RecurrentCheckpoint",
@@ -197,6 +202,7 @@ __all__ = [
     "recurrent_state",
     "chunked_state",
     "composite_state",
+    "compressed",
 ]
 # the pure functions: kvstate.core.ops's operations (re-exported above), then the shared-prefix ones
 __all__ += _ops.__all__

@@ -597,6 +597,39 @@ def _kv_flags(g) -> None:
         help="ring records: each row keeps its first 4 and its last N - 4 tokens, in every "
         "full-attention layer (sliding-window layers keep their own window)",
     )
+    g.add_argument(
+        "--kv-budget",
+        type=int,
+        metavar="N",
+        help="compressed records: each row keeps at most N tokens (columns) in every "
+        "full-attention layer, chosen by --kv-policy (not --kv-budget-gb, a byte budget "
+        "over all rows)",
+    )
+    g.add_argument(
+        "--kv-policy",
+        choices=("sinks", "snapkv", "h2o"),
+        help="which tokens --kv-budget keeps: sinks (the first 4 and the newest), snapkv "
+        "(the prompt's tokens its last 16 attend to most), h2o (the most attended so far) "
+        "(default: sinks)",
+    )
+
+
+def _compressed_options(args, command: str) -> dict:
+    """``--kv-budget``/``--kv-policy``: compressed records, alone."""
+    if args.kv_budget is None:
+        raise SystemExit(f"{command}: --kv-policy needs --kv-budget")
+    if args.kv_budget < 20:
+        raise SystemExit(
+            f"{command}: --kv-budget must be >= 20 (4 sink tokens and a window of 16), "
+            f"got {args.kv_budget}"
+        )
+    for flag, value in (("--max-kv-size", args.max_kv_size), ("--kv-bits", args.kv_bits)):
+        if value is not None:
+            raise SystemExit(
+                f"{command}: --kv-budget and {flag}: compressed records are neither rings "
+                "nor quantized; pass one"
+            )
+    return {"kv_budget": args.kv_budget, "policy": args.kv_policy or "sinks"}
 
 
 def kv_options(args) -> dict:
@@ -605,6 +638,8 @@ def kv_options(args) -> dict:
     command = f"kvstate {args.command}"
     if args.kv_group_size is not None and args.kv_bits is None:
         raise SystemExit(f"{command}: --kv-group-size needs --kv-bits")
+    if args.kv_budget is not None or args.kv_policy is not None:
+        return _compressed_options(args, command)
     if args.max_kv_size is not None:
         if args.max_kv_size < 5:
             raise SystemExit(f"{command}: --max-kv-size must be >= 5 (4 kept tokens and a window)")
@@ -1191,9 +1226,9 @@ def _serve_prefix_cache(args, model, make):
         raise SystemExit("kvstate serve: --prefix-cache-mb must be >= 0")
     if mb and not shares:
         raise SystemExit(
-            f"kvstate serve: --prefix-cache-mb {mb}: this model's records are rings "
-            "(--max-kv-size, or sliding-window layers), which the prefix cache cannot "
-            "share; pass --prefix-cache-mb 0"
+            f"kvstate serve: --prefix-cache-mb {mb}: this model's records are rings or "
+            "compressed (--max-kv-size, --kv-budget, or sliding-window layers), which the "
+            "prefix cache cannot share; pass --prefix-cache-mb 0"
         )
     return PrefixCache(mb << 20) if mb else None
 
@@ -1205,6 +1240,8 @@ def _records_note(make: dict, cache) -> str:
         if "kv_bits" in make
         else f"; ring KV records of {make['max_kv_size']} tokens"
         if "max_kv_size" in make
+        else f"; compressed KV records of {make['kv_budget']} tokens ({make['policy']})"
+        if "kv_budget" in make
         else ""
     )
     mb = "off" if cache is None else f"{cache.max_bytes >> 20} MiB"

@@ -21,9 +21,10 @@ from mlx_lm.models import cache as lm_cache
 
 from ..core.args import as_int, row_count
 from ..core.masks import MaskMemo, check_memo
-from ..core.records import QuantizedState, share_row_ids
+from ..core.records import CompressedState, QuantizedState, share_row_ids
 from ..errors import bad, check
 from ..kinds import rows as _rows
+from ..kinds.compressed import attend_and_score, compressed
 from ..kinds.dense import empty
 from ..kinds.quantized import quantized
 from ..kinds.rotating import rotating
@@ -152,6 +153,7 @@ class _cascade:
         self.pending = {}
         self.layouts = SharedLayouts(ctx.positions)  # row maps, positions: once per forward
         self.offsets = PerLayout()  # a shared layer's offset: once per layout
+        self.compressed = 0  # compressed layers in this forward: each must be read once
 
     def offset(self, state: SharedState):
         """``ctx.offset`` of shared rows, once per forward's layout (``PerLayout``):
@@ -160,6 +162,8 @@ class _cascade:
         return self.offsets.get(state, self.ctx.offset)
 
     def _read(self, queries, keys, values, cache, scale, sinks, mask):
+        if isinstance(cache, _shells.Shell) and type(cache.content) is CompressedState:
+            return self._compressed(queries, cache, scale, sinks)
         if type(cache) is not SharedShell or sinks is not None or id(cache) not in self.pending:
             if self.kernel:
                 return routing.routed_read(queries, keys, values, cache, scale, sinks, mask)
@@ -167,7 +171,19 @@ class _cascade:
         del self.pending[id(cache)]
         return shared_read(cache.record, queries, scale=scale, layouts=self.layouts)
 
+    def _compressed(self, queries, cache, scale, sinks):
+        """A compressed layer's read: its own mask over the columns it keeps, and
+        the scores its policy takes (``kvstate.kinds.compressed.attend_and_score``)."""
+        if sinks is not None:
+            raise bad("model", "attention without sinks over compressed rows", "attention sinks")
+        out, cache.content = attend_and_score(
+            cache.content, queries, scale=scale, n=queries.shape[2]
+        )
+        self.compressed_reads += 1
+        return out
+
     def __enter__(self):
+        self.compressed_reads = 0
         self.routing = routing.routed_attention(self.mods, self._read).__enter__()
         self.ctx.route = self
         return self
@@ -177,6 +193,13 @@ class _cascade:
             self.routing.__exit__(*exc)
         finally:
             self.ctx.route = None
+        if exc[0] is None and self.compressed_reads != self.compressed:
+            raise bad(
+                "model",
+                "attention that reads compressed rows through mlx-lm's "
+                f"scaled_dot_product_attention ({self.compressed} layer reads)",
+                f"{self.compressed_reads} routed reads",
+            )
         if exc[0] is None and self.pending:
             raise bad(
                 "model",
@@ -301,6 +324,11 @@ def make_states(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     ring_full_layers: bool = False,
+    kv_budget: Optional[Any] = None,
+    policy: Optional[str] = None,
+    kv_sinks: int = 4,
+    kv_window: int = 16,
+    kv_margin: int = 16,
 ) -> list:
     """One empty record per layer, as ``make_prompt_cache(model, max_kv_size)`` lays out.
 
@@ -318,8 +346,29 @@ def make_states(
     keep=4)`` too, where mlx-lm would ignore ``max_kv_size`` (``kvstate serve``
     and ``kvstate generate`` ``--max-kv-size``: an operator's memory bound holds
     for every model).
+
+    ``kv_budget`` (tokens kept per row: an int, or one per row): the
+    full-attention (``KVCache``) layers become ``kv.compressed(batch_size,
+    kv_budget, policy=policy or "sinks", sinks=kv_sinks, window=kv_window,
+    margin=kv_margin)`` (``notes/kinds.md``); the model's rings stay rings.
+    Refused with ``max_kv_size`` or ``kv_bits``, and ``policy`` without
+    ``kv_budget``.
     """
     batch_size = row_count(batch_size, "batch_size")
+    squeeze = None
+    if kv_budget is None:
+        check(policy is None, "policy", "None without kv_budget", repr(policy))
+    else:
+        check(max_kv_size is None, "max_kv_size", "None with kv_budget", max_kv_size)
+        check(kv_bits is None, "kv_bits", "None with kv_budget", kv_bits)
+        squeeze = compressed(
+            batch_size,
+            kv_budget,
+            policy="sinks" if policy is None else policy,
+            sinks=kv_sinks,
+            window=kv_window,
+            margin=kv_margin,
+        )
     if max_kv_size is not None:
         max_kv_size = as_int(max_kv_size, "max_kv_size")
         check(max_kv_size >= 1, "max_kv_size", ">= 1", max_kv_size)
@@ -327,6 +376,9 @@ def make_states(
     dense = _full_layer(
         batch_size, max_kv_size if ring_full_layers else None, kv_bits, kv_group_size
     )
+    if squeeze is not None:
+        dense = _same(squeeze)
+
     if not hasattr(model, "make_cache"):
         n = len(model.layers)
         if max_kv_size is not None:
@@ -345,6 +397,11 @@ def make_states(
         else:
             states.append(_hybrid.record_for(c, batch_size, dense, f"model.make_cache()[{i}]"))
     return share_row_ids(states)
+
+
+def _same(record):
+    """A maker answering ``record`` (records are values: every layer may hold it)."""
+    return lambda: record
 
 
 def _full_layer(batch_size: int, ring: Optional[int], kv_bits, kv_group_size):
@@ -449,8 +506,10 @@ def _run(model: Model, tokens: mx.array, shells: list, ctx, last: bool) -> mx.ar
     the context's masks released after."""
     run = _last_logits if last else _logits
     try:
-        if routing.routes_reads() or any(type(sh) is SharedShell for sh in shells):
-            with _cascade(model, ctx):
+        squeezed = sum(type(sh.content) is CompressedState for sh in shells)
+        if squeezed or routing.routes_reads() or any(type(sh) is SharedShell for sh in shells):
+            with _cascade(model, ctx) as route:
+                route.compressed = squeezed
                 return run(model, tokens, shells)
         return run(model, tokens, shells)
     finally:

@@ -481,6 +481,118 @@ class RotatingState(_Unpadded):
         return sum(p.nbytes for p in self.planes)
 
 
+# --- compressed rows (kvstate.kinds.compressed) ---------------------------------
+
+
+def _marks(value) -> tuple:
+    """``CompressedState.evictions``: per row a tuple of ``(length, count)`` int pairs
+    (a file gives lists)."""
+    try:
+        return tuple(tuple((operator.index(t), operator.index(n)) for t, n in row) for row in value)
+    except (TypeError, ValueError):
+        raise bad(
+            "evictions", "per row a sequence of (length, count) int pairs", repr(value)
+        ) from None
+
+
+@owns_arrays("keys", "values", "pos", "dropped", "score", "recent")
+@attrs.frozen
+class CompressedState(_Unpadded):
+    """KV rows at a token budget: which columns stay is decided by a policy.
+
+    Each row holds its columns in append order (positions increasing along
+    the columns), each with its position (``pos``) and, once evicted, the
+    row length at which it was (``dropped``; ``LIVE`` while kept). Eviction
+    is lazy and reversible: before appending, a row marks its excess
+    columns dropped (lowest score outside the ``sinks`` first positions
+    and the ``window`` newest, oldest first on ties); marked columns stay
+    in place for ``margin`` more tokens, so ``rollback`` unmarks them, and
+    are compacted away later. A query at position ``p`` sees the columns
+    with ``pos <= p < dropped``::
+
+        one row, budget 4, sinks 1, policy "sinks", after 6 tokens then 1 more:
+        column:     0   1   2   3   4   5   6
+        pos:        0   1   2   3   4   5   6        lengths 7, held 7, kept 5
+        dropped:    .   6   6   .   .   .   .        (. = LIVE)
+        the query at 6 sees positions 0, 3, 4, 5, 6
+
+    Attributes:
+        lengths: per row, the tokens seen (the RoPE offset of the next token).
+        held: per row, the columns in use (kept and marked), ``[0, held)``.
+        kept: per row, the columns not marked dropped.
+        floor: per row, the lowest length ``rollback``/``trim`` can return to.
+        budget: per row, the columns kept after each eviction.
+        evictions: per row, ``((t, n), ...)``: ``n`` columns marked at length
+            ``t``, for the marked columns still held.
+        policy: ``"sinks"``, ``"snapkv"`` or ``"h2o"``.
+        sinks, window: the first positions and the newest positions never evicted.
+        margin: tokens a rollback can give back (and scores kept per query).
+        observe: ``snapkv``'s observation window (the last queries of a block scored).
+        step: capacity grows in multiples of this.
+        keys, values: ``[B, H, C, D]``, or ``None`` before the first append.
+        pos, dropped: int32 ``[B, C]``; hidden columns hold ``LIVE`` in both.
+        score: float32 ``[B, C]``, attention folded in (``None`` for ``sinks``).
+        recent: float32 ``[B, margin, C]``, the last ``margin`` queries'
+            attention, slot ``position % margin`` (``None`` for ``sinks``).
+    """
+
+    lengths: tuple = attrs.field(converter=_tuple_of_ints)
+    held: tuple = attrs.field(converter=_tuple_of_ints)
+    kept: tuple = attrs.field(converter=_tuple_of_ints)
+    floor: tuple = attrs.field(converter=_tuple_of_ints)
+    budget: tuple = attrs.field(converter=_tuple_of_ints)
+    evictions: tuple = attrs.field(converter=_marks)
+    policy: str = attrs.field(default="sinks", kw_only=True)
+    sinks: int = attrs.field(default=4, kw_only=True)
+    window: int = attrs.field(default=16, kw_only=True)
+    margin: int = attrs.field(default=16, kw_only=True)
+    observe: int = attrs.field(default=16, kw_only=True)
+    step: int = attrs.field(default=256, kw_only=True)
+    keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    pos: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    dropped: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    score: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    recent: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
+    row_ids: Optional[tuple] = attrs.field(
+        default=None, kw_only=True, eq=False, repr=False, converter=_row_ids
+    )
+
+    def __attrs_post_init__(self):
+        if self.row_ids is None:
+            object.__setattr__(self, "row_ids", fresh_row_ids(len(self.lengths)))
+        validate(self)
+
+    @property
+    def width(self) -> int:
+        """Columns a read covers: the most any row holds."""
+        return max(self.held, default=0)
+
+    @property
+    def aligned(self) -> bool:
+        return len(set(self.lengths)) <= 1 and len(set(self.held)) <= 1
+
+    @property
+    def scored(self) -> bool:
+        """Whether the policy reads attention scores (``snapkv``, ``h2o``)."""
+        return self.policy != "sinks"
+
+    @property
+    def planes(self) -> tuple:
+        keys = self.keys
+        return () if keys is None else (keys, self.values)
+
+    @property
+    def capacity(self) -> int:
+        keys = self.keys
+        return 0 if keys is None else keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.keys, self.values, self.pos, self.dropped, self.score, self.recent)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
 # --- recurrent, composite and chunked layers (kvstate.kinds.recurrent, .composite, .chunked) ---
 
 

@@ -73,6 +73,7 @@ RECORDS = {
         records.RecurrentState,
         records.ChunkedState,
         records.CompositeState,
+        records.CompressedState,
         shared.SharedState,
     )
 }

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import mlx_lm as bridge
 from ..core.args import as_int
-from ..core.records import CompositeState, RecurrentState, RotatingState
+from ..core.records import CompositeState, CompressedState, RecurrentState, RotatingState
 from ..errors import bad, check
 from ..kinds.shared import SharedState
 from . import prefix_cache
@@ -130,7 +130,7 @@ def _grown(s, n: int) -> int:
         return 0
     if isinstance(rows, RotatingState) and rows.capacity >= rows.max_size:
         return 0
-    end = max(rows.held if isinstance(rows, RotatingState) else rows.ends)
+    end = max(rows.held if isinstance(rows, (RotatingState, CompressedState)) else rows.ends)
     need = end + n - rows.capacity
     if need <= 0:
         return 0

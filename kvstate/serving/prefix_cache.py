@@ -46,6 +46,7 @@ from ..core.records import (
     CacheState,
     ChunkedState,
     CompositeState,
+    CompressedState,
     QuantizedState,
     RecurrentState,
     RotatingState,
@@ -163,6 +164,13 @@ def _reach_ring(state: RotatingState) -> float:
     return state.max_size
 
 
+@reach.register(CompressedState)
+def _reach_compressed(state: CompressedState) -> float:
+    # In pieces, a row marks columns between them, and snapkv scores only blocks
+    # longer than ``observe``: exact while nothing is marked and no block is scored.
+    return min(state.budget, default=0) if state.policy != "snapkv" else state.observe
+
+
 @reach.register(CompositeState)
 def _reach_composite(state: CompositeState) -> float:
     return min(map(reach, state.parts))
@@ -240,6 +248,7 @@ def _check_states(states, arg="states") -> list:
 
 _KINDS = (
     CacheState,
+    CompressedState,
     QuantizedState,
     SharedState,
     RotatingState,

@@ -132,6 +132,13 @@ KINDS = {
         [_recurrent(lens, seed), filled(kv.empty, lens, seed, H, D)]
     ),
     "shared": lambda lens, seed: kv.fork(filled(kv.empty, lens, seed, H, D), 0, 1),
+    "compressed": lambda lens, seed: filled(
+        lambda b: kv.compressed(b, 4, policy="h2o", sinks=1, window=2, margin=3, step=4),
+        lens,
+        seed,
+        H,
+        D,
+    ),
 }
 
 

@@ -1,0 +1,710 @@
+"""Compressed rows: ``CompressedState`` (layout pictured in ``kvstate.core.records``).
+
+A row keeps at most ``budget`` columns after each eviction. Which columns go
+is one rule for every policy: the lowest-scored live column outside the
+first ``sinks`` positions and the ``window`` newest, the oldest first on ties.
+The policies differ only in the scores:
+
+* ``sinks`` (StreamingLLM): no scores, so the oldest non-sink column goes:
+  the first ``sinks`` tokens and the newest ``budget - sinks``.
+* ``snapkv``: a block longer than ``observe`` (a prompt, or its chunks) adds
+  the attention its last ``observe`` queries pay each column (summed over
+  heads, max-pooled over ``POOL`` neighbouring kept columns); decode steps and
+  verify blocks add nothing, so once out of the window they go first.
+* ``h2o``: every query adds its attention (heavy hitters).
+
+Eviction is lazy and reversible. Before appending, a row marks its excess
+columns ``dropped`` with its length (nothing moves); a query at position
+``p`` sees the columns with ``pos <= p < dropped``. Marked columns are
+compacted away only once no rollback can reach them (``floor``: the
+length minus ``margin``), and a query's attention stays separable for
+``margin`` tokens (``recent``, slot ``position % margin``) before it is
+folded into ``score``. So ``rollback``/``trim`` to any length ``>= floor``
+unmarks what later appends marked and subtracts what later queries scored:
+the row is exactly what a row that never saw the dropped tokens holds.
+Decisions: ``notes/kinds.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..compiled import boundary as compiled
+from ..core import ops
+from ..core.args import as_int, per_row, row_count, row_index, row_list
+from ..core.invariants import clear_hidden, distinct_row_ids, validate
+from ..core.records import Checkpoint, CompressedState, derived
+from ..errors import bad, check
+from . import rows as _rows
+from .shared import fork, fork_copied
+
+#: ``dropped`` (and ``pos``) of a column that is not marked (hidden columns hold it in both).
+LIVE = 1 << 30
+POLICIES = ("sinks", "snapkv", "h2o")
+#: ``snapkv``'s pooling kernel over neighbouring columns (SnapKV's default is 7 at 4K+ prompts).
+POOL = 5
+
+
+def compressed(
+    batch_size: int = 1,
+    budget: Any = 1024,
+    *,
+    policy: str = "sinks",
+    sinks: int = 4,
+    window: int = 16,
+    margin: int = 16,
+    observe: Optional[int] = None,
+    step: int = 256,
+) -> CompressedState:
+    """Empty compressed rows: each keeps at most ``budget`` columns (an int, or one per row).
+
+    Args:
+        policy: ``"sinks"``, ``"snapkv"`` or ``"h2o"`` (module docstring).
+        sinks: the first positions never evicted.
+        window: the newest positions never evicted; ``budget >= sinks + window``.
+        margin: tokens a rollback or trim can give back (``>= 1``); the
+            marked columns and per-query scores held for it.
+        observe: ``snapkv``'s observation window (the last queries of a
+            block that score the columns); default ``window``.
+        step: capacity grows in multiples of this.
+    """
+    B = row_count(batch_size, "batch_size")
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise bad("policy", f"one of {POLICIES}", repr(policy))
+    sinks, window, margin = (
+        as_int(sinks, "sinks"),
+        as_int(window, "window"),
+        as_int(margin, "margin"),
+    )
+    observe = window if observe is None else as_int(observe, "observe")
+    step = as_int(step, "step")
+    check(sinks >= 0, "sinks", ">= 0", sinks)
+    check(window >= 1, "window", ">= 1", window)
+    check(margin >= 1, "margin", ">= 1", margin)
+    check(observe >= 1, "observe", ">= 1", observe)
+    check(step >= 1, "step", ">= 1", step)
+    budgets = per_row(budget, B, "budget", low=1)
+    for b, n in enumerate(budgets):
+        check(n >= sinks + window, f"budget[{b}]", f">= sinks + window = {sinks + window}", n)
+    zeros = (0,) * B
+    return CompressedState(
+        zeros,
+        zeros,
+        zeros,
+        zeros,
+        budgets,
+        ((),) * B,
+        policy=policy,
+        sinks=sinks,
+        window=window,
+        margin=margin,
+        observe=observe,
+        step=step,
+    )
+
+
+# --- the layout: eviction marks, compaction, capacity ----------------------------------
+
+
+def _cols(C: int) -> mx.array:
+    return mx.arange(C, dtype=mx.int32)[None, :]
+
+
+def _total(state):
+    """Each column's score: folded plus the recent queries' (``[B, C]`` float32)."""
+    return state.score + state.recent.sum(axis=1)
+
+
+def _mark(state):
+    """Mark each row's excess columns dropped (at its length): the eviction rule."""
+    excess = tuple(max(0, k - n) for k, n in zip(state.kept, state.budget))
+    if not any(excess):
+        return state
+    t = mx.array(state.lengths, dtype=mx.int32)[:, None]
+    pos, dropped = state.pos, state.dropped
+    cand = (dropped == LIVE) & (pos >= state.sinks) & (pos < t - state.window)
+    need = mx.array(excess, dtype=mx.int32)[:, None]
+    if state.scored:
+        key = mx.where(cand, _total(state), mx.array(float("inf"), mx.float32))
+        rank = mx.argsort(mx.argsort(key, axis=-1), axis=-1)  # stable: oldest first on ties
+        evict = cand & (rank < need)
+    else:
+        evict = cand & (mx.cumsum(cand.astype(mx.int32), axis=-1) <= need)
+    log = tuple(
+        e + ((t_, n),) if n else e for e, t_, n in zip(state.evictions, state.lengths, excess)
+    )
+    return derived(
+        state,
+        dropped=mx.where(evict, t, dropped),
+        kept=tuple(k - n for k, n in zip(state.kept, excess)),
+        evictions=log,
+    )
+
+
+def _hide(state, held, **planes):
+    """``planes`` (by field name) with the columns at or past each row's ``held`` hidden."""
+    C = planes["keys"].shape[2]
+    vis = _cols(C) < mx.array(held, dtype=mx.int32)[:, None]
+    out = {}
+    for name, p in planes.items():
+        if p is None:
+            out[name] = None
+        elif name in ("keys", "values"):
+            out[name] = mx.where(vis[:, None, :, None], p, mx.zeros((), p.dtype))
+        elif name in ("pos", "dropped"):
+            out[name] = mx.where(vis, p, LIVE)
+        elif name == "recent":
+            out[name] = mx.where(vis[:, None, :], p, 0.0)
+        else:
+            out[name] = mx.where(vis, p, 0.0)
+    return out
+
+
+def _planes(state):
+    return {
+        "keys": state.keys,
+        "values": state.values,
+        "pos": state.pos,
+        "dropped": state.dropped,
+        "score": state.score,
+        "recent": state.recent,
+    }
+
+
+def _gather(planes, src):
+    out = {}
+    for name, p in planes.items():
+        if p is None:
+            out[name] = None
+        elif name in ("keys", "values"):
+            out[name] = mx.take_along_axis(p, src[:, None, :, None], axis=2)
+        elif name == "recent":
+            out[name] = mx.take_along_axis(p, src[:, None, :], axis=2)
+        else:
+            out[name] = mx.take_along_axis(p, src, axis=1)
+    return out
+
+
+def _compact(state, n):
+    """Drop marked columns no rollback reaches (marked below ``floor``), when a row
+    would otherwise hold more than ``budget + margin`` columns after ``n`` more."""
+    gone = tuple(sum(c for t, c in log if t < f) for log, f in zip(state.evictions, state.floor))
+    if not any(g and h + n > b + state.margin for g, h, b in zip(gone, state.held, state.budget)):
+        return state
+    C = state.capacity
+    cols = _cols(C)
+    floor = mx.array(state.floor, dtype=mx.int32)[:, None]
+    held = tuple(h - g for h, g in zip(state.held, gone))
+    stay = (state.dropped >= floor) & (cols < mx.array(state.held, dtype=mx.int32)[:, None])
+    src = mx.argsort(mx.where(stay, cols, cols + C), axis=-1)  # distinct keys: order kept
+    planes = _hide(state, held, **_gather(_planes(state), src))
+    log = tuple(tuple((t, c) for t, c in e if t >= f) for e, f in zip(state.evictions, state.floor))
+    return derived(state, held=held, evictions=log, **planes)
+
+
+def _resize(state, C):
+    """Capacity ``C`` (a slice, or hidden columns added)."""
+    old = state.capacity
+    if C == old:
+        return state
+    planes = _planes(state)
+    out = {}
+    for name, p in planes.items():
+        if p is None:
+            out[name] = None
+            continue
+        axis = 2 if name in ("keys", "values", "recent") else 1
+        if C < old:
+            out[name] = mx.split(p, [C], axis=axis)[0]
+            continue
+        shape = list(p.shape)
+        shape[axis] = C - old
+        fill = LIVE if name in ("pos", "dropped") else 0
+        out[name] = mx.concatenate([p, mx.full(shape, fill, p.dtype)], axis=axis)
+    return derived(state, **out)
+
+
+def _start(state, k, v):
+    """Empty planes shaped after the first tokens."""
+    B, H, _, Dk = k.shape
+    Dv = v.shape[-1]
+    C = state.step
+    planes = {
+        "keys": mx.zeros((B, H, C, Dk), k.dtype),
+        "values": mx.zeros((B, v.shape[1], C, Dv), v.dtype),
+        "pos": mx.full((B, C), LIVE, mx.int32),
+        "dropped": mx.full((B, C), LIVE, mx.int32),
+        "score": mx.zeros((B, C), mx.float32) if state.scored else None,
+        "recent": mx.zeros((B, state.margin, C), mx.float32) if state.scored else None,
+    }
+    return derived(state, **planes)
+
+
+def settle(state, n):
+    """What an append of ``n`` tokens does before writing: mark the excess
+    columns, compact what no rollback reaches, make room for ``n`` columns."""
+    state = _compact(_mark(state), n)
+    need = max((h + n for h in state.held), default=0)
+    C = state.capacity
+    fit = _rows.round_up(need, state.step)
+    if need > C or C > fit + state.step:
+        state = _resize(state, max(fit, need))
+    return state
+
+
+def _check_kv(state, k, v):
+    _rows.check_kv("k", k, "v", v)
+    B = state.batch_size
+    check(k.shape[0] == B, "k batch size", B, k.shape[0])
+    check(v.shape[0] == B, "v batch size", B, v.shape[0])
+    check(k.shape[2] == v.shape[2], "v tokens (shape[2])", k.shape[2], v.shape[2])
+    check(k.shape[2] >= 1, "k tokens (shape[2])", ">= 1", k.shape[2])
+    if state.keys is not None:
+        want = (state.keys.shape[1], state.keys.shape[3], state.values.shape[3], state.keys.dtype)
+        got = (k.shape[1], k.shape[3], v.shape[3], k.dtype)
+        check(got == want, "k, v (heads, key dim, value dim, dtype)", want, got)
+
+
+@ops.append.register(CompressedState)
+def append_compressed(state, k, v):
+    """Mark, compact, then write ``N`` new tokens after each row's held columns."""
+    _check_kv(state, k, v)
+    B, N = state.batch_size, k.shape[2]
+    if B == 0:
+        return state
+    if state.keys is None:
+        state = _start(state, k, v)
+    state = settle(state, N)
+    if state.scored:
+        state = _rotate(state, N)
+    from ..kernels.stock import column_writer
+
+    write = column_writer(state.held, N, slice_write=False)
+    at = mx.array([[h + i for i in range(N)] for h in state.held], dtype=mx.int32)
+    new_pos = mx.array([[n + i for i in range(N)] for n in state.lengths], dtype=mx.int32)
+    lengths = tuple(n + N for n in state.lengths)
+    return derived(
+        state,
+        keys=write(state.keys, k),
+        values=write(state.values, v),
+        pos=mx.put_along_axis(state.pos, at, new_pos, axis=1),
+        lengths=lengths,
+        held=tuple(h + N for h in state.held),
+        kept=tuple(c + N for c in state.kept),
+        floor=tuple(max(f, n - state.margin) for f, n in zip(state.floor, lengths)),
+    )
+
+
+@ops.update_and_read.register(CompressedState)
+def update_and_read_compressed(state, k, v, plans=None):
+    new = append_compressed(state, k, v)
+    return new, new.keys, new.values
+
+
+# --- the read ---------------------------------------------------------------------------
+
+
+def read_mask(state, n):
+    """Bool ``[B, 1, n, C]``: the last ``n`` positions' view (``pos <= p < dropped``)."""
+    p = mx.array([[L - n + i for i in range(n)] for L in state.lengths], dtype=mx.int32)
+    p = p[:, None, :, None]
+    return (state.pos[:, None, None, :] <= p) & (state.dropped[:, None, None, :] > p)
+
+
+def read(state, q, *, scale):
+    """Attention of the last ``N`` appended positions' queries ``q`` ``[B, Hq, N, D]``
+    over exactly the columns each may see. Returns ``(out, weights)``; ``weights``
+    ``[B, N, C]`` (float32, summed over heads) for a scored policy, else ``None``."""
+    B, Hq, N, D = q.shape
+    keys, values = state.keys, state.values
+    mask = read_mask(state, N)
+    if not state.scored:
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), None
+    Hk, C = keys.shape[1], keys.shape[2]
+    rep = Hq // Hk
+    qg = q.reshape(B, Hk, rep * N, D).astype(mx.float32)
+    s = (qg * scale) @ keys.astype(mx.float32).swapaxes(-1, -2)  # [B, Hk, rep*N, C]
+    s = s.reshape(B, Hk, rep, N, C)
+    s = mx.where(mask[:, :, None], s, mx.array(-float("inf"), mx.float32))
+    w = mx.softmax(s, axis=-1)
+    out = (w.reshape(B, Hk, rep * N, C) @ values.astype(mx.float32)).reshape(B, Hq, N, -1)
+    return out.astype(q.dtype), w.sum(axis=(1, 2))
+
+
+def scored(state, weights):
+    """``state`` with the attention ``weights`` ``[B, N, C]`` of its last ``N``
+    positions' queries added to its scores, as the policy takes them."""
+    if not state.scored:
+        return state
+    B, N, C = weights.shape
+    R = state.margin
+    if state.policy == "snapkv":
+        if N <= state.observe:  # decode steps and verify blocks: not a prompt
+            return state
+        take = np.zeros((1, N, 1), np.float32)
+        take[0, max(0, N - state.observe) :] = 1
+        weights = _pool(state, weights * mx.array(take))
+    onehot = np.zeros((B, R, N), np.float32)
+    fold_new = np.zeros((B, N), np.float32)
+    for b, L in enumerate(state.lengths):
+        for i in range(N):
+            if L - N + i >= L - R:
+                onehot[b, (L - N + i) % R, i] = 1
+            else:
+                fold_new[b, i] = 1
+    score = state.score + (mx.array(fold_new)[:, :, None] * weights).sum(axis=1)
+    return derived(state, score=score, recent=state.recent + mx.array(onehot) @ weights)
+
+
+def _rotate(state, n):
+    """Before ``n`` tokens are appended: fold into ``score`` the recent slots whose
+    queries fall out of the last ``margin`` positions, and empty them (the new
+    positions' slots start empty, whether or not their queries are scored)."""
+    R = state.margin
+    keep = np.ones((state.batch_size, R, 1), np.float32)
+    for b, t0 in enumerate(state.lengths):
+        for q in range(max(0, t0 - R), min(t0, t0 + n - R)):
+            keep[b, q % R] = 0
+    if keep.all():
+        return state
+    k = mx.array(keep)
+    recent = state.recent
+    return derived(state, score=state.score + ((1 - k) * recent).sum(axis=1), recent=recent * k)
+
+
+def _pool(state, w):
+    """Max-pool ``[B, N, C]`` over ``POOL`` neighbouring kept columns (in position
+    order, zero-padded): the kept columns are gathered to the front, pooled and put
+    back, so marked columns held for a rollback never count as neighbours."""
+    half = POOL // 2
+    B, N, C = w.shape
+    cols = _cols(C)
+    live = (state.pos < LIVE) & (state.dropped == LIVE)
+    order = mx.argsort(mx.where(live, cols, cols + C), axis=-1)  # kept first, in order
+    back = mx.argsort(order, axis=-1)
+    front = mx.take_along_axis(w, order[:, None, :], axis=2)
+    front = mx.where(mx.take_along_axis(live, order, axis=1)[:, None, :], front, 0.0)
+    pad = mx.zeros((B, N, half), w.dtype)
+    wide = mx.concatenate([pad, front, pad], axis=-1)
+    out = front
+    for s in range(POOL):
+        out = mx.maximum(out, wide[:, :, s : s + C])
+    out = mx.take_along_axis(out, back[:, None, :], axis=2)
+    return mx.where(live[:, None, :], out, 0.0)
+
+
+def attend_and_score(state, q, *, scale, n):
+    """``(out, new_state)``: the read of the last ``n`` positions and their scores added."""
+    check(q.shape[2] == n, "q queries (shape[2])", n, q.shape[2])
+    out, w = read(state, q, scale=scale)
+    return out, (state if w is None else scored(state, w))
+
+
+@ops.attend.register(CompressedState)
+def attend_compressed(state, q, *, scale: float, memo=None, window=None):
+    """The read of the last ``q.shape[2]`` positions (no scores added: ``attend_and_score``)."""
+    check(window is None, "window", "None (compressed rows hold full-attention layers)", window)
+    check(state.keys is not None, "state", "a record holding tokens", "an empty record")
+    N = q.shape[2]
+    check(all(n >= N for n in state.lengths), "q queries (shape[2])", "<= every row's length", N)
+    return read(state, q, scale=scale)[0]
+
+
+@ops.next_mask.register(CompressedState)
+def next_mask_compressed(state, n, *, memo=None, window=None, array=False):
+    """No mask: the bridge routes every compressed read to ``read``, which builds
+    each layer's own (scored policies evict per layer). ``None`` or ``"causal"``
+    stand in for the model's shared mask, which the routed read ignores."""
+    check(window is None, "window", "None (compressed rows hold full-attention layers)", window)
+    return (None if n == 1 else "causal"), None
+
+
+@ops.positions.register(CompressedState)
+def positions_compressed(state):
+    if len(set(state.lengths)) <= 1:
+        return None
+    return mx.array(state.lengths, dtype=mx.int32)
+
+
+# --- reading the kept columns -----------------------------------------------------------
+
+
+def kept_columns(state):
+    """Per row, the columns a next query sees, in position order (host ints)."""
+    if state.keys is None:
+        return [[] for _ in state.lengths]
+    pos, dropped = np.array(state.pos), np.array(state.dropped)
+    return [
+        [int(c) for c in np.nonzero((pos[b] < LIVE) & (dropped[b] == LIVE))[0]]
+        for b in range(state.batch_size)
+    ]
+
+
+def kept_positions(state):
+    """Per row, the positions it keeps, ascending (host ints)."""
+    if state.keys is None:
+        return [[] for _ in state.lengths]
+    pos = np.array(state.pos)
+    return [[int(pos[b, c]) for c in cols] for b, cols in enumerate(kept_columns(state))]
+
+
+@ops.fetch.register(CompressedState)
+def fetch_compressed(state):
+    """The kept columns of every row in position order, ``[B, H, max(kept), D]``,
+    shorter rows left-padded with zeros."""
+    B = state.batch_size
+    if state.keys is None:
+        return None, None
+    W = max(state.kept, default=0)
+    C = state.capacity
+    cols = _cols(C)
+    live = (state.pos < LIVE) & (state.dropped == LIVE)
+    src = mx.argsort(mx.where(live, cols + C, cols), axis=-1)[:, C - W :]
+    lead = mx.array([[c >= W - k for c in range(W)] for k in state.kept], dtype=mx.bool_)
+    if B == 0:
+        lead = mx.zeros((0, W), mx.bool_)
+    idx = src[:, None, :, None]
+    out = []
+    for p in (state.keys, state.values):
+        g = mx.take_along_axis(p, idx, axis=2)
+        out.append(mx.where(lead[:, None, :, None], g, mx.zeros((), p.dtype)))
+    return tuple(out)
+
+
+# --- trim, checkpoints, rollback --------------------------------------------------------
+
+
+def _back_to(state, target, arg):
+    """Rows back to ``target`` tokens: the newest columns dropped, the marks made
+    at or after ``target`` undone, the dropped queries' scores subtracted."""
+    for b, (t, L, f) in enumerate(zip(target, state.lengths, state.floor)):
+        if not f <= t <= L:
+            raise bad(
+                f"{arg} for row {b}",
+                f"in [{f}, {L}] (the row has seen {L} tokens and can give back "
+                f"{L - f}: margin {state.margin})",
+                t,
+            )
+    if target == state.lengths:
+        return state
+    held = tuple(h - (L - t) for h, L, t in zip(state.held, state.lengths, target))
+    log = tuple(tuple((s, c) for s, c in e if s < t) for e, t in zip(state.evictions, target))
+    kept = tuple(h - sum(c for _, c in e) for h, e in zip(held, log))
+    if state.keys is None:
+        return derived(state, lengths=target, held=held, kept=kept, evictions=log)
+    t = mx.array(target, dtype=mx.int32)[:, None]
+    planes = _planes(state)
+    planes["dropped"] = mx.where(
+        (planes["dropped"] >= t) & (planes["dropped"] < LIVE), LIVE, planes["dropped"]
+    )
+    if state.scored:
+        R = state.margin
+        stay = np.ones((state.batch_size, R, 1), np.float32)
+        for b, (tb, L) in enumerate(zip(target, state.lengths)):
+            for q in range(tb, L):
+                stay[b, q % R] = 0
+        planes["recent"] = planes["recent"] * mx.array(stay)
+    return derived(
+        state, lengths=target, held=held, kept=kept, evictions=log, **_hide(state, held, **planes)
+    )
+
+
+@ops.trim.register(CompressedState)
+def trim_compressed(state, n):
+    n = per_row(n, state.batch_size, "n")
+    return _back_to(state, tuple(L - k for L, k in zip(state.lengths, n)), "lengths - n")
+
+
+@ops.checkpoint.register(CompressedState)
+def checkpoint_compressed(state):
+    return Checkpoint(state.lengths, state.left_pad, row_ids=state.row_ids)
+
+
+@ops.rollback.register(CompressedState)
+def rollback_compressed(state, checkpoint, keep=0):
+    target = _rows.checkpoint_target(state, checkpoint, keep)
+    return _back_to(state, target, "checkpoint + keep")
+
+
+@ops.anchor.register(CompressedState)
+def anchor_compressed(state):
+    return checkpoint_compressed(state)
+
+
+@ops.commit.register(CompressedState)
+def commit_compressed(state, anchor, keep=0):
+    return rollback_compressed(state, anchor, keep)
+
+
+# --- rows: filter, extract, merge -------------------------------------------------------
+
+_PER_ROW = ("lengths", "held", "kept", "floor", "budget", "evictions")
+
+
+def _take_rows(state, rows):
+    out: dict = {f: tuple(getattr(state, f)[r] for r in rows) for f in _PER_ROW}
+    if state.keys is not None:
+        idx = mx.array(rows, dtype=mx.int32)
+        for name, p in _planes(state).items():
+            out[name] = None if p is None else p[idx]
+    return out
+
+
+@ops.filter_rows.register(CompressedState)
+def filter_rows_compressed(state, rows):
+    rows = row_list(rows, state.batch_size)
+    ids = distinct_row_ids(tuple(state.row_ids[r] for r in rows))
+    return derived(state, row_ids=ids, **_take_rows(state, rows))
+
+
+@ops.extract_row.register(CompressedState)
+def extract_row_compressed(state, row):
+    row = row_index(row, state.batch_size)
+    fields = _take_rows(state, [row])
+    if state.keys is not None:  # compact: its own buffers, capacity to what it holds
+        fields = {
+            k: (mx.contiguous(v) if isinstance(v, mx.array) else v) for k, v in fields.items()
+        }
+    return derived(state, row_ids=(state.row_ids[row],), **fields)
+
+
+# A fork copies the row (``shared.fork_copied``): marks and scores are per row, so a
+# prefix record nobody writes cannot hold them.
+fork.register(CompressedState, fork_copied)
+
+_STATIC = ("policy", "sinks", "window", "margin", "observe")
+
+
+@ops.merge_same_kind.register(CompressedState)
+def merge_rows_compressed(first, states):
+    want = tuple(getattr(first, f) for f in _STATIC)
+    for i, s in enumerate(states):
+        got = tuple(getattr(s, f) for f in _STATIC)
+        check(got == want, f"states[{i}] ({', '.join(_STATIC)})", want, got)
+    full = [s for s in states if s.keys is not None]
+    fields: dict = {f: sum((getattr(s, f) for s in states), ()) for f in _PER_ROW}
+    ids = distinct_row_ids(sum((s.row_ids for s in states), ()))
+    if not full:
+        return derived(first, row_ids=ids, **fields)
+    geo = {(s.keys.shape[1], s.keys.shape[3], s.values.shape[3], s.keys.dtype) for s in full}
+    check(
+        len(geo) == 1,
+        "states (heads, key dim, value dim, dtype)",
+        "one geometry",
+        sorted(map(str, geo)),
+    )
+    C = max(s.capacity for s in full)
+    proto = full[0]
+    parts = []
+    for s in states:
+        if s.keys is None:
+            shape = (s.batch_size,) + tuple(proto.keys.shape[1:])
+            vshape = (s.batch_size,) + tuple(proto.values.shape[1:])
+            s = _start(s, mx.zeros(shape, proto.keys.dtype), mx.zeros(vshape, proto.values.dtype))
+        parts.append(_resize(s, C))
+    for name in _planes(first):
+        ps = [getattr(s, name) for s in parts]
+        fields[name] = None if ps[0] is None else mx.concatenate(ps, axis=0)
+    return derived(first, row_ids=ids, step=first.step, **fields)
+
+
+# --- the compile boundary: refused -----------------------------------------------------
+
+
+def _untraceable(state, *args, **kwargs):
+    """Refused: a compressed row's marks (``kept``, ``evictions``, ``floor``) are host
+    bookkeeping that changes every token, so a trace would be one per token (its
+    ``Spec``); decode with ``kvstate.mlx_lm.step`` (``notes/kinds.md``)."""
+    raise bad(
+        "state",
+        "a record the compiled decoder can trace (compressed rows mark columns on the "
+        "host every token: decode with kvstate.mlx_lm.step)",
+        "a CompressedState",
+    )
+
+
+compiled.prepare.register(CompressedState, _untraceable)
+compiled.host_positions.register(CompressedState, _untraceable)
+
+
+# --- invariants -------------------------------------------------------------------------
+
+
+@validate.register(CompressedState)
+def validate_compressed(state):
+    B = len(state.lengths)
+    if not isinstance(state.policy, str) or state.policy not in POLICIES:
+        raise bad("policy", f"one of {POLICIES}", repr(state.policy))
+    for name in ("sinks", "window", "margin", "observe", "step"):
+        value = as_int(getattr(state, name), name)
+        check(
+            value >= (0 if name == "sinks" else 1),
+            name,
+            ">= 1" if name != "sinks" else ">= 0",
+            value,
+        )
+    for name in _PER_ROW[1:]:
+        check(
+            len(getattr(state, name)) == B,
+            name,
+            f"{B} values (one per row)",
+            len(getattr(state, name)),
+        )
+    check(len(state.row_ids) == B, "row_ids", f"{B} values", len(state.row_ids))
+    for b in range(B):
+        L, h, k, f, n = (getattr(state, x)[b] for x in _PER_ROW[:5])
+        check(
+            n >= state.sinks + state.window,
+            f"budget[{b}]",
+            f">= sinks + window = {state.sinks + state.window}",
+            n,
+        )
+        check(
+            0 <= k <= h <= L,
+            f"row {b} (kept, held, lengths)",
+            "0 <= kept <= held <= lengths",
+            (k, h, L),
+        )
+        check(0 <= f <= L, f"floor[{b}]", f"in [0, {L}]", f)
+        marks = sum(c for _, c in state.evictions[b])
+        check(marks == h - k, f"evictions[{b}]", f"{h - k} marked columns (held - kept)", marks)
+    keys = state.keys
+    if keys is None:
+        check(not any(state.held), "keys", "planes (rows hold columns)", None)
+        return state
+    C = keys.shape[2]
+    check(max(state.held, default=0) <= C, "held", f"<= capacity {C}", max(state.held, default=0))
+    for name, shape in (("values", (B, None, C, None)), ("pos", (B, C)), ("dropped", (B, C))):
+        p = getattr(state, name)
+        check(
+            p is not None
+            and len(p.shape) == len(shape)
+            and all(s is None or s == a for s, a in zip(shape, p.shape)),
+            name,
+            f"shape {shape}",
+            None if p is None else p.shape,
+        )
+    check(keys.shape[0] == B, "keys batch size", B, keys.shape[0])
+    if state.scored:
+        check(
+            state.score is not None and state.score.shape == (B, C),
+            "score",
+            (B, C),
+            None if state.score is None else state.score.shape,
+        )
+        R = state.margin
+        check(
+            state.recent is not None and state.recent.shape == (B, R, C),
+            "recent",
+            (B, R, C),
+            None if state.recent is None else state.recent.shape,
+        )
+    return state
+
+
+@clear_hidden.register(CompressedState)
+def _clear_compressed(state):
+    return state  # built empty; every function writes hidden columns as zeros/LIVE
