@@ -16,11 +16,20 @@ where ``budget`` = context // f, per row and layer, for each ``--fractions`` f.
 (kvstate: ``forward``; mlx-lm: the model with ``cache=``), as a chunked prefill does,
 so a bounded cache evicts while the context grows, chunk by chunk, and every query is
 answered by what the cache holds at that point. ``--chunk 1`` is token-by-token decode
-(exact, and slow); a chunk lets a bounded cache show a chunk's queries up to ``chunk -
-1`` columns more than the budget: mlx-lm's ring holds ``max_size - 1 + chunk`` during
-a multi-token update but masks each query to the last ``max_size`` positions; the
-compressed records evict before an append, so a chunk's queries see the budget plus
-the chunk. Keep the chunk well under the smallest budget.
+(exact, and slow). A chunk changes what a bounded cache shows:
+
+- the compressed records evict before an append, so a chunk's queries see the budget
+  plus the chunk (at ``--chunk 1``, ``sinks`` at budget n is the ring of n + 1: the
+  tests check it);
+- mlx-lm's ring holds ``max_size - 1 + chunk`` columns during a multi-token update and
+  masks query i of a chunk to the last ``max_size`` positions, which leaves the
+  ``keep`` sinks out for every query past a chunk's 4th: fed in chunks it is a plain
+  sliding window, as in any mlx-lm prefill with ``max_kv_size``; ``--ring-chunk 1``
+  feeds the rings as decode does (StreamingLLM with 4 sinks), at one forward a token.
+
+Keep the chunk well under the smallest budget, and above ``snapkv``'s observation
+window (``kv_window``, 16): it scores only blocks longer than that, so a chunk of 16
+or less makes it ``sinks``.
 
 **Perplexity** (``ppl``): teacher-forced over the first ``--ppl-tokens`` tokens of the
 text, each length a separate run from an empty cache (budgets are fractions of it);
@@ -92,7 +101,7 @@ PRESETS = {
         depths=[0.0, 1.0],
         keys=3,
         fractions=[4],
-        chunk=16,
+        chunk=32,
         decode_context=128,
         steps=4,
         rounds=3,
@@ -133,6 +142,7 @@ class Side:
     budget: Optional[int] = None
     fraction: Optional[int] = None
     make: dict = field(default_factory=dict)
+    chunk: Optional[int] = None  # its own feeding chunk (``--ring-chunk``)
 
     def new(self, model, B: int):
         if self.kind == "records":
@@ -177,14 +187,16 @@ def sides_for(
     policies: Sequence[str],
     extra: Optional[dict] = None,
     compressed: Optional[bool] = None,
+    ring_chunk: Optional[int] = None,
 ) -> list:
-    """Full KV, then per fraction the ring and each policy at ``context // f``
-    (policies left out when ``make_states`` has no ``kv_budget``)."""
+    """Full KV, then per fraction the ring (fed in chunks of ``ring_chunk`` when given)
+    and each policy at ``context // f`` (policies left out when ``make_states`` has no
+    ``kv_budget``)."""
     compressed = compressed_available() if compressed is None else compressed
     out = [Side("full", "records")]
     for f in fractions:
         n = context // f
-        out.append(Side(f"ring 1/{f}", "ring", n, f))
+        out.append(Side(f"ring 1/{f}", "ring", n, f, chunk=ring_chunk))
         if compressed:
             for p in policies:
                 make = dict(kv_budget=n, policy=p, **(extra or {}))
@@ -229,6 +241,7 @@ def perplexity(model, side: Side, ids: Sequence[int], chunk: int) -> dict:
     ``nll`` per position."""
     state = side.new(model, 1)
     nll: list = []
+    chunk = side.chunk or chunk
     for start in range(0, len(ids) - 1, chunk):
         x = ids[start : min(start + chunk, len(ids) - 1)]
         y = mx.array(ids[start + 1 : start + 1 + len(x)])
@@ -318,6 +331,7 @@ def greedy_answers(
     x = mx.array([list(p) for p in prompts])
     state = side.new(model, x.shape[0])
     logits = None
+    chunk = side.chunk or chunk
     for start in range(0, x.shape[1], chunk):
         logits, state = side.feed(model, state, x[:, start : start + chunk], last=True)
         mx.eval(logits, side.arrays(state))
@@ -350,6 +364,7 @@ def decoder(model, side: Side, context: Sequence[int], chunk: int, steps: int) -
     state = side.new(model, 1)
     x = mx.array([list(context)])
     logits = None
+    chunk = side.chunk or chunk
     for start in range(0, x.shape[1], chunk):
         logits, state = side.feed(model, state, x[:, start : start + chunk], last=True)
         mx.eval(logits, side.arrays(state))
@@ -376,7 +391,7 @@ def run_ppl(model, tok, text, a, log: Callable) -> list:
     rows = []
     for n in a.ppl_tokens:
         ids = text_ids(tok, text, n)
-        for side in sides_for(n, a.fractions, a.policies, a.extra):
+        for side in sides_for(n, a.fractions, a.policies, a.extra, ring_chunk=a.ring_chunk):
             t = time.perf_counter()
             got = perplexity(model, side, ids, a.chunk)
             rows.append(
@@ -407,7 +422,7 @@ def run_needle(model, tok, text, a, log: Callable) -> list:
     for length in a.lengths:
         keys = pass_keys(rng, a.keys)
         prompts = needle_prompts(tok, filler, length, a.depths, keys)
-        for side in sides_for(length, a.fractions, a.policies, a.extra):
+        for side in sides_for(length, a.fractions, a.policies, a.extra, ring_chunk=a.ring_chunk):
             t = time.perf_counter()
             answers: list = []
             nbytes = 0
@@ -447,14 +462,16 @@ def run_needle(model, tok, text, a, log: Callable) -> list:
 
 def run_decode(model, tok, text, a, log: Callable) -> list:
     ids = text_ids(tok, text, a.decode_context)
-    sides = sides_for(a.decode_context, a.fractions, a.policies, a.extra)
+    sides = sides_for(a.decode_context, a.fractions, a.policies, a.extra, ring_chunk=a.ring_chunk)
     sides.insert(1, Side("full (mlx-lm)", "mlx-lm"))
     runs, holders = {}, {}
+    log(f"decode: prefilling {len(sides)} sides with {len(ids)} tokens")
     for side in sides:
         runs[side.name], holders[side.name] = decoder(model, side, ids, a.chunk, a.steps)
     times = c.rounds(runs, a.rounds, warmup=1)
     base, base_lm = times["full"], times["full (mlx-lm)"]
     rows = []
+    full_bytes = Side.nbytes(holders["full"]["state"])
     for side in sides:
         ts = times[side.name]
         x = [b / t for b, t in zip(base, ts)]
@@ -472,13 +489,14 @@ def run_decode(model, tok, text, a, log: Callable) -> list:
                 x_full=c.summary(x, 1),
                 x_mlx_lm=c.summary(x_lm, 1),
                 bytes=nbytes,
+                bytes_of_full=nbytes / full_bytes,
             )
         )
         log(
             f"decode {a.decode_context:>5} {side.name:<13} budget {str(side.budget):>5}  "
             f"{c.spread([a.steps / t for t in ts], 1, 'tok/s', 1)}  x full "
             f"{c.spread(x, 1, '', 3).strip()}  x mlx-lm KVCache {c.spread(x_lm, 1, '', 3).strip()}"
-            f"  cache {nbytes / 2**20:.2f} MiB"
+            f"  cache {nbytes / 2**20:.2f} MiB ({nbytes / full_bytes:.3f} of full KV's)"
         )
     return rows
 
@@ -543,6 +561,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--keys", type=int, help="pass keys per needle cell")
     p.add_argument("--fractions", type=int, nargs="+", help="budget = context // f")
     p.add_argument("--chunk", type=int, help="tokens a forward feeds")
+    p.add_argument(
+        "--ring-chunk", type=int, help="the ring's own chunk (1: fed as decode; default --chunk)"
+    )
     p.add_argument("--decode-context", type=int)
     p.add_argument("--steps", type=int, help="decode steps a round")
     p.add_argument("--rounds", type=int)
@@ -563,6 +584,8 @@ def parse(argv=None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     a.extra = _extra(a.make)
+    if "snapkv" in a.policies and a.chunk <= a.extra.get("kv_window", 16):
+        print(f"warning: chunk {a.chunk} <= snapkv's window: it scores nothing (as sinks)")
     return a
 
 
@@ -603,6 +626,7 @@ def main(argv=None):
         model=loaded.name,
         text=a.text,
         chunk=a.chunk,
+        ring_chunk=a.ring_chunk,
         compressed=compressed,
         seconds=time.perf_counter() - t0,
     )

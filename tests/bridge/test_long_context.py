@@ -75,6 +75,28 @@ def test_chunked_perplexity_through_caches(model):
     assert small["bytes"] < full["bytes"]
 
 
+def test_sinks_fed_as_decode_is_the_ring_of_one_more(model):
+    """At chunk 1 the ``sinks`` policy keeps what mlx-lm's ring keeps (4 sinks, the newest
+    rest); a step's query also sees its own column, so budget n is the ring of n + 1."""
+    ids = np.random.default_rng(1).integers(1, 128, 41).tolist()
+    side = lc.sides_for(12, [1], ["sinks"], extra=dict(kv_window=4), compressed=True)[-1]
+    sinks = lc.perplexity(model, side, ids, 1)["ppl"]
+    ring = lc.perplexity(model, lc.Side("ring", "ring", 13, chunk=1), ids, 8)["ppl"]
+    assert sinks == pytest.approx(ring, rel=1e-5)
+
+
+@pytest.mark.parametrize("policy", lc.POLICIES)
+def test_chunked_perplexity_through_compressed_records(model, policy):
+    """A budget that holds everything is full KV; a small one evicts."""
+    ids = np.random.default_rng(1).integers(1, 128, 65).tolist()
+    want = lc.perplexity(model, lc.Side("full", "records"), ids, 32)["ppl"]
+    for budget, same in ((64, True), (24, False)):
+        side = lc.sides_for(budget, [1], [policy], compressed=True)[-1]
+        assert side.make == dict(kv_budget=budget, policy=policy)
+        got = lc.perplexity(model, side, ids, 32)["ppl"]
+        assert (got == pytest.approx(want, rel=1e-4)) is same
+
+
 def test_greedy_answers_of_a_batch_are_each_rows(model):
     prompts = np.random.default_rng(2).integers(1, 128, (2, 40)).tolist()
     for side in (lc.Side("full", "records"), lc.Side("ring", "ring", 16)):
