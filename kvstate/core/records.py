@@ -546,7 +546,7 @@ class CompressedState(_Unpadded):
     sinks: int = attrs.field(default=4, kw_only=True)
     window: int = attrs.field(default=16, kw_only=True)
     margin: int = attrs.field(default=16, kw_only=True)
-    observe: int = attrs.field(default=16, kw_only=True)
+    observe: int = attrs.field(default=32, kw_only=True)
     step: int = attrs.field(default=256, kw_only=True)
     keys: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)
     values: Optional[mx.array] = attrs.field(default=None, kw_only=True, repr=_array_repr)

@@ -7,10 +7,13 @@ The policies differ only in the scores:
 
 * ``sinks`` (StreamingLLM): no scores, so the oldest non-sink column goes:
   the first ``sinks`` tokens and the newest ``budget - sinks``.
-* ``snapkv``: a block longer than ``observe`` (a prompt, or its chunks) adds
-  the attention its last ``observe`` queries pay each column (summed over
-  heads, max-pooled over ``POOL`` neighbouring kept columns); decode steps and
-  verify blocks add nothing, so once out of the window they go first.
+* ``snapkv``: a block longer than ``observe`` (a prompt chunk) marks nothing
+  and sets every column's score to the attention its last ``observe`` queries
+  pay it (summed over heads, max-pooled over ``POOL`` neighbouring kept
+  columns): the prompt's end ranks the whole prompt, as SnapKV compresses
+  once after prefill (the first decode step marks). Decode steps and verify
+  blocks score nothing, so once out of the window they go first; nothing
+  before a scored block's end can be rolled back to.
 * ``h2o``: every query adds its attention (heavy hitters).
 
 Eviction is lazy and reversible. Before appending, a row marks its excess
@@ -27,7 +30,7 @@ Decisions: ``notes/kinds.md``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -56,7 +59,7 @@ def compressed(
     sinks: int = 4,
     window: int = 16,
     margin: int = 16,
-    observe: Optional[int] = None,
+    observe: int = 32,
     step: int = 256,
 ) -> CompressedState:
     """Empty compressed rows: each keeps at most ``budget`` columns (an int, or one per row).
@@ -67,8 +70,9 @@ def compressed(
         window: the newest positions never evicted; ``budget >= sinks + window``.
         margin: tokens a rollback or trim can give back (``>= 1``); the
             marked columns and per-query scores held for it.
-        observe: ``snapkv``'s observation window (the last queries of a
-            block that score the columns); default ``window``.
+        observe: ``snapkv``'s observation window: a block longer than this
+            is a prompt chunk, whose last ``observe`` queries score the columns
+            (32, SnapKV's; keep verify blocks shorter).
         step: capacity grows in multiples of this.
     """
     B = row_count(batch_size, "batch_size")
@@ -79,7 +83,7 @@ def compressed(
         as_int(window, "window"),
         as_int(margin, "margin"),
     )
-    observe = window if observe is None else as_int(observe, "observe")
+    observe = as_int(observe, "observe")
     step = as_int(step, "step")
     check(sinks >= 0, "sinks", ">= 0", sinks)
     check(window >= 1, "window", ">= 1", window)
@@ -246,7 +250,9 @@ def _start(state, k, v):
 def settle(state, n):
     """What an append of ``n`` tokens does before writing: mark the excess
     columns, compact what no rollback reaches, make room for ``n`` columns."""
-    state = _compact(_mark(state), n)
+    if not (state.policy == "snapkv" and n > state.observe):  # a prompt chunk marks nothing
+        state = _mark(state)
+    state = _compact(state, n)
     need = max((h + n for h in state.held), default=0)
     C = state.capacity
     fit = _rows.round_up(need, state.step)
@@ -314,14 +320,15 @@ def read_mask(state, n):
     return (state.pos[:, None, None, :] <= p) & (state.dropped[:, None, None, :] > p)
 
 
-def read(state, q, *, scale):
+def read(state, q, *, scale, weights=True):
     """Attention of the last ``N`` appended positions' queries ``q`` ``[B, Hq, N, D]``
     over exactly the columns each may see. Returns ``(out, weights)``; ``weights``
-    ``[B, N, C]`` (float32, summed over heads) for a scored policy, else ``None``."""
+    ``[B, N, C]`` (float32, summed over heads) when asked and the policy scores,
+    else ``None`` (then the read is the fused SDPA)."""
     B, Hq, N, D = q.shape
     keys, values = state.keys, state.values
     mask = read_mask(state, N)
-    if not state.scored:
+    if not (state.scored and weights):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), None
     Hk, C = keys.shape[1], keys.shape[2]
     rep = Hq // Hk
@@ -344,19 +351,28 @@ def scored(state, weights):
     if state.policy == "snapkv":
         if N <= state.observe:  # decode steps and verify blocks: not a prompt
             return state
-        take = np.zeros((1, N, 1), np.float32)
-        take[0, max(0, N - state.observe) :] = 1
-        weights = _pool(state, weights * mx.array(take))
-    onehot = np.zeros((B, R, N), np.float32)
-    fold_new = np.zeros((B, N), np.float32)
+        # the block's last ``observe`` queries rank every column anew (the prompt's
+        # end, its question, decides); nothing before the block's end is given back
+        zero = mx.array(0.0, mx.float32)
+        tail = mx.split(weights, [N - state.observe], axis=1)[1]
+        tail = mx.where(mx.isnan(tail), zero, tail)
+        return derived(state, score=_pool(state, tail).sum(axis=1), floor=tuple(state.lengths))
+    slot = np.zeros((B, R), np.int32)  # the query each slot takes, if any
+    takes = np.zeros((B, R, 1), bool)
+    fold_new = np.zeros((B, N, 1), bool)
     for b, L in enumerate(state.lengths):
         for i in range(N):
             if L - N + i >= L - R:
-                onehot[b, (L - N + i) % R, i] = 1
+                slot[b, (L - N + i) % R], takes[b, (L - N + i) % R] = i, True
             else:
-                fold_new[b, i] = 1
-    score = state.score + (mx.array(fold_new)[:, :, None] * weights).sum(axis=1)
-    return derived(state, score=score, recent=state.recent + mx.array(onehot) @ weights)
+                fold_new[b, i] = True
+    # ``where``, never a product or a matmul with 0/1: a rejected query's NaN
+    # weights (a poisoned draft) must not reach any other slot (0 * NaN)
+    zero = mx.array(0.0, mx.float32)
+    score = state.score + mx.where(mx.array(fold_new), weights, zero).sum(axis=1)
+    mine = mx.take_along_axis(weights, mx.array(slot)[:, :, None], axis=1)
+    recent = mx.where(mx.array(takes), state.recent + mine, state.recent)
+    return derived(state, score=score, recent=recent)
 
 
 def _rotate(state, n):
@@ -370,9 +386,10 @@ def _rotate(state, n):
             keep[b, q % R] = 0
     if keep.all():
         return state
-    k = mx.array(keep)
-    recent = state.recent
-    return derived(state, score=state.score + ((1 - k) * recent).sum(axis=1), recent=recent * k)
+    k = mx.array(keep.astype(bool))
+    recent, zero = state.recent, mx.array(0.0, mx.float32)
+    folded = state.score + mx.where(k, zero, recent).sum(axis=1)
+    return derived(state, score=folded, recent=mx.where(k, recent, zero))
 
 
 def _pool(state, w):
@@ -399,7 +416,8 @@ def _pool(state, w):
 def attend_and_score(state, q, *, scale, n):
     """``(out, new_state)``: the read of the last ``n`` positions and their scores added."""
     check(q.shape[2] == n, "q queries (shape[2])", n, q.shape[2])
-    out, w = read(state, q, scale=scale)
+    wanted = state.policy == "h2o" or (state.policy == "snapkv" and n > state.observe)
+    out, w = read(state, q, scale=scale, weights=wanted)
     return out, (state if w is None else scored(state, w))
 
 
@@ -506,7 +524,7 @@ def _back_to(state, target, arg):
         for b, (tb, L) in enumerate(zip(target, state.lengths)):
             for q in range(tb, L):
                 stay[b, q % R] = 0
-        planes["recent"] = planes["recent"] * mx.array(stay)
+        planes["recent"] = mx.where(mx.array(stay.astype(bool)), planes["recent"], 0.0)
     return derived(
         state, lengths=target, held=held, kept=kept, evictions=log, **_hide(state, held, **planes)
     )
