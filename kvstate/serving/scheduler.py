@@ -723,11 +723,11 @@ class Scheduler:
         read and handed out while the device runs this one, as mlx-lm's
         ``BatchGenerator`` does, so the host's emission and the next round's graph
         overlap the device. A row that ended in the previous round has run one round
-        more (its token is dropped). A round whose rows have grammars or processors
-        (their next round needs the last tokens on the host) hands out the previous
-        round first and its own at once."""
+        more (its token is dropped). A drafting round (its drafter reads the contexts)
+        or one whose rows have grammars or processors (their next round needs the last
+        tokens on the host) hands out the previous round first and its own at once."""
         spec = cast(Any, self.spec)
-        deferrable = self.pipelined and self._deferrable(spec)
+        deferrable = self.pipelined and self.drafter is None and self._deferrable(spec)
         if not deferrable and self._unread is not None:
             self._hand_out(*self._take_unread())
             if self.spec is None:

@@ -70,14 +70,20 @@ def test_the_next_turn_prefills_only_its_new_part_with_the_same_tokens(model, dr
     assert s.prefix_cache.pinned == 0  # every lease released
 
 
-def test_each_choice_joins_the_cache(model):
-    s = scheduler(model)
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "serial"])
+def test_each_choice_joins_the_cache(model, pipelined):
+    """Each choice's entry is what its row's records hold: the prompt and the completion
+    less its last token (sampled, never fed) when rounds are read as they end; the
+    whole completion when pipelined, where a finished row runs one round more (that
+    round fed the last token; its own sampled token is dropped)."""
+    s = scheduler(model, pipelined=pipelined)
     outs, _ = ask(s, FIRST, 6, n=2, temperature=1.0, seed=3)
     assert outs[0] != outs[1]
+    held = len(outs[0]) - (0 if pipelined else 1)
     entries = set(s.prefix_cache._entries)
-    assert entries == {tuple(FIRST + o[:-1]) for o in outs}  # the prompt's entry gave way
+    assert entries == {tuple(FIRST + o[:held]) for o in outs}  # the prompt's entry gave way
     (_,), job = ask(s, FIRST + outs[1] + EXTRA, 2)
-    assert job.cached == len(FIRST) + len(outs[1]) - 1
+    assert job.cached == len(FIRST) + held
 
 
 def test_a_full_cache_keeps_what_running_rows_read(model):
