@@ -150,6 +150,12 @@ def _cuts_composite(state: CompositeState) -> bool:
     return all(map(cuts_freely, state.parts))
 
 
+def row_cuts_freely(states, row: int) -> bool:
+    """Whether every layer of row ``row`` of ``states`` cuts freely (``cuts_freely``):
+    its records may be cut to any shorter prompt and completion."""
+    return all(cuts_freely(ops.extract_row(s, row)) for s in states)
+
+
 @singledispatch
 def reach(state) -> float:
     """The longest prompt whose prefill may start from this record and end as

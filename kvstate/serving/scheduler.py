@@ -879,13 +879,17 @@ class Scheduler:
     def _cache_finished(self, rows: list) -> None:
         """Each leaving row's prompt and completion join the prefix cache, up to its
         end and only as far as its records hold (its last token, pending, was never
-        fed): the next turn of its conversation reads them."""
+        fed): the next turn of its conversation reads them. A row whose records ran
+        past its completion (a pipelined round after it ended, a cancelled choice) and
+        cannot be cut there (a recurrent state is a snapshot at its last token) adds
+        no entry."""
         spec, cache = self.spec, cast(prefix_cache.PrefixCache, self.prefix_cache)
         context, first = spec.context, spec.states[0]
         for b in rows:
             job, choice = spec.batch.payload[b]
-            n = min(len(job.prompt) + job.generated[choice], prefix_cache.seen(first, b))
-            if n > 0:
+            held = prefix_cache.seen(first, b)
+            n = min(len(job.prompt) + job.generated[choice], held)
+            if n > 0 and (n == held or prefix_cache.row_cuts_freely(spec.states, b)):
                 cache.insert_row(context[b][:n], spec.states, b)
 
     def _measure(self) -> None:

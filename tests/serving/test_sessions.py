@@ -94,3 +94,31 @@ def test_a_full_cache_keeps_what_running_rows_read(model):
     assert len(s.prefix_cache) == 0
     (_,), job = ask(s, FIRST + out1 + EXTRA)
     assert job.cached == 0
+
+
+@pytest.mark.parametrize("end", ["cancel", "cancel-first", "eos"])
+def test_a_recurrent_row_that_ran_past_its_completion_adds_no_entry(end):
+    """A mamba2 row that ended mid-answer (cancelled, or at a stop token, which is not
+    part of the completion) has run past its completion (pipelined: one round more); a
+    recurrent state cannot be cut back, so its completion joins no entry (cutting it
+    would raise), the job ends without an error and the scheduler serves the next one."""
+    from tiny_hybrid import mamba2_model
+
+    model = mamba2_model()
+    (free,), _ = ask(scheduler(model), FIRST, 6)
+    eos = (free[2],) if end == "eos" else ()
+    s = Scheduler(model, eos, prefix_cache=PrefixCache(1 << 24))
+    events: list = []
+
+    def emit(kind, i, v):
+        events.append(kind)
+        if kind == "token" and events.count("token") == {"cancel": 2}.get(end, 1):
+            job.cancel() if end != "eos" else None
+
+    job = Job(prompt=FIRST, max_tokens=6, emit=emit, n=2 if end == "cancel-first" else 1)
+    s.submit(job)
+    while s.step():
+        pass
+    assert "error" not in events and job.error is None, events
+    (out,), after = ask(s, FIRST, 3)
+    assert len(out) == 3 and after.error is None
