@@ -41,6 +41,7 @@ from ..core.args import as_int, per_row, row_count, row_index, row_list
 from ..core.invariants import clear_hidden, distinct_row_ids, validate
 from ..core.records import Checkpoint, CompressedState, derived
 from ..errors import bad, check
+from ..kernels.stock import column_writer
 from . import rows as _rows
 from .shared import fork, fork_copied
 
@@ -306,8 +307,6 @@ def append_compressed(state, k, v):
     state = settle(state, N)
     if state.scored:
         state = _rotate(state, N)
-    from ..kernels.stock import column_writer
-
     write = column_writer(state.held, N, slice_write=False)
     at = mx.array([[h + i for i in range(N)] for h in state.held], dtype=mx.int32)
     new_pos = mx.array([[n + i for i in range(N)] for n in state.lengths], dtype=mx.int32)
