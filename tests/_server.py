@@ -2,6 +2,8 @@
 
 import asyncio
 import threading
+import time
+import urllib.request
 
 import openai
 
@@ -63,3 +65,30 @@ def greedy_reference(smollm, questions, max_tokens):
     ]
     done, _ = generate(KVStateEngine(smollm.model), reqs, batch_size=8)
     return [tok.decode(list(c.tokens)) for c in done]
+
+
+def wait_healthy(url: str, proc, timeout: float = 120, detail=lambda: "", poll: float = 0.2):
+    """Wait until a server process at ``url`` answers ``/health``; fails when ``proc``
+    exits or ``timeout`` seconds pass first (``detail()`` says why, e.g. its log)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).close()
+            return
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, detail()
+            time.sleep(poll)
+
+
+def record_kinds(server: Server) -> list:
+    """The record types each round of ``server``'s scheduler runs on, gathered as it
+    runs (its ``_round`` wrapped)."""
+    seen: list = []
+    step = server.scheduler._round
+
+    def spy():
+        seen.extend(type(x) for x in server.scheduler.spec.states)
+        step()
+
+    server.scheduler._round = spy
+    return seen

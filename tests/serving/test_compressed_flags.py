@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 pytest.importorskip("openai", reason="the serve tests call the server with openai")
 
-from _server import Server  # noqa: E402
+from _server import Server, record_kinds  # noqa: E402
 
 from kvstate import cli  # noqa: E402
 from kvstate.core.records import CompressedState  # noqa: E402
@@ -74,14 +74,7 @@ def reference(loaded, messages, max_tokens, make):
 def test_serve_answers_on_compressed_records(tiny):
     make = {"kv_budget": 20, "policy": "h2o"}
     s = Server(tiny, make=make)
-    seen: list = []
-    step = s.scheduler._round
-
-    def spy():
-        seen.extend(type(x) for x in s.scheduler.spec.states)
-        step()
-
-    s.scheduler._round = spy
+    seen = record_kinds(s)
     try:
         r = s.client().chat.completions.create(
             model="x", messages=LONG, max_tokens=10, temperature=0

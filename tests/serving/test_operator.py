@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +21,7 @@ openai = pytest.importorskip("openai", reason="the serve tests call the server w
 pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 parser = pytest.importorskip("prometheus_client.parser", reason="/metrics is prometheus-client's")
 
-from _server import Server  # noqa: E402
+from _server import Server, record_kinds, wait_healthy  # noqa: E402
 
 from kvstate import cli  # noqa: E402
 from kvstate.core.records import QuantizedState, RotatingState  # noqa: E402
@@ -95,14 +94,7 @@ def test_kv_bits_serve_quantized_records_end_to_end(tiny, bits, group):
 def test_max_kv_size_serves_ring_records_end_to_end(tiny):
     make = {"max_kv_size": 8, "ring_full_layers": True}
     s = Server(tiny, make=make)
-    seen: list = []
-    step = s.scheduler._round
-
-    def spy():
-        seen.extend(type(x) for x in s.scheduler.spec.states)
-        step()
-
-    s.scheduler._round = spy
+    seen = record_kinds(s)
     try:
         got = ask(s, LONG, 10).choices[0].message.content
     finally:
@@ -288,14 +280,7 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(smollm):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline
-                time.sleep(0.3)
+        wait_healthy(url, proc, poll=0.3)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         stream = client.chat.completions.create(
             model="x", messages=LONG, max_tokens=40, temperature=0, stream=True

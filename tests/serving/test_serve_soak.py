@@ -21,7 +21,7 @@ pytest.importorskip("aiohttp", reason="kvstate serve runs on aiohttp")
 pytest.importorskip("psutil", reason="the soak reads the servers' memory with psutil")
 
 from _faults import MARK, failing_sampler  # noqa: E402
-from _server import Server, messages  # noqa: E402
+from _server import Server, messages, wait_healthy  # noqa: E402
 
 from kvstate.models.gguf import Loaded  # noqa: E402
 from kvstate.models.load import tiny_llama  # noqa: E402
@@ -83,14 +83,7 @@ def test_a_server_terminated_under_load_exits_0(tmp_path):
         url, stop = f"http://127.0.0.1:{port}", threading.Event()
         clients = [threading.Thread(target=_load, args=(url, stop)) for _ in range(4)]
         try:
-            deadline = time.time() + 120
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=2).close()
-                    break
-                except OSError:
-                    assert proc.poll() is None and time.time() < deadline, log.read_text()
-                    time.sleep(0.2)
+            wait_healthy(url, proc, detail=log.read_text)
             for c in clients:
                 c.start()
             time.sleep(2.0)
