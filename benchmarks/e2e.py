@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import mlx.core as mx
@@ -102,15 +103,26 @@ def run_one(engine, reqs, B: int) -> dict:
 
 
 def measure(model, reqs, B: int, sides: dict, n: int) -> dict:
-    """Every side's runs: one warm-up each, then ``n`` rounds, the order turning."""
+    """Every side's runs: one warm-up each, then ``n`` rounds, the order turning.
+    Each run's time goes to stderr as it ends (a long run shows where it stands)."""
     names = list(sides)
+
+    def run(name: str, label: str) -> dict:
+        got = run_one(sides[name], reqs, B)
+        print(
+            f"  B={B} {label} {name}: {got['seconds']:.2f} s, {got['tps']:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
+        return got
+
     for name in names:
-        run_one(sides[name], reqs, B)
+        run(name, "warm-up")
     got: dict = {name: [] for name in names}
     for r in range(n):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order[::-1] if r % 2 else order:
-            got[name].append(run_one(sides[name], reqs, B))
+            got[name].append(run(name, f"round {r + 1}"))
     return got
 
 
