@@ -311,9 +311,7 @@ def main(argv=None):
         help="an mlx-lm directory (default: the GGUF exported once, in --dtype)",
     )
     ap.add_argument("--dtype", default="float32", help="the export's dtype (bfloat16 on a GPU)")
-    ap.add_argument(
-        "--kvstate-args", default="", help="extra `kvstate serve` flags, one string"
-    )
+    ap.add_argument("--kvstate-args", default="", help="extra `kvstate serve` flags, one string")
     args = ap.parse_args(argv)
 
     from kvstate.models import gguf
